@@ -1,0 +1,18 @@
+"""Shared pytest fixtures."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def shared_data_root() -> Path:
+    """The real data root (../shared/data beside the repository, or $STAPO_DATA_ROOT)."""
+    root = Path(os.environ.get("STAPO_DATA_ROOT", REPO_ROOT.parent / "shared" / "data"))
+    if not root.is_dir():
+        pytest.fail(f"data root {root} not found: set STAPO_DATA_ROOT or place shared/data beside the repo")
+    return root
