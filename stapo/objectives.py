@@ -1,0 +1,396 @@
+"""Policy objectives: clipped surrogate, k3 KL, loss aggregation and the registry of named objectives.
+
+Each named objective is a small declarative :class:`Objective` (aggregation, clip, β, token mask):
+
+| name        | aggregation              | clip (low, high) | dual clip c | β (KL) | token mask    | source          |
+|-------------|--------------------------|------------------|-------------|--------|---------------|-----------------|
+| ``grpo``    | seq-mean-token-mean      | 0.2, 0.2         | none        | 0.04   | none          | METHOD §5       |
+| ``justrl``  | token-mean               | 0.2, 0.28        | 10          | 0      | none          | METHOD §3       |
+| ``entropy20``| token-mean              | 0.2, 0.28        | 10          | 0      | top_entropy   | METHOD §5       |
+| ``stapo``   | token-mean               | 0.2, 0.28        | 10          | 0      | s2t           | METHOD §4       |
+
+The loss of one optimizer mini-batch is accumulated over micro-batches. Its denominator is a property of
+the WHOLE mini-batch and is computed once, before the micro-batch loop, by :func:`loss_denominator`;
+:func:`policy_loss` then returns each micro-batch's share, so the shares add up to the mini-batch loss
+(e.g. micro-batch A = 4 tokens of loss 1, B = 1 token of loss 5 → (4 + 5) / 5 = 1.8, not (1 + 5) / 2 = 3).
+
+Typical use in a trainer::
+
+    obj = get_objective("stapo")
+    tm = compute_token_mask(obj, logprobs_mb, entropy_mb, adv_mb, response_mask_mb)   # whole mini-batch
+    denom = loss_denominator(tm.keep, obj.loss_agg_mode)                               # once, visibly
+    for micro in micro_batches:
+        loss, metrics = policy_loss(obj, logp[micro], old_logp[micro], adv[micro], tm.keep[micro], denom)
+        loss.backward()
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+
+from stapo.masks import TokenMask, get_token_mask
+from stapo.tensor_utils import as_bool_mask, check_same_shape, masked_mean
+
+__all__ = [
+    "LossAggMode",
+    "Objective",
+    "OBJECTIVES",
+    "register_objective",
+    "get_objective",
+    "clipped_surrogate",
+    "kl_k3",
+    "loss_denominator",
+    "aggregate_loss",
+    "compute_token_mask",
+    "policy_loss",
+    "objective_loss",
+]
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+
+# verl clamps the log-ratio before exp to keep ρ finite (core_algos.compute_policy_loss).
+_LOG_RATIO_CLAMP = 20.0
+# verl's "low_var_kl" clamps the k3 estimate to [-10, 10].
+_KL_CLAMP = 10.0
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A named policy objective.
+
+    Attributes:
+        name: registry key.
+        loss_agg_mode: how per-token losses become one number (see :func:`loss_denominator`).
+        clip_ratio_low: ε_low, ρ is clipped below at 1 − ε_low.
+        clip_ratio_high: ε_high, ρ is clipped above at 1 + ε_high (clip-higher when > ε_low).
+        clip_ratio_c: dual-clip constant c for Â < 0 (the token loss is capped at −c·Â); None disables.
+        kl_coef: β of the k3 KL penalty to a frozen reference policy; 0 disables (no reference model).
+        token_mask: key of :data:`stapo.masks.TOKEN_MASKS` (``none``, ``s2t``, ``top_entropy``).
+        mask_params: keyword arguments for the token mask (e.g. ``prob_threshold``, ``entropy_quantile``).
+    """
+
+    name: str
+    loss_agg_mode: LossAggMode
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
+    kl_coef: float
+    token_mask: str
+    mask_params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"objective {self.name!r}: loss_agg_mode must be one of {LOSS_AGG_MODES}, "
+                             f"got {self.loss_agg_mode!r}")
+        if not (0.0 <= self.clip_ratio_low < 1.0) or self.clip_ratio_high < 0.0:
+            raise ValueError(f"objective {self.name!r}: need 0 ≤ clip_ratio_low < 1 and clip_ratio_high ≥ 0, got "
+                             f"{self.clip_ratio_low}, {self.clip_ratio_high}")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"objective {self.name!r}: dual-clip constant clip_ratio_c must be > 1, "
+                             f"got {self.clip_ratio_c}")
+        if self.kl_coef < 0.0:
+            raise ValueError(f"objective {self.name!r}: kl_coef must be ≥ 0, got {self.kl_coef}")
+        get_token_mask(self.token_mask)  # raises KeyError listing the valid names
+
+    def replace(self, **changes: Any) -> "Objective":
+        """A copy with some fields changed (e.g. from a config), re-validated."""
+        return dataclasses.replace(self, **changes)
+
+
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register_objective(objective: Objective) -> Objective:
+    """Add ``objective`` to :data:`OBJECTIVES` under its name. Raises ``ValueError`` on a duplicate name."""
+    if objective.name in OBJECTIVES:
+        raise ValueError(f"objective {objective.name!r} is already registered")
+    OBJECTIVES[objective.name] = objective
+    return objective
+
+
+def get_objective(name: str) -> Objective:
+    """Look up a registered objective. Raises ``KeyError`` listing the valid names."""
+    try:
+        return OBJECTIVES[name]
+    except KeyError:
+        raise KeyError(f"unknown objective {name!r}; valid names: {sorted(OBJECTIVES)}") from None
+
+
+# --- the four objectives of the paper -------------------------------------------------------------------
+# JustRL (METHOD §3): DAPO clip-higher, dual clip, token-mean over the whole mini-batch, no KL.
+JUSTRL = register_objective(Objective(
+    name="justrl", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
+    clip_ratio_c=10.0, kl_coef=0.0, token_mask="none"))
+# STAPO (METHOD §4) = JustRL + the S2T mask; the loss is renormalised over the kept tokens.
+STAPO = register_objective(JUSTRL.replace(
+    name="stapo", token_mask="s2t",
+    mask_params={"prob_threshold": 0.002, "entropy_quantile": 0.75, "quantile_scope": "candidates"}))
+# 20-Entropy (METHOD §5) = JustRL with only the top-20 % entropy tokens receiving gradient.
+ENTROPY20 = register_objective(JUSTRL.replace(
+    name="entropy20", token_mask="top_entropy", mask_params={"ratio": 0.2}))
+# GRPO (DeepSeekMath; METHOD §5): per-sequence token mean, symmetric clip, k3 KL with β = 0.04.
+GRPO = register_objective(Objective(
+    name="grpo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
+    clip_ratio_c=None, kl_coef=0.04, token_mask="none"))
+
+
+# --- pure per-token functions ---------------------------------------------------------------------------
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO clipped-surrogate loss with clip-higher and dual clip (METHOD §3; verl core_algos).
+
+        ρ = exp(clamp(log p − log p_old, ±20))
+        L = max(−Â ρ, −Â clip(ρ, 1 − ε_low, 1 + ε_high))          (the usual −min(ρÂ, clip(ρ)Â))
+        if Â < 0 and c is set:  L = min(L, −c Â)                    (dual clip)
+
+    Args:
+        logprobs: [B, T] log p under π_θ (nats), carries gradient.
+        old_logprobs: [B, T] log p under π_old (nats); detached inside.
+        advantages: [B, T] token advantages (or [B], broadcast); detached inside.
+        clip_ratio_low, clip_ratio_high: ε_low, ε_high.
+        clip_ratio_c: dual-clip constant c > 1, or None.
+
+    Returns:
+        (loss [B, T] fp32, clipped [B, T] bool — the ε clip is active (ρ outside the band in the direction
+        that removes the gradient), dual_clipped [B, T] bool — the dual clip is active, ratio [B, T] fp32).
+        Where either clip is active the token's gradient is exactly zero.
+
+    Example: Â = 1, ρ = 1.5, ε_high = 0.28 → L = max(−1.5, −1.28) = −1.28 (clipped, no gradient).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
+    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    adv = advantages.detach().float()  # [B, T]
+    log_ratio = (logprobs.float() - old_logprobs.detach().float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # [B, T]
+    loss_unclipped = -adv * ratio  # [B, T]
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # [B, T]
+    loss = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
+    clipped = loss_clipped > loss_unclipped  # [B, T] bool
+    dual_clipped = torch.zeros_like(clipped)
+    if clip_ratio_c is not None:
+        loss_cap = -adv * clip_ratio_c  # [B, T]
+        dual_clipped = (adv < 0) & (loss > loss_cap)  # [B, T] bool
+        loss = torch.where(dual_clipped, loss_cap, loss)
+    return loss, clipped, dual_clipped, ratio.detach()
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman's "low-variance" estimator; verl ``low_var_kl``).
+
+        k3 = exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1 ≥ 0, clamped to [−10, 10] as in verl.
+
+    Args:
+        logprobs: [B, T] log π_θ (nats), carries gradient.
+        ref_logprobs: [B, T] log π_ref (nats); detached inside.
+
+    Returns:
+        [B, T] fp32. Example: log π_θ = log 0.5, log π_ref = log 0.25 → 0.5 − ln 0.5 − 1 ≈ 0.1931.
+    """
+    check_same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
+    d = ref_logprobs.detach().float() - logprobs.float()  # [B, T]
+    return (torch.exp(d) - d - 1.0).clamp(-_KL_CLAMP, _KL_CLAMP)
+
+
+def loss_denominator(
+    keep: torch.Tensor,
+    loss_agg_mode: LossAggMode,
+    *,
+    max_response_length: int | None = None,
+) -> float:
+    """The denominator of a mini-batch's loss, from the keep-mask of the WHOLE mini-batch (METHOD §3).
+
+    - ``token-mean``: N = number of kept tokens (clamped ≥ 1).
+    - ``seq-mean-token-mean``: S = number of sequences with ≥ 1 kept token (clamped ≥ 1).
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): S · L, with L = ``max_response_length`` (a constant).
+
+    Args:
+        keep: [B, T] bool (or integer 0/1) keep-mask of the whole mini-batch (all micro-batches, all ranks'
+            share if the caller has already reduced it).
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        max_response_length: L, required for ``seq-mean-token-sum-norm``.
+
+    Returns:
+        A Python float ≥ 1.
+
+    Raises:
+        ValueError: unknown mode, or a missing/invalid ``max_response_length``.
+    """
+    keep = as_bool_mask(keep, "keep")
+    if loss_agg_mode == "token-mean":
+        return float(max(int(keep.sum()), 1))
+    num_seqs = max(int(keep.any(dim=-1).sum()), 1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        return float(num_seqs)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        if max_response_length is None or max_response_length < 1:
+            raise ValueError("seq-mean-token-sum-norm needs max_response_length ≥ 1 "
+                             f"(the constant L of Dr. GRPO), got {max_response_length}")
+        return float(num_seqs * max_response_length)
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {LOSS_AGG_MODES}")
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    keep: torch.Tensor,
+    loss_agg_mode: LossAggMode,
+    denominator: float | torch.Tensor,
+) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss.
+
+    - ``token-mean``: Σ_{kept} ℓ / N.
+    - ``seq-mean-token-mean``: Σ_i (Σ_t kept ℓ_it / |kept_i|) / S (sequences without kept tokens add 0).
+    - ``seq-mean-token-sum-norm``: Σ_{kept} ℓ / (S · L).
+
+    Masked-out tokens are removed with ``torch.where``, so they get exactly zero gradient and a NaN/inf
+    there cannot leak. An all-masked micro-batch gives 0 (never 0/0).
+
+    Args:
+        loss_mat: [B, T] per-token loss.
+        keep: [B, T] bool (or 0/1).
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        denominator: from :func:`loss_denominator` over the whole mini-batch, > 0.
+
+    Returns:
+        0-dim fp32 tensor.
+    """
+    keep = as_bool_mask(keep, "keep")
+    check_same_shape("loss_mat", loss_mat, keep=keep)
+    if float(denominator) <= 0:
+        raise ValueError(f"loss denominator must be > 0, got {float(denominator)}")
+    zero = torch.zeros((), dtype=torch.float32, device=loss_mat.device)
+    kept_loss = torch.where(keep, loss_mat.float(), zero)  # [B, T]
+    if loss_agg_mode in ("token-mean", "seq-mean-token-sum-norm"):
+        return kept_loss.sum() / denominator
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_mean = kept_loss.sum(dim=-1) / keep.sum(dim=-1).clamp(min=1)  # [B]
+        return seq_mean.sum() / denominator
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {LOSS_AGG_MODES}")
+
+
+# --- objective-level functions --------------------------------------------------------------------------
+def compute_token_mask(
+    objective: Objective,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> TokenMask:
+    """Apply the objective's token mask to the statistics of a whole mini-batch (all [B, T] or [B] for Â).
+
+    Statistics come back prefixed with the mask's name (``s2t/num_masked``, ``top_entropy/kept_frac``...).
+    """
+    fn = get_token_mask(objective.token_mask)
+    tm = fn(logprobs, entropy, advantages, response_mask, **objective.mask_params)
+    prefix = f"{objective.token_mask}/"
+    return TokenMask(keep=tm.keep, stats={prefix + k: v for k, v in tm.stats.items()})
+
+
+def policy_loss(
+    objective: Objective,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    keep: torch.Tensor,
+    denominator: float | torch.Tensor,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch's share of the objective's loss, with verl-named metrics.
+
+    loss = agg(clipped surrogate) + β · agg(k3 KL), both aggregated over ``keep`` with the same mini-batch
+    ``denominator`` (METHOD §3–§5).
+
+    Args:
+        objective: an :class:`Objective`.
+        logprobs: [B, T] fp32 log p under π_θ at the rollout temperature (nats), with gradient.
+        old_logprobs: [B, T] log p under π_old (nats).
+        advantages: [B, T] or [B].
+        keep: [B, T] bool — response tokens that receive gradient (after the token mask).
+        denominator: :func:`loss_denominator` of the whole mini-batch's keep-mask.
+        ref_logprobs: [B, T] log π_ref, required when ``objective.kl_coef > 0``.
+
+    Returns:
+        (loss: 0-dim fp32 tensor, metrics) with ``actor/pg_loss`` (this micro-batch's share),
+        ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` (dual clip), ``actor/ppo_kl``
+        (mean of log p_old − log p) — means over this micro-batch's kept tokens — ``actor/num_kept_tokens``
+        and, with a reference policy, ``actor/kl_loss`` and ``actor/kl_coef``.
+
+    Raises:
+        ValueError: shapes disagree, or ``ref_logprobs`` is missing while β > 0.
+    """
+    keep = as_bool_mask(keep, "keep")
+    pg_mat, clipped, dual_clipped, _ = clipped_surrogate(
+        logprobs, old_logprobs, advantages,
+        objective.clip_ratio_low, objective.clip_ratio_high, objective.clip_ratio_c)  # [B, T] each
+    check_same_shape("logprobs", logprobs, keep=keep)
+    pg_loss = aggregate_loss(pg_mat, keep, objective.loss_agg_mode, denominator)
+    loss = pg_loss
+    metrics: dict[str, float] = {
+        "actor/pg_loss": pg_loss.item(),
+        "actor/pg_clipfrac": masked_mean(clipped.float(), keep).item(),
+        "actor/pg_clipfrac_lower": masked_mean(dual_clipped.float(), keep).item(),
+        "actor/ppo_kl": masked_mean(old_logprobs.detach().float() - logprobs.detach().float(), keep).item(),
+        "actor/num_kept_tokens": float(keep.sum()),
+    }
+    if objective.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError(f"objective {objective.name!r} has kl_coef={objective.kl_coef} > 0 "
+                             "but no ref_logprobs were given")
+        kl_loss = aggregate_loss(kl_k3(logprobs, ref_logprobs), keep, objective.loss_agg_mode, denominator)
+        loss = loss + objective.kl_coef * kl_loss
+        metrics["actor/kl_loss"] = kl_loss.item()
+        metrics["actor/kl_coef"] = objective.kl_coef
+    return loss, metrics
+
+
+def objective_loss(
+    objective: Objective | str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    max_response_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The whole objective on one mini-batch processed as a single micro-batch: mask → denominator → loss.
+
+    A convenience (and the reference in tests) for :func:`compute_token_mask` + :func:`loss_denominator` +
+    :func:`policy_loss`. The mask statistics use ``logprobs`` and ``entropy`` of the current policy, as in
+    the paper's Algorithm 1.
+
+    Args:
+        objective: an :class:`Objective` or a registered name.
+        logprobs, old_logprobs: [B, T] (nats).
+        advantages: [B, T] or [B].
+        response_mask: [B, T] bool (or 0/1).
+        entropy: [B, T] (nats); required by the ``s2t`` and ``top_entropy`` masks.
+        ref_logprobs: [B, T], required when β > 0.
+        max_response_length: L for ``seq-mean-token-sum-norm``.
+
+    Returns:
+        (loss, metrics) — :func:`policy_loss`'s metrics plus the mask statistics.
+
+    Raises:
+        KeyError: unknown objective name (lists the valid ones). ValueError: see the functions above.
+    """
+    obj = get_objective(objective) if isinstance(objective, str) else objective
+    if obj.token_mask != "none" and entropy is None:
+        raise ValueError(f"objective {obj.name!r} uses the {obj.token_mask!r} mask, which needs entropy")
+    tm = compute_token_mask(obj, logprobs, entropy, advantages, response_mask)
+    denom = loss_denominator(tm.keep, obj.loss_agg_mode, max_response_length=max_response_length)
+    loss, metrics = policy_loss(obj, logprobs, old_logprobs, advantages, tm.keep, denom, ref_logprobs=ref_logprobs)
+    metrics.update(tm.stats)
+    return loss, metrics
