@@ -1,0 +1,284 @@
+"""Typed configuration for train.py: OmegaConf YAML files + dotted overrides over a dataclass schema.
+
+    python train.py --config configs/cpu/stapo.yaml actor.lr=2e-6 trainer.total_steps=5
+
+A YAML file may name parent files with ``defaults: [base.yaml, ...]`` (paths relative to the file); they are
+merged first, in order, then the file itself, then the command-line overrides. Every key is checked
+against the schema below: an unknown key fails with the closest valid key, a wrong type or an impossible
+value fails naming the key (:class:`ConfigError`).
+
+Names follow verl where verl has one (``data.train_batch_size`` = prompts per step,
+``actor.ppo_mini_batch_size`` = prompts per optimizer step, ``actor.ppo_micro_batch_size`` = responses
+per forward/backward, ``rollout.n`` = G).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "DataConfig",
+    "SyntheticConfig",
+    "RolloutConfig",
+    "S2TConfig",
+    "AlgorithmConfig",
+    "ActorConfig",
+    "TrainerConfig",
+    "LoggingConfig",
+    "TrainConfig",
+    "load_config",
+    "validate",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded:smollm2"  # a local HF folder, a hub id, "embedded:smollm2" or "tiny" (tests)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    gradient_checkpointing: bool = False
+    cache_dir: Optional[str] = None  # where the embedded model is converted to; default ~/.cache/stapo
+
+
+@dataclass
+class SyntheticConfig:
+    num_problems: int = 2000
+    levels: list[int] = field(default_factory=lambda: [1])  # difficulty levels (see stapo/synthetic)
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    root: str = "data"  # data root (benchmarks/, train/); tests use ../shared/data
+    train_set: Literal["synthetic", "dapo_math_17k", "math_train"] = "synthetic"
+    prompt_style: Literal["chat", "plain"] = "chat"  # chat template (instruct models) or plain text (base)
+    max_prompt_length: int = 1024  # tokens; longer prompts are dropped (and counted)
+    train_batch_size: int = 256  # prompts per training step
+    shuffle: bool = True
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["vllm", "hf"] = "vllm"
+    n: int = 8  # G, responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    response_length: int = 15360  # max new tokens
+    # vLLM engine options
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: float = 2.0  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    sleep_during_update: bool = False  # GPU: free the engine's memory during the update
+
+
+@dataclass
+class S2TConfig:
+    prob_threshold: float = 0.002  # τ_p
+    entropy_quantile: float = 0.75  # q
+    quantile_scope: Literal["candidates", "all"] = "candidates"
+    stats_source: Literal["current", "old"] = "current"  # Algorithm 1 (current π_θ) or the old-policy pass
+
+
+@dataclass
+class AlgorithmConfig:
+    objective: Literal["stapo", "justrl", "grpo", "entropy20"] = "stapo"
+    reward: Literal["strict_box", "math_verify"] = "strict_box"
+    norm_adv_by_std: bool = True
+    adv_eps: float = 1e-6
+    # Overrides of the objective's own values (null = keep the objective's value).
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: Optional[float] = None
+    kl_coef: Optional[float] = None
+    loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]] = None
+    s2t: S2TConfig = field(default_factory=S2TConfig)
+    top_entropy_ratio: float = 0.2
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 10  # optimizer steps of linear warm-up, then constant
+    grad_clip: float = 1.0
+    ppo_mini_batch_size: int = 64  # prompts per optimizer step
+    ppo_micro_batch_size: int = 8  # responses per forward/backward
+    sort_by_length: bool = True  # group micro-batches by length (restored afterwards)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    output_dir: str = "runs"
+    run_name: Optional[str] = None  # default: <objective>_<model>_seed<seed>
+    save_every: int = 10  # steps; a checkpoint is also written at the end
+    keep_last: int = 2
+    resume: Literal["never", "auto"] = "never"
+    val_every: int = 0  # 0 disables in-training validation
+    log_examples_every: int = 5  # table of silenced-token examples every N steps (0 disables)
+    progress_bar: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "stapo"
+    entity: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --- loading ------------------------------------------------------------------------------------------
+def _valid_keys(schema: DictConfig, dotted_parent: str) -> list[str]:
+    node: Any = schema
+    for part in [p for p in dotted_parent.split(".") if p]:
+        node = node[part]
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _closest_key_error(schema: DictConfig, full_key: str, source: str) -> ConfigError:
+    parent, _, leaf = full_key.rpartition(".")
+    try:
+        valid = _valid_keys(schema, parent)
+    except Exception:  # the parent itself is unknown
+        valid = []
+    close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{(parent + '.' if parent else '') + close[0]}'?" if close else ""
+    where = f"'{parent}'" if parent else "the top level"
+    return ConfigError(f"{source}: unknown config key '{full_key}'{hint} (valid keys under {where}: "
+                       f"{', '.join(valid)})")
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictConfig]]:
+    """The YAML file and its ``defaults`` parents, parents first, each with its source name."""
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path in seen:
+        raise ConfigError(f"config file {path} includes itself through 'defaults'")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors
+        raise ConfigError(f"cannot parse config file {path}: {e}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    parents = raw.pop("defaults", None) or []
+    out: list[tuple[str, DictConfig]] = []
+    for p in parents:
+        out += _read_yaml(path.parent / str(p), seen + (path,))
+    out.append((str(path), raw))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Build a validated :class:`TrainConfig` from a YAML file (with ``defaults`` parents) and overrides.
+
+    Args:
+        path: YAML file, or None for the schema defaults.
+        overrides: dotted ``key=value`` strings (OmegaConf dotlist syntax), applied last.
+
+    Returns:
+        A :class:`TrainConfig` instance (plain dataclasses).
+
+    Raises:
+        ConfigError: missing/unparsable file, unknown key (with the closest valid key), wrong type,
+            or an impossible value (see :func:`validate`).
+    """
+    schema = OmegaConf.structured(TrainConfig)
+    layers: list[tuple[str, DictConfig]] = _read_yaml(Path(path)) if path is not None else []
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not of the form key=value")
+    if overrides:
+        layers.append(("command-line override", OmegaConf.from_dotlist(list(overrides))))
+    cfg = schema
+    for source, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except ConfigKeyError as e:
+            raise _closest_key_error(schema, str(e.full_key), source) from None
+        except OmegaConfBaseException as e:
+            msg = str(e).splitlines()[0]
+            raise ConfigError(f"{source}: invalid value for '{e.full_key}': {msg}") from None
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, TrainConfig)
+    validate(obj)
+    return obj
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check values that types cannot express. Raises :class:`ConfigError` naming the key."""
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"invalid value for '{key}' ({_get(cfg, key)!r}): {msg}")
+
+    need(cfg.rollout.n >= 2, "rollout.n", "the group size G must be ≥ 2 (GRPO's std uses ddof=1)")
+    need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(cfg.rollout.response_length >= 1, "rollout.response_length", "must be ≥ 1")
+    need(cfg.data.train_batch_size >= 1, "data.train_batch_size", "must be ≥ 1")
+    need(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be ≥ 1")
+    need(cfg.actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", "must be ≥ 1")
+    need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
+         f"must divide data.train_batch_size ({cfg.data.train_batch_size})")
+    need(cfg.actor.ppo_micro_batch_size >= 1, "actor.ppo_micro_batch_size", "must be ≥ 1")
+    need(cfg.actor.lr > 0, "actor.lr", "must be > 0")
+    need(cfg.actor.weight_decay >= 0, "actor.weight_decay", "must be ≥ 0")
+    need(len(cfg.actor.betas) == 2 and all(0 <= b < 1 for b in cfg.actor.betas), "actor.betas",
+         "must be two numbers in [0, 1)")
+    need(cfg.actor.warmup_steps >= 0, "actor.warmup_steps", "must be ≥ 0")
+    need(cfg.actor.grad_clip > 0, "actor.grad_clip", "must be > 0")
+    s2t = cfg.algorithm.s2t
+    need(0 < s2t.entropy_quantile < 1, "algorithm.s2t.entropy_quantile", "q must be in (0, 1)")
+    need(0 < s2t.prob_threshold <= 1, "algorithm.s2t.prob_threshold", "τ_p must be in (0, 1]")
+    need(0 < cfg.algorithm.top_entropy_ratio <= 1, "algorithm.top_entropy_ratio", "must be in (0, 1]")
+    need(cfg.algorithm.adv_eps >= 0, "algorithm.adv_eps", "must be ≥ 0")
+    for key in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):
+        v = getattr(cfg.algorithm, key)
+        need(v is None or v >= 0, f"algorithm.{key}", "must be ≥ 0")
+    need(cfg.algorithm.clip_ratio_low is None or cfg.algorithm.clip_ratio_low < 1, "algorithm.clip_ratio_low",
+         "must be < 1")
+    need(cfg.algorithm.clip_ratio_c is None or cfg.algorithm.clip_ratio_c > 1, "algorithm.clip_ratio_c",
+         "the dual-clip constant must be > 1")
+    need(cfg.trainer.total_steps >= 1, "trainer.total_steps", "must be ≥ 1")
+    need(cfg.trainer.save_every >= 0, "trainer.save_every", "must be ≥ 0 (0: only at the end)")
+    need(cfg.trainer.keep_last >= 1, "trainer.keep_last", "must be ≥ 1")
+    need(cfg.trainer.val_every >= 0, "trainer.val_every", "must be ≥ 0")
+    need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as a plain nested dict (for W&B and the run directory's config.yaml)."""
+    return dataclasses.asdict(cfg)
