@@ -1,0 +1,616 @@
+"""Loaders for the six evaluation benchmarks and the RL training sets, into one record type.
+
+Data root layout (``data.root`` in the configs; ``../shared/data`` in the sandbox; built by
+``scripts/prepare_data.py``)::
+
+    <root>/benchmarks/<name>/test.jsonl   aime24 aime25 amc23 math500 minerva_math olympiadbench
+    <root>/train/dapo_math_17k.parquet    DAPO-Math-17k, deduplicated, verl format
+    <root>/train/math_train_7474.json     MATH train with final answers (JSON list)
+
+Every loader returns a :class:`LoadedSet`: ``records`` (:class:`Record`: ``id, problem, answer,
+source``) and ``stats`` (:class:`LoadStats`: rows read, rows kept, rows skipped by reason).
+Errors name the file and the row.  Benchmarks default to ``on_bad_row="raise"`` (an evaluation set
+must be complete); training sets default to ``on_bad_row="skip"`` (a row without a usable answer is
+dropped and *counted* in ``stats.skipped``, and a warning is logged).
+
+Gold-answer normalisation per source (:func:`normalize_gold`; see
+``shared/data/benchmarks/SOURCES.md`` for the raw fields):
+
+* aime24 ``answer`` (str; an enclosing ``\\boxed{}`` is removed if present) and aime25 ``answer``:
+  integer strings are canonicalised (``"025"`` -> ``"25"``);
+* amc23 ``answer`` is a float: ``27.0`` -> ``"27"``;
+* math500 ``answer`` as is (whitespace and ``$`` delimiters stripped);
+* minerva_math has no answer field: gold = content of the last ``\\boxed{}`` of ``solution``;
+* olympiadbench ``final_answer`` is a list with one string; its ``$`` delimiters are removed
+  (``"$69$,$84$"`` -> ``"69,84"``); the problem is ``question`` (preceded by ``context`` when set);
+* aime25 uses ``question`` for the problem text;
+* dapo_math_17k: problem = ``prompt[0].content``, answer = ``reward_model.ground_truth``;
+* math_train: ``problem`` / ``answer``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+
+from stapo.boxed import BOX_OPEN, last_boxed_content
+
+__all__ = [
+    "BENCHMARKS",
+    "TRAIN_SETS",
+    "EXPECTED_ROWS",
+    "Record",
+    "LoadStats",
+    "LoadedSet",
+    "DataError",
+    "DataFileNotFoundError",
+    "resolve_data_root",
+    "benchmark_path",
+    "train_path",
+    "normalize_gold",
+    "load_benchmark",
+    "load_benchmarks",
+    "load_dapo_math_17k",
+    "load_math_train",
+    "load_train_set",
+    "save_records_jsonl",
+    "load_records_jsonl",
+]
+
+logger = logging.getLogger(__name__)
+
+BENCHMARKS: tuple[str, ...] = ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
+TRAIN_SETS: tuple[str, ...] = ("dapo_math_17k", "math_train", "synthetic_arithmetic")
+TRAIN_FILES = {"dapo_math_17k": "dapo_math_17k.parquet", "math_train": "math_train_7474.json"}
+# Rows in the files (SOURCES.md); math_train keeps 7,470 of its 7,474 rows (4 have no answer).
+EXPECTED_ROWS = {
+    "aime24": 30,
+    "aime25": 30,
+    "amc23": 40,
+    "math500": 500,
+    "minerva_math": 272,
+    "olympiadbench": 675,
+    "dapo_math_17k": 17917,
+    "math_train": 7474,
+}
+_INTEGER_SOURCES = frozenset({"aime24", "aime25", "amc23", "dapo_math_17k"})
+_INT_RE = re.compile(r"[+-]?\d+")
+
+OnBadRow = Literal["raise", "skip"]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One problem.
+
+    Attributes:
+        id: unique within its source, ``"<source>/<original id or row index>"``.
+        problem: problem statement (no instruction suffix; see :mod:`stapo.prompts`).
+        answer: normalised gold answer (LaTeX, no ``$`` delimiters).
+        source: dataset name (``"aime24"``, ..., ``"dapo_math_17k"``, ``"synthetic_arithmetic"``).
+    """
+
+    id: str
+    problem: str
+    answer: str
+    source: str
+
+
+@dataclass
+class LoadStats:
+    """What a loader read.
+
+    Attributes:
+        source: dataset name.
+        path: file read (``""`` for generated sets).
+        rows_read: rows found in the file (blank JSONL lines are not rows).
+        rows_loaded: records returned.
+        skipped_by_reason: ``{reason: count}`` of rows dropped (``on_bad_row="skip"``).
+        first_skipped: up to 10 ``"row N: reason"`` strings, for the log.
+    """
+
+    source: str
+    path: str
+    rows_read: int = 0
+    rows_loaded: int = 0
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    first_skipped: list[str] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> int:
+        """Total rows skipped."""
+        return sum(self.skipped_by_reason.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable), with ``skipped`` added."""
+        out = asdict(self)
+        out["skipped"] = self.skipped
+        return out
+
+
+@dataclass
+class LoadedSet:
+    """Records plus the :class:`LoadStats` of the load.  Iterable and indexable like a list."""
+
+    records: list[Record]
+    stats: LoadStats
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def __getitem__(self, index: int) -> Record:
+        return self.records[index]
+
+
+class DataError(ValueError):
+    """A data file is missing, unreadable, or has a bad row; the message names file and row."""
+
+
+class DataFileNotFoundError(DataError, FileNotFoundError):
+    """An expected data file does not exist."""
+
+
+class _RowError(Exception):
+    """Internal: one row cannot be converted (message = reason)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_data_root(root: str | os.PathLike | None = None) -> Path:
+    """The data root: ``root`` if given, else ``$STAPO_DATA_ROOT``, else ``./data``.
+
+    Raises:
+        DataFileNotFoundError: the directory does not exist.
+    """
+    chosen = root if root is not None else os.environ.get("STAPO_DATA_ROOT", "data")
+    path = Path(chosen).expanduser()
+    if not path.is_dir():
+        raise DataFileNotFoundError(
+            f"data root {path} is not a directory (set data.root or $STAPO_DATA_ROOT, "
+            f"or build it with scripts/prepare_data.py)"
+        )
+    return path
+
+
+def benchmark_path(root: str | os.PathLike, name: str) -> Path:
+    """``<root>/benchmarks/<name>/test.jsonl``.  Raises ``ValueError`` for an unknown name."""
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    return Path(root) / "benchmarks" / name / "test.jsonl"
+
+
+def train_path(root: str | os.PathLike, name: str) -> Path:
+    """``<root>/train/<file>`` for ``dapo_math_17k`` / ``math_train``.  ``ValueError`` otherwise."""
+    if name not in TRAIN_FILES:
+        raise ValueError(f"no training file for {name!r}; file-backed sets: {', '.join(TRAIN_FILES)}")
+    return Path(root) / "train" / TRAIN_FILES[name]
+
+
+def _require_file(path: Path, what: str) -> None:
+    if not path.is_file():
+        raise DataFileNotFoundError(
+            f"{what}: file not found: {path} (build the data root with scripts/prepare_data.py)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Gold-answer normalisation
+# ---------------------------------------------------------------------------------------------
+
+
+def _strip_dollars(text: str) -> str:
+    """Remove unescaped ``$`` math delimiters (``\\$`` currency signs are kept)."""
+    return re.sub(r"(?<!\\)\$", "", text)
+
+
+def _whole_box_content(text: str) -> str | None:
+    """Content of ``\\boxed{...}`` when that box spans all of ``text``, else ``None``."""
+    if not text.startswith(BOX_OPEN):
+        return None
+    depth = 0
+    for i in range(len(BOX_OPEN) - 1, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[len(BOX_OPEN) : i] if i == len(text) - 1 else None
+    return None
+
+
+def normalize_gold(source: str, raw: Any) -> str:
+    """Normalise a raw gold answer from ``source`` into the LaTeX string stored in :class:`Record`.
+
+    Steps: numbers -> text (``27.0`` -> ``"27"``; a non-integral float keeps ``repr``); strip
+    whitespace; remove unescaped ``$`` delimiters; remove one enclosing ``\\boxed{...}`` spanning
+    the whole string; for integer-answer sources (aime24, aime25, amc23, dapo_math_17k) an integer
+    string is canonicalised (``"025"`` -> ``"25"``, ``"+7"`` -> ``"7"``).
+
+    Args:
+        source: dataset name (decides the integer canonicalisation).
+        raw: ``str``, ``int`` or ``float`` (olympiadbench's list must be unpacked by the caller).
+
+    Returns:
+        Non-empty normalised string.
+
+    Raises:
+        ValueError: ``raw`` is ``None``, a bool, a non-finite float, another type, or empty after
+            normalisation.
+    """
+    if raw is None:
+        raise ValueError("answer is null")
+    if isinstance(raw, bool):
+        raise ValueError(f"answer is a bool ({raw})")
+    if isinstance(raw, int):
+        text = str(raw)
+    elif isinstance(raw, float):
+        if not math.isfinite(raw):
+            raise ValueError(f"answer is {raw}")
+        text = str(int(raw)) if raw.is_integer() else repr(raw)
+    elif isinstance(raw, str):
+        text = raw
+    else:
+        raise ValueError(f"answer has type {type(raw).__name__}, expected str or number")
+    text = _strip_dollars(text.strip()).strip()
+    inner = _whole_box_content(text)
+    if inner is not None:
+        text = inner.strip()
+    if source in _INTEGER_SOURCES and _INT_RE.fullmatch(text):
+        text = str(int(text))
+    if not text:
+        raise ValueError("answer is empty")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Row conversion per source
+# ---------------------------------------------------------------------------------------------
+
+
+def _field(row: dict, key: str) -> Any:
+    if key not in row:
+        raise _RowError(f"missing field {key!r} (fields present: {', '.join(sorted(row)) or 'none'})")
+    return row[key]
+
+
+def _text_field(row: dict, key: str) -> str:
+    value = _field(row, key)
+    if not isinstance(value, str):
+        raise _RowError(f"field {key!r} is {type(value).__name__}, expected str")
+    if not value.strip():
+        raise _RowError(f"field {key!r} is empty")
+    return value
+
+
+def _gold(source: str, raw: Any, key: str) -> str:
+    try:
+        return normalize_gold(source, raw)
+    except ValueError as exc:
+        raise _RowError(f"field {key!r}: {exc}") from None
+
+
+def _conv_aime24(row: dict, i: int) -> Record:
+    return Record(f"aime24/{_field(row, 'id')}", _text_field(row, "problem"), _gold("aime24", _field(row, "answer"), "answer"), "aime24")
+
+
+def _conv_aime25(row: dict, i: int) -> Record:
+    return Record(f"aime25/{i}", _text_field(row, "question"), _gold("aime25", _field(row, "answer"), "answer"), "aime25")
+
+
+def _conv_amc23(row: dict, i: int) -> Record:
+    return Record(f"amc23/{_field(row, 'id')}", _text_field(row, "problem"), _gold("amc23", _field(row, "answer"), "answer"), "amc23")
+
+
+def _conv_math500(row: dict, i: int) -> Record:
+    return Record(
+        f"math500/{_field(row, 'unique_id')}", _text_field(row, "problem"), _gold("math500", _field(row, "answer"), "answer"), "math500"
+    )
+
+
+def _conv_minerva(row: dict, i: int) -> Record:
+    solution = _text_field(row, "solution")
+    boxed = last_boxed_content(solution)
+    if boxed is None:
+        raise _RowError("field 'solution' has no closed \\boxed{...} to take the gold answer from")
+    idx = row.get("idx", i)
+    return Record(f"minerva_math/{idx}", _text_field(row, "problem"), _gold("minerva_math", boxed, "solution (last \\boxed{})"), "minerva_math")
+
+
+def _conv_olympiad(row: dict, i: int) -> Record:
+    final = _field(row, "final_answer")
+    if not isinstance(final, list) or len(final) != 1:
+        shape = f"list of {len(final)}" if isinstance(final, list) else type(final).__name__
+        raise _RowError(f"field 'final_answer' is {shape}, expected a list with one string")
+    question = _text_field(row, "question")
+    context = row.get("context")
+    problem = f"{context.strip()}\n\n{question}" if isinstance(context, str) and context.strip() else question
+    return Record(f"olympiadbench/{_field(row, 'id')}", problem, _gold("olympiadbench", final[0], "final_answer[0]"), "olympiadbench")
+
+
+def _conv_dapo(row: dict, i: int) -> Record:
+    prompt = _field(row, "prompt")
+    if not isinstance(prompt, (list, tuple)) or not prompt or not isinstance(prompt[0], dict):
+        raise _RowError("field 'prompt' is not a non-empty list of {content, role} messages")
+    problem = prompt[0].get("content")
+    if not isinstance(problem, str) or not problem.strip():
+        raise _RowError("field 'prompt[0].content' is missing or empty")
+    reward_model = _field(row, "reward_model")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise _RowError("field 'reward_model' has no 'ground_truth'")
+    extra = row.get("extra_info") or {}
+    index = extra.get("index", i) if isinstance(extra, dict) else i
+    return Record(f"dapo_math_17k/{index}", problem, _gold("dapo_math_17k", reward_model["ground_truth"], "reward_model.ground_truth"), "dapo_math_17k")
+
+
+def _conv_math_train(row: dict, i: int) -> Record:
+    return Record(f"math_train/{i}", _text_field(row, "problem"), _gold("math_train", _field(row, "answer"), "answer"), "math_train")
+
+
+_CONVERTERS: dict[str, Callable[[dict, int], Record]] = {
+    "aime24": _conv_aime24,
+    "aime25": _conv_aime25,
+    "amc23": _conv_amc23,
+    "math500": _conv_math500,
+    "minerva_math": _conv_minerva,
+    "olympiadbench": _conv_olympiad,
+    "dapo_math_17k": _conv_dapo,
+    "math_train": _conv_math_train,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw readers (yield (row number, row dict or exception))
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(row_index, parsed object or _RowError)``; row_index counts non-blank lines from 0."""
+    try:
+        handle = path.open("r", encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot open: {exc}") from None
+    with handle:
+        row = 0
+        try:
+            for lineno, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield row, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield row, _RowError(f"line {lineno} is not valid JSON ({exc.msg} at column {exc.colno})")
+                row += 1
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}: not UTF-8 text after row {row}: {exc}") from None
+
+
+def _read_json_list(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+    yield from enumerate(data)
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for corrupt files
+        raise DataError(f"{path}: cannot read parquet: {type(exc).__name__}: {exc}") from None
+    for name in ("prompt", "reward_model"):
+        if name not in table.column_names:
+            raise DataError(f"{path}: missing column {name!r} (columns: {', '.join(table.column_names)})")
+    yield from enumerate(table.to_pylist())
+
+
+def _load(
+    source: str,
+    path: Path,
+    rows: Iterable[tuple[int, Any]],
+    on_bad_row: OnBadRow,
+) -> LoadedSet:
+    if on_bad_row not in ("raise", "skip"):
+        raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
+    convert = _CONVERTERS[source]
+    stats = LoadStats(source=source, path=str(path))
+    records: list[Record] = []
+    seen_ids: set[str] = set()
+    for i, row in rows:
+        stats.rows_read += 1
+        try:
+            if isinstance(row, _RowError):
+                raise row
+            if not isinstance(row, dict):
+                raise _RowError(f"row is {type(row).__name__}, expected an object")
+            record = convert(row, i)
+            if record.id in seen_ids:
+                raise _RowError(f"duplicate id {record.id!r}")
+        except _RowError as exc:
+            reason = str(exc)
+            if on_bad_row == "raise":
+                raise DataError(f"{path}: row {i}: {reason}") from None
+            key = re.sub(r"line \d+ ", "line N ", reason)  # group JSON errors by kind
+            stats.skipped_by_reason[key] = stats.skipped_by_reason.get(key, 0) + 1
+            if len(stats.first_skipped) < 10:
+                stats.first_skipped.append(f"row {i}: {reason}")
+            continue
+        seen_ids.add(record.id)
+        records.append(record)
+    stats.rows_loaded = len(records)
+    if stats.skipped:
+        logger.warning(
+            "%s: skipped %d of %d rows (%s)", path, stats.skipped, stats.rows_read,
+            "; ".join(f"{k}: {v}" for k, v in stats.skipped_by_reason.items()),
+        )
+    return LoadedSet(records=records, stats=stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public loaders
+# ---------------------------------------------------------------------------------------------
+
+
+def load_benchmark(name: str, root: str | os.PathLike, *, on_bad_row: OnBadRow = "raise") -> LoadedSet:
+    """Load one benchmark from ``<root>/benchmarks/<name>/test.jsonl``.
+
+    Args:
+        name: one of :data:`BENCHMARKS`.
+        root: data root.
+        on_bad_row: ``"raise"`` (default) or ``"skip"`` (count skipped rows in the stats).
+
+    Returns:
+        :class:`LoadedSet`; with the reference files: 30/30/40/500/272/675 records.
+
+    Raises:
+        ValueError: unknown benchmark name or ``on_bad_row``.
+        DataFileNotFoundError: the file is missing.
+        DataError: unreadable file, or a bad row (``"<file>: row <i>: <reason>"``).
+
+    Source: METHOD.md §7 (the six benchmarks); SOURCES.md (raw fields).
+    """
+    path = benchmark_path(root, name)
+    _require_file(path, f"benchmark {name}")
+    return _load(name, path, _read_jsonl(path), on_bad_row)
+
+
+def load_benchmarks(root: str | os.PathLike, names: Sequence[str] = BENCHMARKS, *, on_bad_row: OnBadRow = "raise") -> dict[str, LoadedSet]:
+    """Load several benchmarks: ``{name: LoadedSet}`` in the order of ``names``.  Errors as
+    :func:`load_benchmark`."""
+    return {name: load_benchmark(name, root, on_bad_row=on_bad_row) for name in names}
+
+
+def load_dapo_math_17k(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip") -> LoadedSet:
+    """Load DAPO-Math-17k (deduplicated, verl parquet: ``prompt[0].content``,
+    ``reward_model.ground_truth``, ``extra_info.index``).
+
+    Returns:
+        :class:`LoadedSet` (17,917 records with the reference file; ids ``dapo_math_17k/<index>``).
+
+    Raises:
+        DataFileNotFoundError / DataError: missing or unreadable file, missing columns, or (with
+            ``on_bad_row="raise"``) a bad row.
+
+    Source: METHOD.md §6 (training set); SOURCES.md.
+    """
+    path = Path(path)
+    _require_file(path, "dapo_math_17k")
+    return _load("dapo_math_17k", path, _read_parquet(path), on_bad_row)
+
+
+def load_math_train(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip") -> LoadedSet:
+    """Load MATH train with final answers (JSON list of ``{problem, answer, difficulty, type}``).
+
+    With the reference file 7,474 rows are read and 7,470 kept: rows 886 and 1009 have a null
+    answer and rows 5328 and 5330 an empty one (``on_bad_row="skip"`` counts them in
+    ``stats.skipped_by_reason``; ``"raise"`` raises on row 886).
+
+    Raises:
+        DataFileNotFoundError / DataError: as :func:`load_dapo_math_17k`.
+    """
+    path = Path(path)
+    _require_file(path, "math_train")
+    return _load("math_train", path, _read_json_list(path), on_bad_row)
+
+
+def load_train_set(
+    name: str,
+    root: str | os.PathLike | None = None,
+    *,
+    on_bad_row: OnBadRow = "skip",
+    **synthetic_kwargs: Any,
+) -> LoadedSet:
+    """Load a training set by name (a config value).
+
+    Args:
+        name: ``"dapo_math_17k"``, ``"math_train"`` (files under ``<root>/train``) or
+            ``"synthetic_arithmetic"`` (alias ``"synthetic"``; generated in memory, no file: the default CPU training
+            set; ``synthetic_kwargs`` go to :func:`stapo.synthetic.generate_arithmetic`).
+        root: data root (required for the file-backed sets).
+        on_bad_row: see the module docstring.
+
+    Returns:
+        :class:`LoadedSet`.
+
+    Raises:
+        ValueError: unknown name, missing ``root``, or options that do not apply.
+        DataFileNotFoundError / DataError: as the specific loaders.
+    """
+    name = {"synthetic": "synthetic_arithmetic"}.get(name, name)  # config spelling
+    if name == "synthetic_arithmetic":
+        from stapo.synthetic import generate_arithmetic
+
+        records = generate_arithmetic(**synthetic_kwargs)
+        stats = LoadStats(source=name, path="", rows_read=len(records), rows_loaded=len(records))
+        return LoadedSet(records=records, stats=stats)
+    if synthetic_kwargs:
+        raise ValueError(f"options {sorted(synthetic_kwargs)} only apply to synthetic_arithmetic")
+    if name not in TRAIN_FILES:
+        raise ValueError(f"unknown training set {name!r}; known: {', '.join(TRAIN_SETS)}")
+    if root is None:
+        raise ValueError(f"training set {name!r} needs a data root")
+    path = train_path(root, name)
+    loader = load_dapo_math_17k if name == "dapo_math_17k" else load_math_train
+    return loader(path, on_bad_row=on_bad_row)
+
+
+def save_records_jsonl(records: Iterable[Record], path: str | os.PathLike) -> int:
+    """Write records as JSON lines ``{"id", "problem", "answer", "source"}``; returns the count.
+    Parent directories are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with path.open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def load_records_jsonl(path: str | os.PathLike, *, on_bad_row: OnBadRow = "raise") -> LoadedSet:
+    """Read a file written by :func:`save_records_jsonl`.
+
+    Raises:
+        DataFileNotFoundError / DataError: missing file, or a row without the four string fields
+            (``"<file>: row <i>: <reason>"``) when ``on_bad_row="raise"``.
+    """
+    path = Path(path)
+    _require_file(path, "records")
+    stats = LoadStats(source="records", path=str(path))
+    records: list[Record] = []
+    for i, row in _read_jsonl(path):
+        stats.rows_read += 1
+        try:
+            if isinstance(row, _RowError):
+                raise row
+            if not isinstance(row, dict):
+                raise _RowError(f"row is {type(row).__name__}, expected an object")
+            values = {key: _text_field(row, key) for key in ("id", "problem", "answer", "source")}
+        except _RowError as exc:
+            if on_bad_row == "raise":
+                raise DataError(f"{path}: row {i}: {exc}") from None
+            stats.skipped_by_reason[str(exc)] = stats.skipped_by_reason.get(str(exc), 0) + 1
+            if len(stats.first_skipped) < 10:
+                stats.first_skipped.append(f"row {i}: {exc}")
+            continue
+        records.append(Record(**values))
+    stats.rows_loaded = len(records)
+    if records:
+        stats.source = records[0].source
+    return LoadedSet(records=records, stats=stats)

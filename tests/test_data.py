@@ -1,0 +1,260 @@
+"""Tests for stapo/data.py and scripts/prepare_data.py --from-local, on the real files in ../shared/data."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stapo.data import (
+    BENCHMARKS,
+    DataError,
+    DataFileNotFoundError,
+    Record,
+    load_benchmark,
+    load_dapo_math_17k,
+    load_math_train,
+    load_records_jsonl,
+    load_train_set,
+    normalize_gold,
+    resolve_data_root,
+    save_records_jsonl,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Row counts from SOURCES.md / issue 3.
+EXPECTED = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva_math": 272, "olympiadbench": 675}
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_row_counts(shared_data_root, name):
+    loaded = load_benchmark(name, shared_data_root)
+    assert len(loaded) == EXPECTED[name]
+    assert loaded.stats.rows_read == EXPECTED[name] and loaded.stats.skipped == 0
+    assert len({r.id for r in loaded}) == EXPECTED[name]  # ids unique
+    assert all(r.source == name and r.problem.strip() and r.answer for r in loaded)
+
+
+# (benchmark, row index, expected id, expected normalised gold, start of the problem) — read off the files.
+SPOT_CHECKS = [
+    ("aime24", 0, "aime24/60", "204", "Every morning Aya goes for a $9$-kilometer-long walk"),
+    ("aime24", 7, "aime24/67", "25", "There exist real numbers $x$ and $y$"),  # raw "025"
+    ("aime25", 0, "aime25/0", "70", "Find the sum of all integer bases $b>9$"),  # "question" field
+    ("amc23", 0, "amc23/0", "27", "Cities $A$ and $B$ are $45$ miles apart."),  # raw 27.0
+    ("amc23", 15, "amc23/17", "-1", None),  # raw -1.0
+    ("math500", 0, "math500/test/precalculus/807.json", "\\left( 3, \\frac{\\pi}{2} \\right)", "Convert the point $(0,3)$"),
+    ("minerva_math", 0, "minerva_math/0", "1.6", "Each of the two Magellan telescopes"),  # last \boxed{1.6} of solution
+    ("olympiadbench", 0, "olympiadbench/1606", "2", "Xenia and Sergey play the following game."),
+    ("olympiadbench", 1, "olympiadbench/1610", "\\frac{1}{2 n+2}", None),  # raw ["$\frac{1}{2 n+2}$"]
+    ("olympiadbench", 13, "olympiadbench/1664", "69,84", None),  # raw ["$69$,$84$"]
+]
+
+
+@pytest.mark.parametrize("name,row,rid,gold,problem_start", SPOT_CHECKS)
+def test_benchmark_spot_checks(shared_data_root, name, row, rid, gold, problem_start):
+    record = load_benchmark(name, shared_data_root)[row]
+    assert record.id == rid
+    assert record.answer == gold
+    if problem_start is not None:
+        assert record.problem.startswith(problem_start)
+
+
+def test_dapo_math_17k(shared_data_root):
+    loaded = load_train_set("dapo_math_17k", shared_data_root)
+    assert len(loaded) == 17917 and loaded.stats.rows_read == 17917 and loaded.stats.skipped == 0
+    first = loaded[0]
+    assert first.id == "dapo_math_17k/0" and first.answer == "34" and first.source == "dapo_math_17k"
+    assert first.problem.startswith("In triangle $ABC$, $\\sin \\angle A = \\frac{4}{5}$")
+    assert len({r.id for r in loaded}) == 17917
+    assert all(r.answer.lstrip("-").isdigit() for r in loaded)  # SOURCES.md: all integer ground truths
+
+
+def test_math_train_counts_skipped_rows(shared_data_root):
+    loaded = load_train_set("math_train", shared_data_root)
+    # 7,474 rows read; rows 886 and 1009 have "answer": null, rows 5328 and 5330 have "answer": "".
+    assert loaded.stats.rows_read == 7474
+    assert len(loaded) == 7470 and loaded.stats.skipped == 4
+    assert loaded.stats.skipped_by_reason == {"field 'answer': answer is null": 2, "field 'answer': answer is empty": 2}
+    assert [s.split(":")[0] for s in loaded.stats.first_skipped] == ["row 886", "row 1009", "row 5328", "row 5330"]
+    assert loaded[0] == Record("math_train/0", loaded[0].problem, "0", "math_train")
+    with pytest.raises(DataError, match=r"math_train_7474\.json: row 886: field 'answer': answer is null"):
+        load_math_train(Path(shared_data_root) / "train" / "math_train_7474.json", on_bad_row="raise")
+
+
+def test_synthetic_train_set_needs_no_root():
+    loaded = load_train_set("synthetic_arithmetic", n=10, seed=3)
+    assert len(loaded) == 10 and loaded.stats.rows_loaded == 10
+    assert load_train_set("synthetic", n=10, seed=3).records == loaded.records  # config alias
+    with pytest.raises(ValueError, match="only apply to synthetic"):
+        load_train_set("math_train", "/nonexistent", n=3)
+    with pytest.raises(ValueError, match="unknown training set"):
+        load_train_set("gsm8k", "/nonexistent")
+
+
+# --------------------------------------------------------------------------------------------
+# normalisation and error paths (small files written here)
+# --------------------------------------------------------------------------------------------
+
+
+def test_normalize_gold():
+    assert normalize_gold("amc23", 27.0) == "27"
+    assert normalize_gold("amc23", -1.0) == "-1"
+    assert normalize_gold("amc23", 2.5) == "2.5"
+    assert normalize_gold("aime24", "\\boxed{204}") == "204"  # issue text: AIME24 golds may be boxed
+    assert normalize_gold("aime24", "025") == "25"
+    assert normalize_gold("math500", "025") == "025"  # no integer canonicalisation outside integer sets
+    assert normalize_gold("olympiadbench", "$69$,$84$") == "69,84"
+    assert normalize_gold("math_train", "\\$42409") == "\\$42409"  # escaped currency sign kept
+    assert normalize_gold("math500", " \\boxed{1}+\\boxed{2} ") == "\\boxed{1}+\\boxed{2}"  # box not spanning all
+    for bad, msg in ((None, "null"), ("  ", "empty"), (True, "bool"), (float("nan"), "nan"), ([1], "type list")):
+        with pytest.raises(ValueError, match=msg):
+            normalize_gold("math500", bad)
+
+
+def _write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(DataFileNotFoundError, match=r"benchmark aime24: file not found: .*aime24/test\.jsonl"):
+        load_benchmark("aime24", tmp_path)
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        load_benchmark("gsm8k", tmp_path)
+    with pytest.raises(DataFileNotFoundError, match="not a directory"):
+        resolve_data_root(tmp_path / "nope")
+
+
+def test_bad_rows_raise_with_file_and_row(tmp_path):
+    path = _write_jsonl(
+        tmp_path / "benchmarks" / "math500" / "test.jsonl",
+        [
+            {"problem": "p0", "answer": "1", "unique_id": "a"},
+            "",  # blank line: not a row
+            {"problem": "p1", "answer": "2", "unique_id": "b"},
+            {"problem": "p2", "unique_id": "c"},  # row 2: no answer
+            "{not json",  # row 3
+            {"problem": "p4", "answer": "5", "unique_id": "a"},  # row 4: duplicate id
+        ],
+    )
+    with pytest.raises(DataError, match=r"math500/test\.jsonl: row 2: missing field 'answer'"):
+        load_benchmark("math500", tmp_path)
+    loaded = load_benchmark("math500", tmp_path, on_bad_row="skip")
+    assert [r.answer for r in loaded] == ["1", "2"]
+    assert loaded.stats.rows_read == 5 and loaded.stats.skipped == 3
+    assert loaded.stats.first_skipped[1].startswith("row 3: line 5 is not valid JSON")
+    assert loaded.stats.first_skipped[2] == "row 4: duplicate id 'math500/a'"
+    assert path.exists()
+
+
+def test_benchmark_specific_row_errors(tmp_path):
+    _write_jsonl(tmp_path / "benchmarks" / "olympiadbench" / "test.jsonl", [{"id": 1, "question": "q", "final_answer": ["1", "2"]}])
+    with pytest.raises(DataError, match=r"row 0: field 'final_answer' is list of 2, expected a list with one string"):
+        load_benchmark("olympiadbench", tmp_path)
+    _write_jsonl(tmp_path / "benchmarks" / "minerva_math" / "test.jsonl", [{"problem": "q", "solution": "no box", "idx": 0}])
+    with pytest.raises(DataError, match=r"row 0: field 'solution' has no closed \\boxed"):
+        load_benchmark("minerva_math", tmp_path)
+    _write_jsonl(tmp_path / "benchmarks" / "aime25" / "test.jsonl", [{"problem": "q", "answer": "1"}])
+    with pytest.raises(DataError, match=r"row 0: missing field 'question'"):
+        load_benchmark("aime25", tmp_path)
+    _write_jsonl(tmp_path / "benchmarks" / "amc23" / "test.jsonl", [{"id": 0, "problem": "q", "answer": None}])
+    with pytest.raises(DataError, match=r"row 0: field 'answer': answer is null"):
+        load_benchmark("amc23", tmp_path)
+
+
+def test_parquet_errors(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": ["x"]}), bad)
+    with pytest.raises(DataError, match=r"bad\.parquet: missing column 'reward_model'"):
+        load_dapo_math_17k(bad)
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not a parquet file")
+    with pytest.raises(DataError, match=r"garbage\.parquet: cannot read parquet"):
+        load_dapo_math_17k(garbage)
+    rows = pa.table(
+        {
+            "prompt": [[{"content": "p0", "role": "user"}], []],
+            "reward_model": [{"ground_truth": "7", "style": "rule"}, {"ground_truth": "8", "style": "rule"}],
+        }
+    )
+    mixed = tmp_path / "mixed.parquet"
+    pq.write_table(rows, mixed)
+    loaded = load_dapo_math_17k(mixed)  # training default: skip and count
+    assert [r.answer for r in loaded] == ["7"] and loaded.stats.skipped == 1
+    with pytest.raises(DataError, match=r"mixed\.parquet: row 1: field 'prompt' is not a non-empty list"):
+        load_dapo_math_17k(mixed, on_bad_row="raise")
+
+
+def test_records_jsonl_roundtrip(tmp_path):
+    records = [Record("s/0", "What is 1 + 1?", "2", "synthetic_arithmetic"), Record("s/1", "Ünïcode?", "\\frac{1}{2}", "x")]
+    assert save_records_jsonl(records, tmp_path / "sub" / "r.jsonl") == 2
+    assert load_records_jsonl(tmp_path / "sub" / "r.jsonl").records == records
+    _write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "problem": "p", "answer": "1"}])
+    with pytest.raises(DataError, match=r"bad\.jsonl: row 0: missing field 'source'"):
+        load_records_jsonl(tmp_path / "bad.jsonl")
+
+
+# --------------------------------------------------------------------------------------------
+# scripts/prepare_data.py --from-local on a subset copied to a temp dir
+# --------------------------------------------------------------------------------------------
+
+
+def _prepare_data_module():
+    spec = importlib.util.spec_from_file_location("prepare_data", REPO_ROOT / "scripts" / "prepare_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def subset_root(shared_data_root, tmp_path):
+    """A data root with the first 3 rows of each benchmark, 5 DAPO rows and MATH rows 884..889
+    (which include the null-answer row 886)."""
+    src = tmp_path / "subset"
+    for name in BENCHMARKS:
+        lines = (shared_data_root / "benchmarks" / name / "test.jsonl").read_text(encoding="utf-8").splitlines()[:3]
+        _write_jsonl(src / "benchmarks" / name / "test.jsonl", lines)
+    (src / "train").mkdir(parents=True)
+    table = pq.read_table(shared_data_root / "train" / "dapo_math_17k.parquet").slice(0, 5)
+    pq.write_table(table, src / "train" / "dapo_math_17k.parquet")
+    math_rows = json.loads((shared_data_root / "train" / "math_train_7474.json").read_text(encoding="utf-8"))[884:890]
+    (src / "train" / "math_train_7474.json").write_text(json.dumps(math_rows), encoding="utf-8")
+    return src
+
+
+def test_prepare_data_from_local(subset_root, tmp_path, capsys):
+    prepare = _prepare_data_module()
+    out = tmp_path / "out"
+    assert prepare.main(["--from-local", str(subset_root), "--out", str(out), "--synthetic", "12"]) == 0
+    manifest = json.loads((out / "MANIFEST.json").read_text())
+    for name in BENCHMARKS:
+        rel = Path("benchmarks") / name / "test.jsonl"
+        assert (out / rel).read_bytes() == (subset_root / rel).read_bytes()  # copied byte for byte
+        assert manifest[name]["rows_read"] == 3 and manifest[name]["rows_loaded"] == 3
+    assert manifest["dapo_math_17k"]["rows_loaded"] == 5
+    # MATH rows 884..889: row 886 of the full file (index 2 here) has a null answer.
+    assert manifest["math_train"]["rows_read"] == 6 and manifest["math_train"]["rows_loaded"] == 5
+    assert manifest["math_train"]["skipped_by_reason"] == {"field 'answer': answer is null": 1}
+    assert manifest["synthetic_arithmetic"]["rows_read"] == 12
+    assert len(load_records_jsonl(out / "train" / "synthetic_arithmetic.jsonl")) == 12
+    # the copy loads with the normal loaders
+    assert [r.answer for r in load_benchmark("amc23", out)] == ["27", "36", "45"]
+    printed = capsys.readouterr().out
+    assert "differs from the reference count" in printed  # subset: 3 != 30 is reported
+    # --check-counts turns that into exit code 1
+    assert prepare.main(["--from-local", str(subset_root), "--out", str(out), "--only", "aime24", "--check-counts"]) == 1
+
+
+def test_prepare_data_from_local_errors(subset_root, tmp_path, capsys):
+    prepare = _prepare_data_module()
+    (subset_root / "benchmarks" / "aime25" / "test.jsonl").unlink()
+    assert prepare.main(["--from-local", str(subset_root), "--out", str(tmp_path / "o1")]) == 2
+    assert "aime25/test.jsonl" in capsys.readouterr().err
+    _write_jsonl(subset_root / "benchmarks" / "aime25" / "test.jsonl", [{"question": "q"}])
+    assert prepare.main(["--from-local", str(subset_root), "--out", str(tmp_path / "o2"), "--only", "aime25"]) == 2
+    assert "row 0: missing field 'answer'" in capsys.readouterr().err
