@@ -1,0 +1,534 @@
+"""Per-token log-probability, entropy and collision probability from logits, chunked.
+
+Source: METHOD.md §1 (p_{i,t} and H_{i,t} are taken from ``logits / T`` in fp32, H in nats over the
+full vocabulary) and §9 (the collision probability Σ_v π(v)² enters the logit-gradient norm
+‖∇_a‖² = w²(1 − 2p + Σ_v π(v)²)); §10 (entropy from logits containing −inf must be finite; log-probs
+and entropy must use the rollout temperature).
+
+For one row of logits x ∈ R^V (one token position) at temperature T, with z = x / T:
+
+    m      = max_v z_v
+    s      = Σ_v exp(z_v − m)
+    lse    = m + log s                                 (log-partition function)
+    log p  = z_target − lse                            (log-prob of the target token)
+    H      = log s − Σ_v e_v (z_v − m) / s,  e_v = exp(z_v − m)       (Shannon entropy, nats)
+    C      = Σ_v e_v² / s²  = Σ_v π(v)²                 (collision probability)
+
+All of this is computed in fp32 whatever the logits' dtype (fp32, bf16 or fp16), row by row in
+chunks of rows, so that no fp32 copy of the whole [B, T, V] logits and no full softmax is ever
+materialised.  The backward pass is a custom ``torch.autograd.Function`` that saves only a reference
+to the logits (their own dtype) and the per-row fp32 ``lse`` (and ``H`` when the entropy needs a
+gradient) and recomputes the softmax chunk by chunk:
+
+    d log p / d z_j = 1[j = target] − π_j
+    d H     / d z_j = −π_j (log π_j + H)
+    d / d x_j       = (d / d z_j) / T
+
+The gradient w.r.t. the logits is returned in the logits' dtype (that [B, T, V] tensor is the only
+full-size allocation, and it is unavoidable).
+
+Two interchangeable kernels compute a chunk:
+
+* ``"compiled"``: a ``torch.compile``'d (dynamic shapes, fullgraph) fused kernel — on CPU, inductor
+  generates one OpenMP C++ loop nest per chunk that reads the logits twice (row max, then the three
+  sums) and allocates nothing but the per-row outputs; the backward kernel writes straight into the
+  gradient tensor.  The forward sums are accumulated in fp64 (inductor's fp32 sum on CPU uses a
+  cascade with 4096-long sequential runs per SIMD lane, which is ~1e-5 off in entropy at
+  V = 151,936; fp64 accumulation costs a few percent and gives ~1e-8).  The first call of each kernel
+  compiles it (seconds; see results/benchmarks/token_stats.md); later calls reuse it for any chunk
+  length, vocabulary size and temperature.  A chunk of exactly one row is run by the eager kernel
+  (torch.compile specialises the sizes 0 and 1, which would cost a recompilation).
+* ``"eager"``: plain PyTorch ops on a chunk, with two fp32 chunk buffers ([chunk, V] each) as the only
+  temporaries; ``torch.sum`` on CPU uses cascade summation, so fp32 accumulation is accurate here.
+
+``backend="auto"`` uses the compiled kernel and falls back to the eager one, with a one-time
+warning, if compilation (or the compiled kernel) fails; ``"compiled"`` raises instead.
+
+Non-finite logits:
+
+* −inf entries (padded vocabulary, masked ids) are handled exactly: (z − m) is clamped at
+  ``_NEG_CLAMP`` = −1e4 before it multiplies exp(z − m), so 0 · (−inf) never makes NaN.  exp(−1e4)
+  is 0 in fp32, hence the clamp changes no result.  A target whose logit is −inf gets log p = −inf
+  (its gradient stays finite).
+* A row whose logits are ALL −inf, or a row containing +inf or NaN, gives NaN log-prob, entropy and
+  collision for that row (and NaN gradients for it).  Other rows are unaffected.
+
+Example (V = 2, logits [0, ln 3] → π = [1/4, 3/4]):
+
+    >>> import math, torch
+    >>> logits = torch.tensor([[0.0, math.log(3.0)]])          # [N=1, V=2] fp32
+    >>> st = token_stats(logits, torch.tensor([1]), backend="eager")
+    >>> round(st.logprobs.item(), 4)                             # ln(3/4)
+    -0.2877
+    >>> round(st.entropy.item(), 4)                              # −(¼ ln ¼ + ¾ ln ¾) nats
+    0.5623
+    >>> round(st.collision.item(), 4)                            # ¼² + ¾² = 10/16
+    0.625
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+
+__all__ = ["TokenStats", "token_stats"]
+
+Backend = Literal["auto", "compiled", "eager"]
+_BACKENDS = ("auto", "compiled", "eager")
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Floor for (z − m) and for log π: exp(−1e4) == 0 in fp32 (anything below about −104 underflows),
+# so clamping there is exact, and it turns −inf into a finite number so that 0 · (−inf) = NaN
+# cannot happen.
+_NEG_CLAMP = -1.0e4
+
+# Default rows per chunk.  Eager: two fp32 [chunk, V] buffers, sized so that both stay in the L3
+# cache (~4 MiB each).  Compiled: the forward allocates nothing per chunk and the backward writes in
+# place, so the chunk only sets the number of kernel launches.
+_EAGER_CHUNK_BYTES = 4 * 2**20
+_COMPILED_CHUNK_ROWS = 1024
+
+
+@dataclass
+class TokenStats:
+    """Per-token statistics of the sampling distribution π = softmax(logits / T).
+
+    Attributes:
+        logprobs:  [B, T] (or [N]) fp32, log π(target) in nats; carries gradient to the logits.
+        entropy:   [B, T] (or [N]) fp32, −Σ_v π(v) log π(v) in nats; detached unless
+                   ``entropy_grad=True`` was passed to :func:`token_stats`.
+        collision: [B, T] (or [N]) fp32, Σ_v π(v)² (probability that two draws coincide, in (0, 1]);
+                   always detached.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    collision: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunk kernels.  x: [n, V] logits chunk (fp32/bf16/fp16, rows may be strided, last dim may not).
+# --------------------------------------------------------------------------------------------------
+
+
+class _Workspace:
+    """Two fp32 [chunk, V] buffers for the eager kernel, allocated on first use and reused by every
+    chunk of one call (no per-chunk allocation: fresh pages are expensive, and the peak stays at
+    exactly two chunk buffers)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.rows, self.vocab, self.device = rows, vocab, device
+        self.bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.bufs is None or n > self.rows:
+            self.rows = max(self.rows, n)
+            shape = (self.rows, self.vocab)
+            self.bufs = (
+                torch.empty(shape, dtype=torch.float32, device=self.device),  # [chunk, V]
+                torch.empty(shape, dtype=torch.float32, device=self.device),  # [chunk, V]
+            )
+        return self.bufs[0][:n], self.bufs[1][:n]  # [n, V] each
+
+
+def _fwd_chunk_eager(
+    x: torch.Tensor, inv_t: float, ws: _Workspace
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eager forward kernel: (lse, entropy, collision), each [n] fp32, using the two workspace buffers."""
+    d, e = ws.get(x.shape[0])  # [n, V] fp32 each
+    d.copy_(x)  # [n, V] fp32 upcast (exact)
+    if inv_t != 1.0:
+        d.mul_(inv_t)  # [n, V] z = x / T
+    m = d.amax(dim=-1, keepdim=True)  # [n, 1] row max
+    d.sub_(m).clamp_(min=_NEG_CLAMP)  # [n, V] z − m ∈ [−1e4, 0]  (NaN stays NaN)
+    torch.exp(d, out=e)  # [n, V] e = exp(z − m)
+    s = e.sum(dim=-1)  # [n] Σ e   (torch.sum on CPU: cascade summation)
+    s1 = d.mul_(e).sum(dim=-1)  # [n] Σ e·(z − m)
+    s2 = e.square_().sum(dim=-1)  # [n] Σ e²
+    log_s = torch.log(s)  # [n]
+    lse = m.squeeze(-1) + log_s  # [n] log Σ exp(z)
+    entropy = log_s - s1 / s  # [n] nats
+    collision = s2 / (s * s)  # [n]
+    return lse, entropy, collision
+
+
+def _fwd_chunk_fused(x: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Body of the compiled forward kernel (same maths as :func:`_fwd_chunk_eager`).
+
+    Written as one expression graph for inductor: it fuses everything into a max pass and a sum pass
+    over each row with no [n, V] intermediate.  Sums are accumulated in fp64 (see module docstring).
+    """
+    z = x.float() * inv_t  # [n, V] fp32 (virtual: fused, never stored)
+    m = z.amax(dim=-1, keepdim=True)  # [n, 1]
+    d = (z - m).clamp_min(_NEG_CLAMP)  # [n, V] z − m, finite for −inf logits
+    e = d.exp()  # [n, V] fp32
+    s = e.double().sum(dim=-1)  # [n] fp64 Σ e
+    s1 = (e * d).double().sum(dim=-1)  # [n] fp64 Σ e·(z − m)
+    s2 = (e * e).double().sum(dim=-1)  # [n] fp64 Σ e²
+    log_s = s.log()  # [n] fp64
+    lse = (m.squeeze(-1).double() + log_s).float()  # [n] fp32
+    entropy = (log_s - s1 / s).float()  # [n] fp32, nats
+    collision = (s2 / (s * s)).float()  # [n] fp32
+    return lse, entropy, collision
+
+
+def _bwd_chunk_eager(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    g_lp: torch.Tensor | None,
+    g_h: torch.Tensor | None,
+    tgt: torch.Tensor,
+    inv_t: float,
+    ws: _Workspace,
+) -> None:
+    """Eager backward kernel: writes d loss / d x for one chunk into ``out`` ([n, V], x's dtype).
+
+    out = (g_lp · (onehot − π) − g_h · π (log π + H)) / T, using the two workspace buffers.
+    """
+    lp, p = ws.get(x.shape[0])  # [n, V] fp32 each
+    lp.copy_(x)  # [n, V] fp32 upcast
+    if inv_t != 1.0:
+        lp.mul_(inv_t)  # [n, V] z
+    lp.sub_(lse.unsqueeze(-1)).clamp_(min=_NEG_CLAMP)  # [n, V] log π (clamped, finite)
+    torch.exp(lp, out=p)  # [n, V] π
+    if g_h is not None:
+        assert entropy is not None
+        lp.add_(entropy.unsqueeze(-1)).mul_(g_h.unsqueeze(-1))  # [n, V] g_h (log π + H)
+        if g_lp is not None:
+            lp.add_(g_lp.unsqueeze(-1))  # [n, V] g_lp + g_h (log π + H)
+        grad = lp.mul_(p).neg_()  # [n, V] −π (g_lp + g_h (log π + H))
+    else:
+        assert g_lp is not None
+        grad = p.mul_(-g_lp.unsqueeze(-1))  # [n, V] −g_lp π
+    if g_lp is not None:
+        rows = torch.arange(x.shape[0], device=x.device)  # [n]
+        grad[rows, tgt] += g_lp  # [n, V] + g_lp · onehot(target)
+    if inv_t != 1.0:
+        grad.mul_(inv_t)  # [n, V] chain rule through z = x / T
+    out.copy_(grad)  # cast to the logits' dtype
+
+
+def _bwd_chunk_fused(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_h: torch.Tensor,
+    tgt: torch.Tensor,
+    inv_t: float,
+) -> None:
+    """Body of the compiled backward kernel; all per-row inputs are [n] fp32 (zeros when unused).
+
+    Inductor fuses it into a single pass that writes ``out`` in place (no [n, V] intermediate).
+    """
+    lp = (x.float() * inv_t - lse.unsqueeze(-1)).clamp_min(_NEG_CLAMP)  # [n, V] log π
+    p = lp.exp()  # [n, V] π
+    g = -p * (g_lp.unsqueeze(-1) + g_h.unsqueeze(-1) * (lp + entropy.unsqueeze(-1)))  # [n, V]
+    hit = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == tgt.unsqueeze(-1)  # [n, V] bool
+    g = torch.where(hit, g + g_lp.unsqueeze(-1), g)  # [n, V] + g_lp · onehot(target)
+    out.copy_(g * inv_t)  # [n, V] in out's dtype
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiled-kernel management: lazy compilation, one-time fallback for backend="auto".
+# --------------------------------------------------------------------------------------------------
+
+_compiled_kernels: dict[str, Callable] = {}
+_compile_error: BaseException | None = None
+_lock = threading.Lock()
+
+
+def _get_compiled(name: str) -> Callable:
+    with _lock:
+        fn = _compiled_kernels.get(name)
+        if fn is None:
+            body = {"fwd": _fwd_chunk_fused, "bwd": _bwd_chunk_fused}[name]
+            fn = torch.compile(body, dynamic=True, fullgraph=True)
+            _compiled_kernels[name] = fn
+        return fn
+
+
+def _use_compiled(backend: str) -> bool:
+    return backend == "compiled" or (backend == "auto" and _compile_error is None)
+
+
+def _compiled_failed(backend: str, exc: BaseException) -> None:
+    """Record a compile failure; re-raise for backend="compiled", warn once for "auto"."""
+    global _compile_error
+    if backend == "compiled":
+        raise RuntimeError(
+            f"token_stats: the torch.compile'd kernel failed ({type(exc).__name__}: {exc}); "
+            'use backend="eager" or backend="auto" (which falls back to eager)'
+        ) from exc
+    if _compile_error is None:
+        _compile_error = exc
+        warnings.warn(
+            f"token_stats: torch.compile of the fused kernel failed ({type(exc).__name__}: {exc}); "
+            "falling back to the eager kernel for the rest of this process",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _no_duck_shapes():
+    """Context in which dynamo does not tie equal sizes together (e.g. n == V == 3), if supported."""
+    try:
+        from torch.fx.experimental import _config as fx_config
+
+        return fx_config.patch(use_duck_shape=False)
+    except Exception:  # noqa: BLE001 - private config moved/removed: accept the rare recompilation
+        return contextlib.nullcontext()
+
+
+def _fwd_chunk(x: torch.Tensor, inv_t: float, backend: str, ws: _Workspace):
+    if x.shape[0] >= 2 and _use_compiled(backend):
+        try:
+            with _no_duck_shapes():
+                # detach(): a plain (non-view, requires_grad=False) alias, so that dynamo guards on
+                # neither the autograd flag nor the layout of the tensor the chunk was sliced from.
+                return _get_compiled("fwd")(x.detach(), inv_t)
+        except Exception as exc:  # noqa: BLE001 - any compile/codegen error → fallback or re-raise
+            _compiled_failed(backend, exc)
+    return _fwd_chunk_eager(x, inv_t, ws)
+
+
+def _bwd_chunk(out, x, lse, entropy, g_lp, g_h, tgt, inv_t: float, backend: str, ws: _Workspace) -> None:
+    if x.shape[0] >= 2 and _use_compiled(backend):
+
+        def row_arg(t: torch.Tensor | None) -> torch.Tensor:
+            # [n] fp32, contiguous (upstream grads are often stride-0 expands), distinct tensors
+            # (dynamo guards on aliasing between arguments), zeros for an absent term.
+            if t is None:
+                return torch.zeros_like(lse)
+            return t.detach().float().contiguous()
+
+        try:
+            with _no_duck_shapes():
+                _get_compiled("bwd")(
+                    out.detach(),
+                    x.detach(),
+                    row_arg(lse),
+                    row_arg(entropy),
+                    row_arg(g_lp),
+                    row_arg(g_h),
+                    tgt.detach(),
+                    inv_t,
+                )
+            return
+        except Exception as exc:  # noqa: BLE001
+            _compiled_failed(backend, exc)
+    _bwd_chunk_eager(out, x, lse, entropy, g_lp, g_h, tgt, inv_t, ws)
+
+
+# --------------------------------------------------------------------------------------------------
+# Row blocks and chunking (no copy of the logits, even for non-contiguous views such as
+# logits[:, :-1]).
+# --------------------------------------------------------------------------------------------------
+
+
+def _row_blocks(t: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """Split [N, V] or [B, T, V] into 2-D row blocks ([rows, V] views) with their first flat row."""
+    if t.dim() == 2:
+        return [(t, 0)]
+    b, tt, v = t.shape
+    try:
+        return [(t.view(b * tt, v), 0)]  # [B·T, V] view when the strides allow it
+    except RuntimeError:
+        return [(t[i], i * tt) for i in range(b)]  # [T, V] views
+
+
+def _chunks(n: int, chunk: int, backend: str) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of at most ``chunk`` rows (compiled: a trailing lone row is merged)."""
+    bounds = [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+    if backend != "eager" and chunk >= 2 and len(bounds) >= 2 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]  # avoid a 1-row compiled call (size-1 specialisation)
+    return bounds
+
+
+def _default_chunk(vocab: int, backend: str) -> int:
+    if backend == "eager" or (backend == "auto" and _compile_error is not None):
+        return max(1, _EAGER_CHUNK_BYTES // (4 * max(vocab, 1)))
+    return _COMPILED_CHUNK_ROWS
+
+
+class _TokenStatsFunction(torch.autograd.Function):
+    """Autograd wrapper: outputs (logprobs [N], entropy [N], collision [N]), all fp32."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, inv_t, entropy_grad, chunk, backend):  # noqa: D401
+        n_rows = targets.numel()
+        dev = logits.device
+        lse = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N]
+        entropy = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N] nats
+        collision = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N]
+        z_tgt = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N] target logit / T
+        ws = _Workspace(min(chunk, max(n_rows, 1)), logits.shape[-1], dev)  # eager buffers, lazy
+        for block, row0 in _row_blocks(logits):
+            for a, b in _chunks(block.shape[0], chunk, backend):
+                x = block[a:b]  # [n, V] view, logits' dtype
+                tgt = targets[row0 + a : row0 + b]  # [n] int64
+                out = _fwd_chunk(x, inv_t, backend, ws)
+                lse[row0 + a : row0 + b] = out[0]
+                entropy[row0 + a : row0 + b] = out[1]
+                collision[row0 + a : row0 + b] = out[2]
+                z_tgt[row0 + a : row0 + b] = x.gather(1, tgt.unsqueeze(-1)).squeeze(-1).float() * inv_t
+        logprobs = z_tgt - lse  # [N] fp32 log π(target)
+
+        ctx.inv_t, ctx.chunk, ctx.backend, ctx.entropy_grad = inv_t, chunk, backend, entropy_grad
+        ctx.save_for_backward(logits, targets, lse, entropy if entropy_grad else None)
+        ctx.set_materialize_grads(False)
+        if entropy_grad:
+            ctx.mark_non_differentiable(collision)  # (one call: each call replaces the set)
+        else:
+            ctx.mark_non_differentiable(entropy, collision)
+        return logprobs, entropy, collision
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logprobs, g_entropy, g_collision):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if not ctx.entropy_grad:
+            g_entropy = None
+        if g_logprobs is None and g_entropy is None:
+            return None, None, None, None, None, None
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [.., V]
+        grad_rows = grad.view(-1, logits.shape[-1])  # [N, V] contiguous
+        ws = _Workspace(min(ctx.chunk, max(targets.numel(), 1)), logits.shape[-1], logits.device)
+        for block, row0 in _row_blocks(logits):
+            for a, b in _chunks(block.shape[0], ctx.chunk, ctx.backend):
+                r = slice(row0 + a, row0 + b)
+                _bwd_chunk(
+                    grad_rows[r],  # [n, V] written in place
+                    block[a:b],  # [n, V]
+                    lse[r],
+                    entropy[r] if g_entropy is not None else None,
+                    g_logprobs[r].float() if g_logprobs is not None else None,
+                    g_entropy[r].float() if g_entropy is not None else None,
+                    targets[r],
+                    ctx.inv_t,
+                    ctx.backend,
+                    ws,
+                )
+        return grad, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry point.
+# --------------------------------------------------------------------------------------------------
+
+
+def _validate(logits, targets, temperature, chunk_size, backend) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if logits.dtype not in _LOGIT_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor (token ids, int64), got {targets.dtype}")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must have shape [B, T, V] or [N, V], got {tuple(logits.shape)}")
+    if targets.dim() != logits.dim() - 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+            f"got {tuple(targets.shape)}"
+        )
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a non-empty vocabulary dimension (V >= 1)")
+    if targets.device != logits.device:
+        raise ValueError(f"targets are on {targets.device} but logits are on {logits.device}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}")
+    if not (math.isfinite(float(temperature)) and float(temperature) > 0.0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be None or an integer >= 1, got {chunk_size!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if targets.numel():
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= logits.shape[-1]:
+            raise ValueError(
+                f"targets must be token ids in [0, V={logits.shape[-1]}), got values in [{lo}, {hi}] "
+                "(map padding/ignore ids such as -100 to a valid id and mask the result instead)"
+            )
+
+
+def token_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy_grad: bool = False,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+) -> TokenStats:
+    """Log-prob of each target token, full-vocabulary entropy and collision probability.
+
+    The distribution is π = softmax(logits / temperature) over the last dimension (METHOD.md §1:
+    p_{i,t} and H_{i,t} use the rollout temperature, in fp32; §9: Σ_v π(v)²).  Computed in fp32, in
+    chunks of rows, without a full fp32 copy of the logits or a full softmax, forward and backward.
+
+    Args:
+        logits: [B, T, V] or [N, V] (packed tokens), float32, bfloat16 or float16.  Rows may be a
+            strided view (e.g. ``logits[:, :-1]``); the last dimension is the vocabulary.  −inf
+            entries are allowed (see the module docstring for all-−inf / +inf / NaN rows).
+        targets: [B, T] or [N] (= logits.shape[:-1]) integer token ids in [0, V), on the logits'
+            device; converted to int64.
+        temperature: sampling temperature T > 0 (finite); the logits are multiplied by the fp32
+            value of 1/T.
+        entropy_grad: if True, ``entropy`` is differentiable w.r.t. the logits (backward recomputes
+            the softmax chunk by chunk); otherwise it is detached (``requires_grad`` False).
+        chunk_size: rows per chunk.  None → backend default (eager: ~4 MiB per fp32 chunk buffer,
+            13 rows at V = 151,936; compiled: 1024 rows, the kernel allocates no [rows, V] buffer).
+            Peak extra memory of the eager kernel ≈ 2 · chunk_size · V · 4 bytes.
+        backend: "compiled" (torch.compile'd fused kernel; raises RuntimeError if it fails),
+            "eager" (plain PyTorch ops), or "auto" (compiled, falling back to eager with a one-time
+            RuntimeWarning if compilation fails).
+
+    Returns:
+        :class:`TokenStats` with ``logprobs``, ``entropy`` and ``collision``, each fp32 with shape
+        ``targets.shape``.  ``logprobs`` carries the gradient to ``logits`` (returned in the
+        logits' dtype); ``collision`` is always detached.
+
+    Raises:
+        TypeError: logits/targets not tensors; logits dtype not float32/bfloat16/float16; targets
+            not an integer dtype; temperature not a real number.
+        ValueError: logits not 2-D/3-D; targets shape != logits.shape[:-1]; V == 0; different
+            devices; temperature <= 0 or not finite; target ids outside [0, V); chunk_size < 1;
+            unknown backend.
+        RuntimeError: backend="compiled" and torch.compile fails.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.zeros(2, 3, 4)                    # [B=2, T=3, V=4], uniform π
+        >>> st = token_stats(logits, torch.zeros(2, 3, dtype=torch.long), 0.7, backend="eager")
+        >>> st.entropy.shape, round(st.entropy[0, 0].item(), 6)   # ln 4 nats
+        (torch.Size([2, 3]), 1.386294)
+        >>> round(st.logprobs[0, 0].item(), 6), st.collision[0, 0].item()   # −ln 4, 1/4
+        (-1.386294, 0.25)
+    """
+    _validate(logits, targets, temperature, chunk_size, backend)
+    out_shape = targets.shape
+    flat_targets = targets.reshape(-1).to(torch.int64)  # [N]
+    inv_t = float(torch.tensor(1.0 / float(temperature), dtype=torch.float32))  # fp32-rounded 1/T
+    chunk = int(chunk_size) if chunk_size is not None else _default_chunk(logits.shape[-1], backend)
+    logprobs, entropy, collision = _TokenStatsFunction.apply(
+        logits, flat_targets, inv_t, bool(entropy_grad), chunk, backend
+    )
+    return TokenStats(
+        logprobs=logprobs.view(out_shape),  # [B, T] / [N]
+        entropy=entropy.view(out_shape),  # [B, T] / [N]
+        collision=collision.view(out_shape),  # [B, T] / [N]
+    )
