@@ -1,0 +1,180 @@
+"""Trainer-side forward: collate rollout responses into tensors, and recompute the response tokens'
+log-probs / entropies / collision probabilities from the policy's logits / T in fp32.
+
+METHOD.md §1: p_{i,t} and H_{i,t} come from logits / T in fp32 — always recomputed here, never taken from the
+rollout engine (whose log-probs only measure the train/inference mismatch). §10: log-probs and entropy use
+the rollout temperature; logits of padded vocabulary rows are excluded (they are never sampled).
+
+Layout of a :class:`RolloutBatch` (B rows, P prompt columns, R response columns)::
+
+    input_ids  = [ pad … pad  prompt_ids | response_ids  pad … pad ]      # [B, P+R]
+                  left-padded to P         right-padded to R
+
+so the response token ``j`` of every row sits at column ``P + j`` and is predicted by the logits at column
+``P + j − 1``. Position ids count real tokens only (0 at the first prompt token), so a left-padded row gives
+the same logits as the row alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from stapo.rollout.base import Response
+
+__all__ = ["RolloutBatch", "collate_responses", "policy_logits", "policy_token_stats"]
+
+
+@dataclass
+class RolloutBatch:
+    """What flows from the rollout to the update (see the module docstring for the layout).
+
+    Attributes:
+        input_ids: [B, P+R] int64, left-padded prompt ‖ right-padded response.
+        attention_mask: [B, P+R] int64, 1 on real tokens.
+        position_ids: [B, P+R] int64, ``cumsum(attention_mask) − 1`` clamped at 0.
+        response_ids: [B, R] int64, the response tokens (pad id where ``response_mask`` is False).
+        response_mask: [B, R] bool, True on response tokens (EOS included).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+
+    @property
+    def prompt_width(self) -> int:
+        """P, the number of prompt columns."""
+        return int(self.input_ids.shape[1] - self.response_ids.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, idx: torch.Tensor | Sequence[int] | slice) -> "RolloutBatch":
+        """Rows ``idx`` (int index tensor / list, or a slice) as a new batch, in that order; columns unchanged.
+
+        Raises:
+            TypeError: a boolean or floating index (use ``mask.nonzero().squeeze(1)`` for a mask).
+        """
+        if isinstance(idx, slice):
+            return dataclasses.replace(self, **{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)})
+        idx = torch.as_tensor(idx)
+        if idx.dtype == torch.bool or idx.dtype.is_floating_point:
+            raise TypeError(f"select() takes integer row indices, got dtype {idx.dtype}")
+        idx = idx.to(device=self.input_ids.device, dtype=torch.long).reshape(-1)
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).index_select(0, idx)
+                                            for f in dataclasses.fields(self)})
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """The same batch on ``device``."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+    def trim(self) -> "RolloutBatch":
+        """Drop all-padding columns: prompt columns left of every row's prompt, response columns right of
+        every row's response (keeps at least one response column). Values are unchanged."""
+        P = self.prompt_width
+        lengths = self.response_mask.sum(dim=1)
+        r = max(int(lengths.max()) if lengths.numel() else 0, 1)
+        present = self.attention_mask[:, :P].bool().any(dim=0)  # [P]
+        left = int(present.nonzero()[0, 0]) if bool(present.any()) else P
+        left = min(left, P - 1) if P > 0 else 0  # keep one prompt column (the first response's predictor)
+        return RolloutBatch(
+            input_ids=self.input_ids[:, left:P + r], attention_mask=self.attention_mask[:, left:P + r],
+            position_ids=self.position_ids[:, left:P + r], response_ids=self.response_ids[:, :r],
+            response_mask=self.response_mask[:, :r])
+
+
+def collate_responses(responses: Sequence[Response], pad_token_id: int) -> RolloutBatch:
+    """Stack responses into a :class:`RolloutBatch` (row i = ``responses[i]``, order kept).
+
+    Args:
+        responses: from ``RolloutEngine.generate`` (any order; each needs a non-empty ``prompt_ids``).
+        pad_token_id: the id written in padding positions (its value never matters: padding is masked).
+
+    Returns:
+        A batch with P = longest prompt, R = longest response (at least 1).
+
+    Raises:
+        ValueError: no responses, or a response with an empty prompt.
+    """
+    if len(responses) == 0:
+        raise ValueError("collate_responses: no responses")
+    B = len(responses)
+    P = max(len(r.prompt_ids) for r in responses)
+    R = max(max(len(r.response_ids) for r in responses), 1)
+    input_ids = torch.full((B, P + R), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((B, P + R), dtype=torch.long)
+    response_ids = torch.full((B, R), int(pad_token_id), dtype=torch.long)
+    response_mask = torch.zeros((B, R), dtype=torch.bool)
+    for i, r in enumerate(responses):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        if p == 0:
+            raise ValueError(f"response {i} has an empty prompt (the first response token needs a predictor)")
+        input_ids[i, P - p:P] = torch.as_tensor(r.prompt_ids, dtype=torch.long)
+        attention_mask[i, P - p:P + n] = 1
+        if n:
+            ids = torch.as_tensor(r.response_ids, dtype=torch.long)
+            input_ids[i, P:P + n] = ids
+            response_ids[i, :n] = ids
+            response_mask[i, :n] = True
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
+    return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        response_ids=response_ids, response_mask=response_mask)
+
+
+def policy_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """Logits predicting the response tokens: [B, R, V] in the model's dtype (the columns ``P−1 … P+R−2``).
+
+    Only the last R+1 positions go through the LM head (``logits_to_keep``), so prompt positions cost no
+    [·, V] logits.
+    """
+    R = batch.response_ids.shape[1]
+    if batch.prompt_width < 1:
+        raise ValueError("the batch has no prompt column: the first response token has no predictor")
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False, logits_to_keep=R + 1)
+    return out.logits[:, :-1, :]  # [B, R, V]
+
+
+def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature: float, *,
+                       entropy_grad: bool = False, vocab_size: int | None = None, backend: str = "auto",
+                       chunk_size: int | None = None):
+    """Response tokens' log-probs, entropies and collision probabilities under ``model`` at ``temperature``.
+
+    One forward pass (gradients flow if enabled by the caller), then :func:`stapo.token_stats.token_stats` on
+    the response logits / T in fp32.
+
+    Args:
+        model: an HF causal LM (``model(input_ids, attention_mask, position_ids, logits_to_keep=)``).
+        batch: a :class:`RolloutBatch` (or a ``select``-ed / ``trim``-med slice) on the model's device.
+        temperature: the rollout temperature T > 0.
+        entropy_grad: make ``entropy`` differentiable (see ``token_stats``).
+        vocab_size: number of real token ids; logit columns ``>= vocab_size`` (padded embedding rows, never
+            sampled) are left out of the softmax. Default: ``model.config.stapo_vocab_size`` when set
+            (by :func:`stapo.models.load_policy` / ``build_tiny_model``), else all columns.
+        backend, chunk_size: passed to ``token_stats``.
+
+    Returns:
+        :class:`stapo.token_stats.TokenStats` with ``logprobs``, ``entropy``, ``collision``, each [B, R] fp32
+        (nats; Σπ²). Positions where ``batch.response_mask`` is False hold 0 in all three.
+
+    Raises:
+        ValueError: temperature <= 0 (from ``token_stats``); a batch without prompt columns.
+    """
+    from stapo.token_stats import TokenStats, token_stats
+
+    logits = policy_logits(model, batch)  # [B, R, V]
+    if vocab_size is None:
+        vocab_size = getattr(getattr(model, "config", None), "stapo_vocab_size", None)
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = logits[..., :vocab_size]
+    mask = batch.response_mask.to(logits.device)
+    targets = torch.where(mask, batch.response_ids.to(logits.device), 0)
+    st = token_stats(logits, targets, temperature, entropy_grad=entropy_grad, backend=backend,
+                     chunk_size=chunk_size)
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    return TokenStats(logprobs=torch.where(mask, st.logprobs, zero), entropy=torch.where(mask, st.entropy, zero),
+                      collision=torch.where(mask, st.collision, zero))

