@@ -1,6 +1,37 @@
-"""Train a policy with STAPO or a baseline: `python train.py --config configs/<name>.yaml [key=value ...]`."""
+"""Train a policy with STAPO or a baseline.
+
+    python train.py --config configs/cpu_smollm2_stapo.yaml [dotted.key=value ...] [--resume]
+
+The config schema and its checks live in stapo/config.py; the training loop in stapo/trainer.py.
+"""
+import argparse
 import sys
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint "
+                        "(same as trainer.resume=auto)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=2e-6")
+    args = parser.parse_args(argv)
+
+    from stapo.config import ConfigError, load_config
+
+    overrides = list(args.overrides) + (["trainer.resume=auto"] if args.resume else [])
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 2
+
+    from stapo.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    trainer.train()
+    print(f"run directory: {trainer.run_dir}")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit("train.py: the trainer is not implemented yet (tracked in issue 5); "
-             "the algorithm core lives in stapo/ and is exercised by `pytest`.")
+    sys.exit(main())

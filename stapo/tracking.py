@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -57,7 +58,7 @@ class Tracker:
             import wandb
 
             id_file = self.run_dir / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
             os.environ.setdefault("WANDB_SILENT", "true")
             try:

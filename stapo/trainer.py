@@ -1,0 +1,541 @@
+"""The training loop: STAPO and its baselines (GRPO, 20-Entropy, JustRL) — METHOD.md §2–§6.
+
+One training step, top to bottom in :meth:`Trainer.train_step`:
+
+    rollout G responses per prompt → rewards → GRPO advantages → old-policy log-probs / entropies (no grad,
+    fp32) and reference log-probs (β > 0) → for each mini-batch: token mask (S2T statistics from the current
+    policy, Algorithm 1) → kept-token denominator of the whole mini-batch → micro-batch forward/backward →
+    grad-norm clip → AdamW step (warm-up) → sync weights to the rollout engine → metrics → validation hook
+    → checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from stapo.advantages import grpo_advantages
+from stapo.analysis import entropy_change_estimate, logit_grad_norm, quadrant_summary
+from stapo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from stapo.config import TrainConfig, to_dict
+from stapo.objectives import Objective, compute_token_mask, get_objective, loss_denominator, policy_loss
+from stapo.tensor_utils import masked_mean
+from stapo.tracking import Tracker
+
+__all__ = ["Trainer", "build_objective", "PromptLoader", "StepBatch"]
+
+ValidationHook = Callable[["Trainer", int], dict[str, float]]
+
+
+def build_objective(cfg: TrainConfig) -> Objective:
+    """The registered objective named by ``algorithm.objective`` with the config's overrides applied."""
+    alg = cfg.algorithm
+    obj = get_objective(alg.objective)
+    changes: dict[str, Any] = {}
+    for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef", "loss_agg_mode"):
+        if getattr(alg, key) is not None:
+            changes[key] = getattr(alg, key)
+    if obj.token_mask == "s2t":
+        changes["mask_params"] = {"prob_threshold": alg.s2t.prob_threshold,
+                                  "entropy_quantile": alg.s2t.entropy_quantile,
+                                  "quantile_scope": alg.s2t.quantile_scope}
+    elif obj.token_mask == "top_entropy":
+        changes["mask_params"] = {"ratio": alg.top_entropy_ratio}
+    return obj.replace(**changes) if changes else obj
+
+
+class PromptLoader:
+    """Seeded, resumable iteration over training prompts: a fresh permutation each epoch.
+
+    Args:
+        prompts: list of (prompt token ids, gold answer, record id).
+        batch_size: prompts per step.
+        seed: the epoch-e permutation is ``np.random.default_rng([seed, e]).permutation``.
+        shuffle: False keeps file order.
+    """
+
+    def __init__(self, prompts: list[tuple[list[int], str, str]], batch_size: int, seed: int, shuffle: bool = True):
+        if not prompts:
+            raise ValueError("no training prompts (all dropped or empty data set)")
+        self.prompts = prompts
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        n = len(self.prompts)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def next_batch(self) -> list[tuple[list[int], str, str]]:
+        out = []
+        while len(out) < self.batch_size:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.prompts[int(self._order[self.position])])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)
+
+
+@dataclass
+class StepBatch:
+    """What flows from the rollout stage to the update stage of one step (B = prompts × G, R = max response)."""
+
+    batch: Any  # stapo.policy.RolloutBatch: input_ids [B, P+R], response_ids/response_mask [B, R]
+    responses: list  # list[stapo.rollout.Response], length B
+    rewards: torch.Tensor  # [B] fp32
+    advantages: torch.Tensor  # [B] fp32
+    old_logprobs: torch.Tensor  # [B, R] fp32
+    old_entropy: torch.Tensor  # [B, R] fp32
+    old_collision: torch.Tensor  # [B, R] fp32
+    ref_logprobs: torch.Tensor | None  # [B, R] fp32 (β > 0 only)
+
+
+class Trainer:
+    """Builds everything from a :class:`TrainConfig` and runs :meth:`train`.
+
+    Args:
+        cfg: a validated config (:func:`stapo.config.load_config`).
+        validation_hook: optional ``fn(trainer, step) -> metrics`` called every ``trainer.val_every`` steps
+            (the evaluation harness provides one).
+        reward_fn: optional ``fn(responses, golds) -> obj`` with ``obj.rewards`` (one float per response)
+            replacing ``algorithm.reward`` (tests use a toy reward; see :func:`stapo.rewards.make_reward_fn`).
+    """
+
+    def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
+                 reward_fn: Callable[[list[str], list[str]], Any] | None = None) -> None:
+        from stapo.models import load_policy
+        from stapo.rollout import SamplingParams, build_rollout_engine
+
+        self.cfg = cfg
+        self.objective = build_objective(cfg)
+        self.validation_hook = validation_hook
+        tc = cfg.trainer
+        self.device = torch.device("cuda" if tc.device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if tc.device == "auto" else tc.device))
+        model_tag = cfg.model.path.rstrip("/").split("/")[-1].replace(":", "-")
+        self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
+        self.run_dir = Path(tc.output_dir) / self.run_name
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self._seed_everything(tc.seed)
+
+        # --- policy, reference, optimizer -------------------------------------------------------------
+        if cfg.model.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model
+            from stapo.models import build_tiny_model
+
+            self.model, self.tokenizer = build_tiny_model(seed=tc.seed, dtype=cfg.model.dtype,
+                                                          cache_dir=cfg.model.cache_dir)
+        else:
+            self.model, self.tokenizer = load_policy(
+                cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+                cache_dir=cfg.model.cache_dir)
+        self.model.to(self.device)
+        if cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.ref_model = None
+        if self.objective.kl_coef > 0:
+            import copy
+
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
+            betas=tuple(cfg.actor.betas))
+        warmup = cfg.actor.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+
+        # --- data, reward, rollout engine -------------------------------------------------------------
+        self.prompt_stats: dict[str, float] = {}
+        self.loader = PromptLoader(self._load_prompts(), cfg.data.train_batch_size, tc.seed, cfg.data.shuffle)
+        from stapo.rewards import make_reward_fn
+
+        self.reward_fn = reward_fn if reward_fn is not None else make_reward_fn(cfg.algorithm.reward)
+        self.engine = build_rollout_engine(
+            cfg.rollout.backend, self.model, self.tokenizer,
+            **self._engine_kwargs())
+        self._sampling_cls = SamplingParams
+        self._seed_everything(tc.seed)  # the vLLM engine reseeds the global RNGs when it starts
+
+        self.step = 0
+        self.tracker: Tracker | None = None
+
+    # ------------------------------------------------------------------------------------------------
+    def _engine_kwargs(self) -> dict[str, Any]:
+        rc = self.cfg.rollout
+        if rc.backend == "hf":
+            return {}
+        return {
+            "max_model_len": self.cfg.data.max_prompt_length + rc.response_length,
+            "gpu_memory_utilization": rc.gpu_memory_utilization,
+            "kv_cache_gib": rc.kv_cache_gib,
+            "enforce_eager": rc.enforce_eager,
+            "tensor_parallel_size": rc.tensor_parallel_size,
+            "seed": self.cfg.trainer.seed,
+            "enable_sleep_mode": rc.sleep_during_update,
+        }
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _load_prompts(self) -> list[tuple[list[int], str, str]]:
+        """Training records → (prompt ids, gold, id); prompts over ``data.max_prompt_length`` are dropped (counted)."""
+        from stapo.data import load_train_set
+        from stapo.prompts import encode_prompt
+
+        dc = self.cfg.data
+        if dc.train_set == "synthetic":
+            records = load_train_set("synthetic", n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
+                                     levels=tuple(dc.synthetic.levels))
+        else:
+            records = load_train_set(dc.train_set, dc.root)
+        out, dropped = [], 0
+        for rec in records:
+            ids = encode_prompt(rec.problem, self.tokenizer, use_chat_template=dc.prompt_style)
+            if len(ids) > dc.max_prompt_length:
+                dropped += 1
+                continue
+            out.append((ids, rec.answer, rec.id))
+        self.prompt_stats = {"data/num_prompts": float(len(out)), "data/num_dropped_too_long": float(dropped),
+                             "data/num_skipped_rows": float(records.stats.skipped)}
+        return out
+
+    # ------------------------------------------------------------------------------------------------
+    def train(self) -> list[dict[str, float]]:
+        """Run (or resume) training to ``trainer.total_steps``. Returns each step's metrics."""
+        tc = self.cfg.trainer
+        if tc.resume == "auto":
+            self._maybe_resume()
+        elif latest_checkpoint(self.ckpt_root) is not None:
+            raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
+                                  f"(trainer.resume=auto) or choose another trainer.run_name")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+        self.tracker = Tracker(self.run_dir, to_dict(self.cfg), mode=self.cfg.logging.wandb_mode,
+                               project=self.cfg.logging.project, entity=self.cfg.logging.entity,
+                               name=self.run_name)
+        self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
+        history: list[dict[str, float]] = []
+        bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not tc.progress_bar,
+                   dynamic_ncols=True)
+        try:
+            while self.step < tc.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                if self.validation_hook is not None and tc.val_every and self.step % tc.val_every == 0:
+                    metrics.update(self.validation_hook(self, self.step))
+                self.tracker.log(self.step, metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
+                                ent=f"{metrics['actor/entropy']:.3f}",
+                                masked=f"{metrics.get('s2t/masked_frac', 0.0):.2e}")
+                if (tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps:
+                    self.save()
+        finally:
+            bar.close()
+            self.tracker.finish()
+            close = getattr(self.reward_fn, "close", None)
+            if callable(close):
+                close()
+        return history
+
+    def _maybe_resume(self) -> None:
+        ckpt = latest_checkpoint(self.ckpt_root)
+        if ckpt is None:
+            return
+        from stapo.models import load_policy
+
+        state = load_trainer_state(ckpt)
+        model, _ = load_policy(str(ckpt), dtype=self.cfg.model.dtype,
+                               attn_implementation=self.cfg.model.attn_implementation)
+        self.model.load_state_dict(model.state_dict())
+        del model
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.engine.sync_weights(self.model)
+        tqdm.write(f"resumed from {ckpt} at step {self.step}")
+
+    def save(self) -> Path:
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "loader": self.loader.state_dict(), "rng": rng_state(), "config": to_dict(self.cfg)}
+        return save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer, state,
+                               keep_last=self.cfg.trainer.keep_last)
+
+    # ------------------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One step of rollout and update. Returns the step's metrics (verl names, ``s2t/…`` ours)."""
+        cfg, G = self.cfg, self.cfg.rollout.n
+        timing: dict[str, float] = {}
+        t_step = time.perf_counter()
+
+        # 1. rollout: G responses per prompt, sampled from π_old at temperature T
+        t0 = time.perf_counter()
+        prompts = self.loader.next_batch()
+        sampling = self._sampling_cls(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                      max_new_tokens=cfg.rollout.response_length,
+                                      seed=cfg.trainer.seed * 1_000_003 + self.step)
+        self.model.eval()
+        responses = self.engine.generate([p[0] for p in prompts], G, sampling)
+        timing["timing_s/rollout"] = time.perf_counter() - t0
+
+        # 2. rewards (score the response text only, never the prompt)
+        t0 = time.perf_counter()
+        golds = [prompts[r.group][1] for r in responses]
+        reward_out = self.reward_fn([r.text for r in responses], golds)
+        rewards = torch.tensor(reward_out.rewards, dtype=torch.float32)  # [B]
+        timing["timing_s/reward"] = time.perf_counter() - t0
+
+        # 3. GRPO advantages, one per response
+        adv_out = grpo_advantages(rewards, G, eps=cfg.algorithm.adv_eps, norm_by_std=cfg.algorithm.norm_adv_by_std)
+
+        # 4. old-policy (and reference) log-probs and entropies: no grad, fp32
+        t0 = time.perf_counter()
+        sb = self._prepare_batch(responses, rewards, adv_out.advantages)
+        timing["timing_s/old_log_prob"] = time.perf_counter() - t0
+
+        # 5. update: one optimizer step per mini-batch (the engine sleeps meanwhile, if configured)
+        t0 = time.perf_counter()
+        if cfg.rollout.sleep_during_update:
+            self.engine.sleep()
+        self.model.train()
+        update_metrics = self._update(sb)
+        timing["timing_s/update"] = time.perf_counter() - t0
+
+        # 6. sync the new weights into the rollout engine
+        t0 = time.perf_counter()
+        self.model.eval()
+        if cfg.rollout.sleep_during_update:
+            self.engine.wake_up()
+        self.engine.sync_weights(self.model)
+        timing["timing_s/sync"] = time.perf_counter() - t0
+
+        # 7. metrics
+        timing["timing_s/step"] = time.perf_counter() - t_step
+        metrics = self._step_metrics(sb, reward_out, adv_out.metrics, update_metrics)
+        metrics.update(timing)
+        metrics["perf/tokens_per_s"] = metrics["response_length/total_tokens"] / timing["timing_s/step"]
+        if cfg.trainer.log_examples_every and (self.step + 1) % cfg.trainer.log_examples_every == 0:
+            self._log_silenced_examples(sb)
+        return metrics
+
+    # --- stage helpers --------------------------------------------------------------------------------
+    def _prepare_batch(self, responses, rewards: torch.Tensor, advantages: torch.Tensor) -> StepBatch:
+        from stapo.policy import collate_responses
+
+        batch = collate_responses(responses, self.tokenizer.pad_token_id)
+        B, R = batch.response_mask.shape
+        old = self._forward_all(self.model, batch, B, R)
+        ref = self._forward_all(self.ref_model, batch, B, R)[0] if self.ref_model is not None else None
+        return StepBatch(batch=batch, responses=responses, rewards=rewards, advantages=advantages,
+                         old_logprobs=old[0], old_entropy=old[1], old_collision=old[2], ref_logprobs=ref)
+
+    @torch.no_grad()
+    def _forward_all(self, model, batch, B: int, R: int, rows: torch.Tensor | None = None):
+        """No-grad token statistics for ``rows`` (default: all) → (logprobs, entropy, collision), each [B, R]."""
+        from stapo.policy import policy_token_stats
+
+        rows = torch.arange(B) if rows is None else rows
+        out = [torch.zeros(B, R) for _ in range(3)]  # [B, R] fp32 each
+        for idx in self._micro_batches(batch, rows):
+            mb = batch.select(idx).trim()
+            st = policy_token_stats(model, mb.to(self.device), self.cfg.rollout.temperature)
+            r = st.logprobs.shape[1]
+            for buf, t in zip(out, (st.logprobs, st.entropy, st.collision)):
+                buf[idx, :r] = t.float().cpu()  # scatter back through the same permutation
+        return out
+
+    def _micro_batches(self, batch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Split ``rows`` into micro-batches of ``actor.ppo_micro_batch_size`` rows, sorted by length if asked."""
+        size = self.cfg.actor.ppo_micro_batch_size
+        if self.cfg.actor.sort_by_length:
+            lengths = batch.attention_mask[rows].sum(dim=1)  # [n] prompt + response tokens
+            rows = rows[torch.argsort(lengths, descending=True, stable=True)]
+        return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+    def _update(self, sb: StepBatch) -> dict[str, float]:
+        """All mini-batches of the step: mask → denominator → micro-batch forward/backward → clip → step."""
+        from stapo.policy import policy_token_stats
+
+        cfg, obj, G = self.cfg, self.objective, self.cfg.rollout.n
+        B, R = sb.batch.response_mask.shape
+        response_mask = sb.batch.response_mask.bool()  # [B, R]
+        rows_per_mini = cfg.actor.ppo_mini_batch_size * G  # responses per optimizer step (whole groups)
+        acc = _MetricAccumulator()
+        self._last_keep = torch.zeros(B, R, dtype=torch.bool)  # [B, R] kept tokens, for the examples table
+        for mb_i, start in enumerate(range(0, B, rows_per_mini)):
+            rows = torch.arange(start, min(start + rows_per_mini, B))  # [n] this mini-batch's responses
+            # Token mask over the WHOLE mini-batch. S2T statistics come from the current policy (Algorithm 1);
+            # for the first mini-batch π_θ = π_old, so the old-policy pass is reused.
+            if obj.token_mask == "none" or cfg.algorithm.s2t.stats_source == "old" or mb_i == 0:
+                stat_logp, stat_ent = sb.old_logprobs[rows], sb.old_entropy[rows]  # [n, R]
+            else:
+                cur = self._forward_all(self.model, sb.batch, B, R, rows=rows)
+                stat_logp, stat_ent = cur[0][rows], cur[1][rows]  # [n, R]
+            tm = compute_token_mask(obj, stat_logp, stat_ent, sb.advantages[rows], response_mask[rows])
+            self._last_keep[rows] = tm.keep
+            acc.add_mask_stats(tm.stats)
+            # The loss denominator of the whole mini-batch, computed once, before the micro-batch loop.
+            denom = loss_denominator(tm.keep, obj.loss_agg_mode, max_response_length=cfg.rollout.response_length)
+
+            self.optimizer.zero_grad(set_to_none=True)
+            position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
+            minibatch_loss: dict[str, float] = {}
+            for idx in self._micro_batches(sb.batch, rows):  # idx: [b] batch rows (possibly length-sorted)
+                mb = sb.batch.select(idx).trim()
+                r = mb.response_ids.shape[1]
+                st = policy_token_stats(self.model, mb.to(self.device), cfg.rollout.temperature)  # [b, r], grad
+                keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :r]  # [b, r], same permutation
+                loss, m = policy_loss(
+                    obj, st.logprobs, sb.old_logprobs[idx, :r].to(self.device), sb.advantages[idx].to(self.device),
+                    keep.to(self.device), denom,
+                    ref_logprobs=None if sb.ref_logprobs is None else sb.ref_logprobs[idx, :r].to(self.device))
+                loss.backward()
+                for k in ("actor/pg_loss", "actor/kl_loss"):  # shares of the mini-batch loss: add up
+                    if k in m:
+                        minibatch_loss[k] = minibatch_loss.get(k, 0.0) + m[k]
+                for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):  # per kept token
+                    acc.add_mean(k, m[k], weight=m["actor/num_kept_tokens"])
+            for k, v in minibatch_loss.items():
+                acc.add_mean(k, v)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.grad_clip)
+            acc.add_mean("actor/grad_norm", float(grad_norm))
+            if torch.isfinite(grad_norm):
+                self.optimizer.step()
+            else:  # skip the step rather than write NaN into the weights; counted
+                acc.add_sum("actor/nonfinite_grad_steps", 1.0)
+            self.scheduler.step()
+        out = acc.result()
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        out["actor/num_kept_tokens"] = float(self._last_keep.sum())
+        return out
+
+    def _step_metrics(self, sb: StepBatch, reward_out, adv_metrics: dict[str, float],
+                      update_metrics: dict[str, float]) -> dict[str, float]:
+        mask = sb.batch.response_mask.bool()  # [B, R]
+        lengths = mask.sum(dim=1).float()  # [B] response tokens
+        truncated = torch.tensor([r.finish_reason == "length" for r in sb.responses], dtype=torch.float32)
+        adv_tok = sb.advantages[:, None].expand_as(mask)  # [B, R]
+        m: dict[str, float] = {
+            "critic/score/mean": sb.rewards.mean().item(),
+            "critic/score/max": sb.rewards.max().item(),
+            "critic/score/min": sb.rewards.min().item(),
+            "critic/rewards/mean": sb.rewards.mean().item(),
+            "actor/entropy": masked_mean(sb.old_entropy, mask).item(),
+            "response_length/mean": lengths.mean().item(),
+            "response_length/max": lengths.max().item(),
+            "response_length/min": lengths.min().item(),
+            "response_length/clip_ratio": truncated.mean().item(),
+            "response_length/total_tokens": lengths.sum().item(),
+        }
+        m.update(adv_metrics)
+        m.update(getattr(reward_out, "stats", None).as_dict() if getattr(reward_out, "stats", None) else {})
+        m.update(update_metrics)
+        m.update(self.prompt_stats)
+        m["data/epoch"] = float(self.loader.epoch)
+        # train/inference mismatch: engine log-probs vs the trainer's recomputation (old policy)
+        diffs = []
+        for i, r in enumerate(sb.responses):
+            if r.engine_logprobs:
+                n = min(len(r.engine_logprobs), int(lengths[i]))
+                e = torch.tensor(r.engine_logprobs[:n], dtype=torch.float32)
+                diffs.append((e - sb.old_logprobs[i, :n]).abs())
+        if diffs:
+            d = torch.cat(diffs)
+            m["rollout/logprob_diff_mean"] = d.mean().item()
+            m["rollout/logprob_diff_max"] = d.max().item()
+        # §9 analysis at the old policy (ρ = 1 → w = Â): quadrant summary of Â > 0 tokens
+        gnorm = logit_grad_norm(sb.old_logprobs, sb.old_collision, adv_tok, temperature=self.cfg.rollout.temperature)
+        dh = entropy_change_estimate(sb.old_logprobs, sb.old_entropy, adv_tok)
+        q = quadrant_summary(sb.old_logprobs, sb.old_entropy, adv_tok, mask, grad_norm=gnorm, entropy_change=dh,
+                             prob_threshold=self.cfg.algorithm.s2t.prob_threshold)
+        m.update({f"s2t/{k}": v for k, v in q.items()})
+        return m
+
+    def _log_silenced_examples(self, sb: StepBatch, max_rows: int = 20, context: int = 6) -> None:
+        """A table of silenced tokens (S2T) — or, for other objectives, tokens S2T *would* silence."""
+        from stapo.masks import s2t_mask
+
+        s2t = self.cfg.algorithm.s2t
+        mask = sb.batch.response_mask.bool()
+        if self.objective.token_mask == "s2t":
+            silenced = mask & ~self._last_keep
+        else:
+            tm = s2t_mask(sb.old_logprobs, sb.old_entropy, sb.advantages, mask, prob_threshold=s2t.prob_threshold,
+                          entropy_quantile=s2t.entropy_quantile, quantile_scope=s2t.quantile_scope)
+            silenced = mask & ~tm.keep
+        rows = []
+        for b, t in silenced.nonzero().tolist()[:max_rows]:
+            ids = sb.batch.response_ids[b]
+            rows.append([
+                self.tokenizer.decode([int(ids[t])]),
+                self.tokenizer.decode(ids[max(0, t - context):t].tolist()),
+                math.exp(sb.old_logprobs[b, t].item()), sb.old_entropy[b, t].item(), sb.advantages[b].item(),
+            ])
+        if self.tracker is not None:
+            self.tracker.log_table(self.step + 1, "s2t/examples", ["token", "context", "p", "H", "advantage"], rows)
+
+
+class _MetricAccumulator:
+    """Combines per-mini-batch / per-micro-batch metrics into one value per step.
+
+    ``add_mean`` → weighted mean; ``add_sum`` → sum; ``add_mask_stats`` → counts (``…/num_*``) summed, fractions
+    recomputed from the sums, other statistics (thresholds, means) averaged over mini-batches. NaN values
+    (e.g. τ_h of an empty candidate set) are skipped.
+    """
+
+    def __init__(self) -> None:
+        self._sum: dict[str, float] = {}
+        self._weight: dict[str, float] = {}
+        self._plain: dict[str, float] = {}
+
+    def add_mean(self, key: str, value: float, weight: float = 1.0) -> None:
+        if isinstance(value, float) and math.isnan(value):
+            return
+        self._sum[key] = self._sum.get(key, 0.0) + value * weight
+        self._weight[key] = self._weight.get(key, 0.0) + weight
+
+    def add_sum(self, key: str, value: float) -> None:
+        self._plain[key] = self._plain.get(key, 0.0) + value
+
+    def add_mask_stats(self, stats: dict[str, float]) -> None:
+        for k, v in stats.items():
+            leaf = k.rsplit("/", 1)[-1]
+            if leaf.startswith("num_"):
+                self.add_sum(k, v)
+            elif leaf not in ("masked_frac", "kept_frac"):
+                self.add_mean(k, v)
+
+    def result(self) -> dict[str, float]:
+        out = {k: self._sum[k] / self._weight[k] for k in self._sum if self._weight[k] > 0}
+        out.update(self._plain)
+        for prefix, num in (("s2t/", "num_masked"), ("top_entropy/", "num_kept")):
+            total = self._plain.get(prefix + "num_response_tokens")
+            if total is not None:
+                name = "masked_frac" if num == "num_masked" else "kept_frac"
+                out[prefix + name] = self._plain.get(prefix + num, 0.0) / max(total, 1.0)
+        return out

@@ -1,0 +1,132 @@
+"""The training loop end to end on the tiny model (HF rollouts, CPU)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stapo.checkpoint import latest_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from toy_run import make_trainer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+@pytest.mark.parametrize("objective", ["stapo", "justrl", "grpo", "entropy20"])
+def test_two_steps_of_each_objective(tmp_path, objective):
+    trainer = make_trainer(str(tmp_path), [f"algorithm.objective={objective}", "trainer.save_every=0"])
+    before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    history = trainer.train()
+    assert len(history) == 2
+    for m in history:
+        for key in ("critic/score/mean", "critic/advantages/mean", "actor/entropy", "actor/pg_loss",
+                    "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "response_length/mean",
+                    "response_length/clip_ratio", "frac_reward_zero_std", "timing_s/rollout", "timing_s/reward",
+                    "timing_s/old_log_prob", "timing_s/update", "timing_s/sync", "perf/tokens_per_s",
+                    "s2t/quadrant/low_p_low_h/share"):
+            assert key in m, key
+        assert torch.isfinite(torch.tensor(m["actor/pg_loss"]))
+    assert any(m["frac_reward_zero_std"] < 1.0 for m in history)  # the toy reward varies within groups
+    if objective == "stapo":
+        for key in ("s2t/masked_frac", "s2t/num_candidates", "s2t/num_masked", "s2t/entropy_threshold"):
+            assert key in history[0] or key == "s2t/entropy_threshold", key  # τ_h is absent when NaN everywhere
+    if objective == "entropy20":
+        # 2 prompts × G=4 × ≤8 tokens: about a fifth of the response tokens keep gradient
+        assert 0.15 < history[0]["top_entropy/kept_frac"] <= 0.35
+    if objective == "grpo":
+        assert "actor/kl_loss" in history[0]
+    changed = sum(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
+    assert changed > 0
+    rows = _rows(tmp_path / "toy" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    ckpt = latest_checkpoint(tmp_path / "toy" / "checkpoints")
+    assert ckpt is not None and ckpt.name == "step_000002"  # the final checkpoint is always written
+
+
+def test_checkpoint_is_loadable_by_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = make_trainer(str(tmp_path), ["trainer.total_steps=1"])
+    trainer.train()
+    ckpt = latest_checkpoint(tmp_path / "toy" / "checkpoints")
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    for (k, a), (_, b) in zip(trainer.model.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+_NOISY = ("timing_s/", "perf/")
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(_NOISY)} for r in rows]
+
+
+def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    cmd = [sys.executable, str(REPO / "tests" / "toy_run.py")]
+    steps = ["trainer.total_steps=4", "trainer.save_every=1"]
+    # uninterrupted reference run
+    subprocess.run(cmd + [str(tmp_path / "ref"), *steps], check=True, env=env, capture_output=True)
+    reference = _rows(tmp_path / "ref" / "toy" / "metrics.jsonl")
+    assert [r["step"] for r in reference] == [1, 2, 3, 4]
+
+    # killed run: SIGKILL as soon as the step-2 checkpoint exists (it may have started step 3)
+    run_dir = tmp_path / "killed" / "toy"
+    proc = subprocess.Popen(cmd + [str(tmp_path / "killed"), *steps], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").exists():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = latest_checkpoint(run_dir / "checkpoints")
+    assert killed_at is not None and killed_at.name in ("step_000002", "step_000003")
+    assert not (run_dir / "checkpoints" / "step_000004").exists()
+
+    # resume
+    subprocess.run(cmd + [str(tmp_path / "killed"), *steps, "trainer.resume=auto"], check=True, env=env,
+                   capture_output=True)
+    resumed = _rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # no duplicated or missing steps
+    assert _comparable(resumed) == _comparable(reference)
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
+    make_trainer(str(tmp_path), ["trainer.total_steps=1"]).train()
+    with pytest.raises(FileExistsError, match="--resume"):
+        make_trainer(str(tmp_path), ["trainer.total_steps=1"]).train()
+
+
+def test_wandb_offline_run_directory_holds_the_metrics(tmp_path):
+    trainer = make_trainer(str(tmp_path), ["trainer.total_steps=1", "logging.wandb_mode=offline"])
+    trainer.train()
+    run_dir = tmp_path / "toy"
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1
+    # The offline run file stores history rows as protobuf records holding each key and its JSON value
+    # verbatim; check that the step's metrics are in it (wandb ships no offline reader for this file).
+    data = next(offline[0].glob("*.wandb")).read_bytes()
+    row = _rows(run_dir / "metrics.jsonl")[0]
+    for key in ("critic/score/mean", "actor/entropy", "actor/pg_loss", "s2t/num_masked"):
+        assert key.encode() in data, key
+    assert json.dumps(row["actor/entropy"]).encode() in data
+
+
+def test_train_py_reports_bad_config_and_exits_2(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
+                          "actor.lrr=1"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "unknown config key 'actor.lrr'; did you mean 'actor.lr'?" in out.stderr
+    assert "Traceback" not in out.stderr
