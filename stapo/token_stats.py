@@ -14,11 +14,15 @@ For one row of logits x ∈ R^V (one token position) at temperature T, with z = 
     H      = log s − Σ_v e_v (z_v − m) / s,  e_v = exp(z_v − m)       (Shannon entropy, nats)
     C      = Σ_v e_v² / s²  = Σ_v π(v)²                 (collision probability)
 
+The kernels evaluate exactly these formulas in base 2 (y = z / ln 2 = x · c with c = fp32(log2(e)/T),
+e_v = 2^(y_v − max y), H = ln 2 · (log2 s − Σ e (y − max y) / s), log p = ln 2 · (y_t − max y − log2 s)),
+because exp2 is about a third cheaper than exp on CPU; the results are in nats.
+
 All of this is computed in fp32 whatever the logits' dtype (fp32, bf16 or fp16), row by row in
 chunks of rows, so that no fp32 copy of the whole [B, T, V] logits and no full softmax is ever
 materialised.  The backward pass is a custom ``torch.autograd.Function`` that saves only a reference
-to the logits (their own dtype) and the per-row fp32 ``lse`` (and ``H`` when the entropy needs a
-gradient) and recomputes the softmax chunk by chunk:
+to the logits (their own dtype) and per-row fp32 statistics (max y and log2 s, i.e. the
+log-partition, plus H when the entropy needs a gradient) and recomputes the softmax chunk by chunk:
 
     d log p / d z_j = 1[j = target] − π_j
     d H     / d z_j = −π_j (log π_j + H)
@@ -30,9 +34,9 @@ full-size allocation, and it is unavoidable).
 Two interchangeable kernels compute a chunk:
 
 * ``"compiled"``: a ``torch.compile``'d (dynamic shapes, fullgraph) fused kernel — on CPU, inductor
-  generates one OpenMP C++ loop nest per chunk that reads the logits twice (row max, then the three
-  sums) and allocates nothing but the per-row outputs; the backward kernel writes straight into the
-  gradient tensor.  The forward sums are accumulated in fp64 (inductor's fp32 sum on CPU uses a
+  generates one OpenMP C++ loop over the rows of a chunk that reads each row twice back to back (row
+  max, then the three sums; the second read comes from cache) and allocates nothing but the per-row
+  outputs; the backward kernel writes straight into the gradient tensor.  The forward sums are accumulated in fp64 (inductor's fp32 sum on CPU uses a
   cascade with 4096-long sequential runs per SIMD lane, which is ~1e-5 off in entropy at
   V = 151,936; fp64 accumulation costs a few percent and gives ~1e-8).  The first call of each kernel
   compiles it (seconds; see results/benchmarks/token_stats.md); later calls reuse it for any chunk
@@ -46,9 +50,9 @@ warning, if compilation (or the compiled kernel) fails; ``"compiled"`` raises in
 
 Non-finite logits:
 
-* −inf entries (padded vocabulary, masked ids) are handled exactly: (z − m) is clamped at
-  ``_NEG_CLAMP`` = −1e4 before it multiplies exp(z − m), so 0 · (−inf) never makes NaN.  exp(−1e4)
-  is 0 in fp32, hence the clamp changes no result.  A target whose logit is −inf gets log p = −inf
+* −inf entries (padded vocabulary, masked ids) are handled exactly: (y − max y) and log2 π are
+  clamped at ``_NEG_CLAMP`` = −1e4 before they multiply 2^(·), so 0 · (−inf) never makes NaN.
+  2^(−1e4) is 0 in fp32, hence the clamp changes no result.  A target whose logit is −inf gets log p = −inf
   (its gradient stays finite).
 * A row whose logits are ALL −inf, or a row containing +inf or NaN, gives NaN log-prob, entropy and
   collision for that row (and NaN gradients for it).  Other rows are unaffected.
@@ -83,16 +87,20 @@ Backend = Literal["auto", "compiled", "eager"]
 _BACKENDS = ("auto", "compiled", "eager")
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Floor for (z − m) and for log π: exp(−1e4) == 0 in fp32 (anything below about −104 underflows),
-# so clamping there is exact, and it turns −inf into a finite number so that 0 · (−inf) = NaN
-# cannot happen.
+# Floor for (y − max y) and for log2 π: 2^(−1e4) == 0 in fp32 (anything below −150 underflows), so
+# clamping there is exact, and it turns −inf into a finite number so that 0 · (−inf) = NaN cannot
+# happen.
 _NEG_CLAMP = -1.0e4
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / math.log(2.0)
 
-# Default rows per chunk.  Eager: two fp32 [chunk, V] buffers, sized so that both stay in the L3
-# cache (~4 MiB each).  Compiled: the forward allocates nothing per chunk and the backward writes in
-# place, so the chunk only sets the number of kernel launches.
-_EAGER_CHUNK_BYTES = 4 * 2**20
-_COMPILED_CHUNK_ROWS = 1024
+# Default rows per chunk.  Eager: two fp32 [chunk, V] buffers of ~2.5 MiB each (4 rows at
+# V = 151,936), which stay in cache between the ~8 passes over them; a sweep on the 2-core dev box
+# gave 2-8 rows as the sweet spot (16+ rows: ~1.5-2x slower).  Compiled: the forward allocates
+# nothing per chunk and the backward writes in place, so the chunk only sets the number of kernel
+# launches (~0.3 ms of Python/guard overhead each).
+_EAGER_CHUNK_BYTES = 5 * 2**19
+_COMPILED_CHUNK_ROWS = 256
 
 
 @dataclass
@@ -114,6 +122,8 @@ class TokenStats:
 
 # --------------------------------------------------------------------------------------------------
 # Chunk kernels.  x: [n, V] logits chunk (fp32/bf16/fp16, rows may be strided, last dim may not).
+# All kernels work in base 2: y = x · c with c = fp32(log2(e) / T), so that y = z / ln 2 and
+# exp(z − max z) = exp2(y − max y)  (exp2 is ~1/3 cheaper than exp on CPU, eager and compiled).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -137,71 +147,81 @@ class _Workspace:
         return self.bufs[0][:n], self.bufs[1][:n]  # [n, V] each
 
 
-def _fwd_chunk_eager(
-    x: torch.Tensor, inv_t: float, ws: _Workspace
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Eager forward kernel: (lse, entropy, collision), each [n] fp32, using the two workspace buffers."""
+def _fwd_chunk_eager(x: torch.Tensor, c: float, ws: _Workspace) -> tuple[torch.Tensor, ...]:
+    """Eager forward kernel → (m, log2 s, entropy, collision), each [n] fp32 (m, log2 s in log2 units).
+
+    Uses the two workspace buffers; torch.sum on CPU is a cascade sum, so fp32 accumulation is
+    accurate (~1e-7 relative).
+    """
     d, e = ws.get(x.shape[0])  # [n, V] fp32 each
     d.copy_(x)  # [n, V] fp32 upcast (exact)
-    if inv_t != 1.0:
-        d.mul_(inv_t)  # [n, V] z = x / T
-    m = d.amax(dim=-1, keepdim=True)  # [n, 1] row max
-    d.sub_(m).clamp_(min=_NEG_CLAMP)  # [n, V] z − m ∈ [−1e4, 0]  (NaN stays NaN)
-    torch.exp(d, out=e)  # [n, V] e = exp(z − m)
-    s = e.sum(dim=-1)  # [n] Σ e   (torch.sum on CPU: cascade summation)
-    s1 = d.mul_(e).sum(dim=-1)  # [n] Σ e·(z − m)
+    if c != 1.0:
+        d.mul_(c)  # [n, V] y = x · log2(e) / T
+    m = d.amax(dim=-1, keepdim=True)  # [n, 1] row max of y
+    d.sub_(m).clamp_(min=_NEG_CLAMP)  # [n, V] y − m ∈ [−1e4, 0]  (NaN stays NaN)
+    torch.exp2(d, out=e)  # [n, V] e = 2^(y − m) = exp(z − max z)
+    s = e.sum(dim=-1)  # [n] Σ e
+    s1 = d.mul_(e).sum(dim=-1)  # [n] Σ e·(y − m)
     s2 = e.square_().sum(dim=-1)  # [n] Σ e²
-    log_s = torch.log(s)  # [n]
-    lse = m.squeeze(-1) + log_s  # [n] log Σ exp(z)
-    entropy = log_s - s1 / s  # [n] nats
+    log2_s = torch.log2(s)  # [n]
+    entropy = (log2_s - s1 / s) * _LN2  # [n] nats
     collision = s2 / (s * s)  # [n]
-    return lse, entropy, collision
+    return m.squeeze(-1), log2_s, entropy, collision
 
 
-def _fwd_chunk_fused(x: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Body of the compiled forward kernel (same maths as :func:`_fwd_chunk_eager`).
+def _fwd_chunk_fused(x: torch.Tensor, c: float) -> tuple[torch.Tensor, ...]:
+    """Body of the compiled forward kernel → (m [n, 1] fp32, Σe, Σe·(y−m), Σe² [n] fp64).
 
-    Written as one expression graph for inductor: it fuses everything into a max pass and a sum pass
-    over each row with no [n, V] intermediate.  Sums are accumulated in fp64 (see module docstring).
+    Written as one expression graph for inductor, which fuses it into ONE loop over rows, each row
+    read twice back to back (max, then the three sums; the second read hits the cache) with no
+    [n, V] intermediate.  Sums are accumulated in fp64 (see module docstring).  The O(n) epilogue
+    is left to :func:`_finish_fused`: inside the graph it stops inductor from fusing the two row loops.
     """
-    z = x.float() * inv_t  # [n, V] fp32 (virtual: fused, never stored)
-    m = z.amax(dim=-1, keepdim=True)  # [n, 1]
-    d = (z - m).clamp_min(_NEG_CLAMP)  # [n, V] z − m, finite for −inf logits
-    e = d.exp()  # [n, V] fp32
+    y = x.float() * c  # [n, V] fp32 (virtual: fused, never stored)
+    m = y.amax(dim=-1, keepdim=True)  # [n, 1]
+    d = (y - m).clamp_min(_NEG_CLAMP)  # [n, V] y − m, finite for −inf logits
+    e = d.exp2()  # [n, V] fp32
     s = e.double().sum(dim=-1)  # [n] fp64 Σ e
-    s1 = (e * d).double().sum(dim=-1)  # [n] fp64 Σ e·(z − m)
+    s1 = (e * d).double().sum(dim=-1)  # [n] fp64 Σ e·(y − m)
     s2 = (e * e).double().sum(dim=-1)  # [n] fp64 Σ e²
-    log_s = s.log()  # [n] fp64
-    lse = (m.squeeze(-1).double() + log_s).float()  # [n] fp32
-    entropy = (log_s - s1 / s).float()  # [n] fp32, nats
+    return m, s, s1, s2
+
+
+def _finish_fused(m, s, s1, s2) -> tuple[torch.Tensor, ...]:
+    """(m, log2 s [fp64], entropy, collision) for one chunk from the compiled kernel's row sums."""
+    log2_s = s.log2()  # [n] fp64
+    entropy = ((log2_s - s1 / s) * _LN2).float()  # [n] fp32, nats
     collision = (s2 / (s * s)).float()  # [n] fp32
-    return lse, entropy, collision
+    return m.squeeze(-1), log2_s, entropy, collision
 
 
 def _bwd_chunk_eager(
     out: torch.Tensor,
     x: torch.Tensor,
-    lse: torch.Tensor,
+    m: torch.Tensor,
+    log2_s: torch.Tensor,
     entropy: torch.Tensor | None,
     g_lp: torch.Tensor | None,
     g_h: torch.Tensor | None,
     tgt: torch.Tensor,
+    c: float,
     inv_t: float,
     ws: _Workspace,
 ) -> None:
     """Eager backward kernel: writes d loss / d x for one chunk into ``out`` ([n, V], x's dtype).
 
-    out = (g_lp · (onehot − π) − g_h · π (log π + H)) / T, using the two workspace buffers.
+    out = (g_lp · (onehot − π) − g_h · π (log π + H)) / T, using the two workspace buffers;
+    ``m`` and ``log2_s`` [n] are the forward's row max of y and log2 Σ 2^(y − m): log2 π = y − m − log2 s.
     """
     lp, p = ws.get(x.shape[0])  # [n, V] fp32 each
     lp.copy_(x)  # [n, V] fp32 upcast
-    if inv_t != 1.0:
-        lp.mul_(inv_t)  # [n, V] z
-    lp.sub_(lse.unsqueeze(-1)).clamp_(min=_NEG_CLAMP)  # [n, V] log π (clamped, finite)
-    torch.exp(lp, out=p)  # [n, V] π
+    if c != 1.0:
+        lp.mul_(c)  # [n, V] y
+    lp.sub_(m.unsqueeze(-1)).sub_(log2_s.unsqueeze(-1)).clamp_(min=_NEG_CLAMP)  # [n, V] log2 π
+    torch.exp2(lp, out=p)  # [n, V] π
     if g_h is not None:
         assert entropy is not None
-        lp.add_(entropy.unsqueeze(-1)).mul_(g_h.unsqueeze(-1))  # [n, V] g_h (log π + H)
+        lp.mul_(_LN2).add_(entropy.unsqueeze(-1)).mul_(g_h.unsqueeze(-1))  # [n, V] g_h (log π + H)
         if g_lp is not None:
             lp.add_(g_lp.unsqueeze(-1))  # [n, V] g_lp + g_h (log π + H)
         grad = lp.mul_(p).neg_()  # [n, V] −π (g_lp + g_h (log π + H))
@@ -219,20 +239,22 @@ def _bwd_chunk_eager(
 def _bwd_chunk_fused(
     out: torch.Tensor,
     x: torch.Tensor,
-    lse: torch.Tensor,
+    m: torch.Tensor,
+    log2_s: torch.Tensor,
     entropy: torch.Tensor,
     g_lp: torch.Tensor,
     g_h: torch.Tensor,
     tgt: torch.Tensor,
+    c: float,
     inv_t: float,
 ) -> None:
     """Body of the compiled backward kernel; all per-row inputs are [n] fp32 (zeros when unused).
 
     Inductor fuses it into a single pass that writes ``out`` in place (no [n, V] intermediate).
     """
-    lp = (x.float() * inv_t - lse.unsqueeze(-1)).clamp_min(_NEG_CLAMP)  # [n, V] log π
-    p = lp.exp()  # [n, V] π
-    g = -p * (g_lp.unsqueeze(-1) + g_h.unsqueeze(-1) * (lp + entropy.unsqueeze(-1)))  # [n, V]
+    lp2 = (x.float() * c - m.unsqueeze(-1) - log2_s.unsqueeze(-1)).clamp_min(_NEG_CLAMP)  # [n, V] log2 π
+    p = lp2.exp2()  # [n, V] π
+    g = -p * (g_lp.unsqueeze(-1) + g_h.unsqueeze(-1) * (lp2 * _LN2 + entropy.unsqueeze(-1)))  # [n, V]
     hit = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == tgt.unsqueeze(-1)  # [n, V] bool
     g = torch.where(hit, g + g_lp.unsqueeze(-1), g)  # [n, V] + g_lp · onehot(target)
     out.copy_(g * inv_t)  # [n, V] in out's dtype
@@ -289,26 +311,26 @@ def _no_duck_shapes():
         return contextlib.nullcontext()
 
 
-def _fwd_chunk(x: torch.Tensor, inv_t: float, backend: str, ws: _Workspace):
+def _fwd_chunk(x: torch.Tensor, c: float, backend: str, ws: _Workspace):
     if x.shape[0] >= 2 and _use_compiled(backend):
         try:
             with _no_duck_shapes():
                 # detach(): a plain (non-view, requires_grad=False) alias, so that dynamo guards on
                 # neither the autograd flag nor the layout of the tensor the chunk was sliced from.
-                return _get_compiled("fwd")(x.detach(), inv_t)
+                return _finish_fused(*_get_compiled("fwd")(x.detach(), c))
         except Exception as exc:  # noqa: BLE001 - any compile/codegen error → fallback or re-raise
             _compiled_failed(backend, exc)
-    return _fwd_chunk_eager(x, inv_t, ws)
+    return _fwd_chunk_eager(x, c, ws)
 
 
-def _bwd_chunk(out, x, lse, entropy, g_lp, g_h, tgt, inv_t: float, backend: str, ws: _Workspace) -> None:
+def _bwd_chunk(out, x, m, log2_s, entropy, g_lp, g_h, tgt, c, inv_t, backend, ws) -> None:
     if x.shape[0] >= 2 and _use_compiled(backend):
 
         def row_arg(t: torch.Tensor | None) -> torch.Tensor:
             # [n] fp32, contiguous (upstream grads are often stride-0 expands), distinct tensors
             # (dynamo guards on aliasing between arguments), zeros for an absent term.
             if t is None:
-                return torch.zeros_like(lse)
+                return torch.zeros_like(m)
             return t.detach().float().contiguous()
 
         try:
@@ -316,17 +338,19 @@ def _bwd_chunk(out, x, lse, entropy, g_lp, g_h, tgt, inv_t: float, backend: str,
                 _get_compiled("bwd")(
                     out.detach(),
                     x.detach(),
-                    row_arg(lse),
+                    row_arg(m),
+                    row_arg(log2_s),
                     row_arg(entropy),
                     row_arg(g_lp),
                     row_arg(g_h),
                     tgt.detach(),
+                    c,
                     inv_t,
                 )
             return
         except Exception as exc:  # noqa: BLE001
             _compiled_failed(backend, exc)
-    _bwd_chunk_eager(out, x, lse, entropy, g_lp, g_h, tgt, inv_t, ws)
+    _bwd_chunk_eager(out, x, m, log2_s, entropy, g_lp, g_h, tgt, c, inv_t, ws)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,30 +385,40 @@ def _default_chunk(vocab: int, backend: str) -> int:
 
 
 class _TokenStatsFunction(torch.autograd.Function):
-    """Autograd wrapper: outputs (logprobs [N], entropy [N], collision [N]), all fp32."""
+    """Autograd wrapper: outputs (logprobs [N], entropy [N], collision [N]), all fp32.
+
+    Saved for backward: the logits (a reference, no copy), targets [N], and per row (fp32 [N]): the
+    max m of y = x·log2(e)/T, log2 s = log2 Σ 2^(y − m) (log-partition = ln2·(m + log2 s)) and, with
+    entropy_grad, the entropy.
+    """
 
     @staticmethod
-    def forward(ctx, logits, targets, inv_t, entropy_grad, chunk, backend):  # noqa: D401
+    def forward(ctx, logits, targets, c, inv_t, entropy_grad, chunk, backend):  # noqa: D401
         n_rows = targets.numel()
         dev = logits.device
-        lse = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N]
+        logprobs = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N] nats
+        row_max = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N] max y, log2 units
+        row_log2_s = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N] log2 Σ 2^(y − m)
         entropy = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N] nats
         collision = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N]
-        z_tgt = torch.empty(n_rows, dtype=torch.float32, device=dev)  # [N] target logit / T
         ws = _Workspace(min(chunk, max(n_rows, 1)), logits.shape[-1], dev)  # eager buffers, lazy
         for block, row0 in _row_blocks(logits):
             for a, b in _chunks(block.shape[0], chunk, backend):
                 x = block[a:b]  # [n, V] view, logits' dtype
-                tgt = targets[row0 + a : row0 + b]  # [n] int64
-                out = _fwd_chunk(x, inv_t, backend, ws)
-                lse[row0 + a : row0 + b] = out[0]
-                entropy[row0 + a : row0 + b] = out[1]
-                collision[row0 + a : row0 + b] = out[2]
-                z_tgt[row0 + a : row0 + b] = x.gather(1, tgt.unsqueeze(-1)).squeeze(-1).float() * inv_t
-        logprobs = z_tgt - lse  # [N] fp32 log π(target)
+                r = slice(row0 + a, row0 + b)
+                m, log2_s, ent, coll = _fwd_chunk(x, c, backend, ws)  # [n] each
+                y_tgt = x.gather(1, targets[r].unsqueeze(-1)).squeeze(-1).float() * c  # [n] fp32
+                # log p = ln2 · ((y_t − m) − log2 s): the difference y_t − m is taken first, in fp32,
+                # so a large row max does not cost precision.
+                logprobs[r] = ((y_tgt - m).double() - log2_s.double()) * _LN2
+                row_max[r] = m
+                row_log2_s[r] = log2_s
+                entropy[r] = ent
+                collision[r] = coll
 
-        ctx.inv_t, ctx.chunk, ctx.backend, ctx.entropy_grad = inv_t, chunk, backend, entropy_grad
-        ctx.save_for_backward(logits, targets, lse, entropy if entropy_grad else None)
+        ctx.c, ctx.inv_t, ctx.chunk, ctx.backend = c, inv_t, chunk, backend
+        ctx.entropy_grad = entropy_grad
+        ctx.save_for_backward(logits, targets, row_max, row_log2_s, entropy if entropy_grad else None)
         ctx.set_materialize_grads(False)
         if entropy_grad:
             ctx.mark_non_differentiable(collision)  # (one call: each call replaces the set)
@@ -395,11 +429,11 @@ class _TokenStatsFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logprobs, g_entropy, g_collision):
-        logits, targets, lse, entropy = ctx.saved_tensors
+        logits, targets, row_max, row_log2_s, entropy = ctx.saved_tensors
         if not ctx.entropy_grad:
             g_entropy = None
         if g_logprobs is None and g_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [.., V]
         grad_rows = grad.view(-1, logits.shape[-1])  # [N, V] contiguous
         ws = _Workspace(min(ctx.chunk, max(targets.numel(), 1)), logits.shape[-1], logits.device)
@@ -409,21 +443,27 @@ class _TokenStatsFunction(torch.autograd.Function):
                 _bwd_chunk(
                     grad_rows[r],  # [n, V] written in place
                     block[a:b],  # [n, V]
-                    lse[r],
+                    row_max[r],
+                    row_log2_s[r],
                     entropy[r] if g_entropy is not None else None,
                     g_logprobs[r].float() if g_logprobs is not None else None,
                     g_entropy[r].float() if g_entropy is not None else None,
                     targets[r],
+                    ctx.c,
                     ctx.inv_t,
                     ctx.backend,
                     ws,
                 )
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
 # Public entry point.
 # --------------------------------------------------------------------------------------------------
+
+
+def _fp32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
 
 
 def _validate(logits, targets, temperature, chunk_size, backend) -> None:
@@ -486,12 +526,12 @@ def token_stats(
             entries are allowed (see the module docstring for all-−inf / +inf / NaN rows).
         targets: [B, T] or [N] (= logits.shape[:-1]) integer token ids in [0, V), on the logits'
             device; converted to int64.
-        temperature: sampling temperature T > 0 (finite); the logits are multiplied by the fp32
-            value of 1/T.
+        temperature: sampling temperature T > 0 (finite).  Internally the logits are multiplied
+            by the fp32 value of log2(e)/T (base-2 kernels, see the module docstring).
         entropy_grad: if True, ``entropy`` is differentiable w.r.t. the logits (backward recomputes
             the softmax chunk by chunk); otherwise it is detached (``requires_grad`` False).
-        chunk_size: rows per chunk.  None → backend default (eager: ~4 MiB per fp32 chunk buffer,
-            13 rows at V = 151,936; compiled: 1024 rows, the kernel allocates no [rows, V] buffer).
+        chunk_size: rows per chunk.  None → backend default (eager: ~2.5 MiB per fp32 chunk buffer,
+            4 rows at V = 151,936; compiled: 256 rows, the kernel allocates no [rows, V] buffer).
             Peak extra memory of the eager kernel ≈ 2 · chunk_size · V · 4 bytes.
         backend: "compiled" (torch.compile'd fused kernel; raises RuntimeError if it fails),
             "eager" (plain PyTorch ops), or "auto" (compiled, falling back to eager with a one-time
@@ -522,10 +562,11 @@ def token_stats(
     _validate(logits, targets, temperature, chunk_size, backend)
     out_shape = targets.shape
     flat_targets = targets.reshape(-1).to(torch.int64)  # [N]
-    inv_t = float(torch.tensor(1.0 / float(temperature), dtype=torch.float32))  # fp32-rounded 1/T
+    inv_t = _fp32(1.0 / float(temperature))  # fp32-rounded 1/T (backward chain rule)
+    c = _fp32(_LOG2E / float(temperature))  # fp32-rounded log2(e)/T: y = x·c = z / ln 2
     chunk = int(chunk_size) if chunk_size is not None else _default_chunk(logits.shape[-1], backend)
     logprobs, entropy, collision = _TokenStatsFunction.apply(
-        logits, flat_targets, inv_t, bool(entropy_grad), chunk, backend
+        logits, flat_targets, c, inv_t, bool(entropy_grad), chunk, backend
     )
     return TokenStats(
         logprobs=logprobs.view(out_shape),  # [B, T] / [N]
