@@ -1,12 +1,27 @@
-"""stapo — a reproduction of STAPO (arXiv 2602.15620): GRPO-style RL for LLM math reasoning
-stabilised by the S2T (Silencing Spurious Tokens) mask, with the GRPO, 20-Entropy and JustRL baselines.
+"""stapo — a reproduction of STAPO (arXiv 2602.15620): GRPO-style RL for LLM math reasoning stabilised by
+the S2T (Silencing Spurious Tokens) mask, with the GRPO, 20-Entropy and JustRL baselines.
 
 Package layout (one file per concern):
-  token_stats  — log-prob, entropy and collision probability of target tokens from logits (chunked)
-  advantages   — GRPO group-normalised advantages
-  masks        — token masks: S2T (STAPO) and top-entropy (20-Entropy)
-  objectives   — clipped surrogate, KL, loss aggregation and the registry of named objectives
-  analysis     — the paper's token-level analysis (§9): gradient norms, entropy change, quadrants
+
+Algorithm core (pure tensor functions, no model, no I/O)
+  token_stats   log-prob, entropy (nats) and collision probability Σπ² of target tokens from logits, chunked
+  advantages    GRPO group-normalised advantages
+  masks         token masks: S2T (STAPO) and top-entropy (20-Entropy), registry TOKEN_MASKS
+  objectives    clipped surrogate, k3 KL, loss aggregation, registry OBJECTIVES of the four named objectives
+  analysis      the paper's token-level analysis (§9): gradient norms, entropy change, quadrants
+  tensor_utils  boolean-mask checks, fp32 kthvalue quantile
+
+Rewards and data
+  boxed, rewards, grader   \\boxed{} extraction, the strict-box training reward, the math-verify grader
+  data, synthetic, prompts benchmark / training-set loaders, synthetic arithmetic, the boxed prompt
+
+Models and rollouts
+  models        embedded SmolLM2 (from GGUF), HF / hub policies, tiny test models
+  rollout/      HF and vLLM rollout engines (one interface), weight sync
+  policy        RolloutBatch and trainer-side token statistics
+
+Training
+  config        typed OmegaConf schema; trainer: the loop; checkpoint; tracking (JSONL + W&B)
 """
 
 __version__ = "0.1.0"
