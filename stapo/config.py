@@ -64,6 +64,7 @@ class DataConfig:
     root: str = "data"  # data root (benchmarks/, train/); tests use ../shared/data
     train_set: Literal["synthetic", "dapo_math_17k", "math_train"] = "synthetic"
     prompt_style: Literal["chat", "plain"] = "chat"  # chat template (instruct models) or plain text (base)
+    system_prompt: Optional[str] = None  # chat only; the paper uses none (the CPU recipe adds a one-shot example)
     max_prompt_length: int = 1024  # tokens; longer prompts are dropped (and counted)
     train_batch_size: int = 256  # prompts per training step
     shuffle: bool = True

@@ -212,7 +212,8 @@ class Trainer:
             records = load_train_set(dc.train_set, dc.root)
         out, dropped = [], 0
         for rec in records:
-            ids = encode_prompt(rec.problem, self.tokenizer, use_chat_template=dc.prompt_style)
+            ids = encode_prompt(rec.problem, self.tokenizer, use_chat_template=dc.prompt_style,
+                                system_prompt=dc.system_prompt)
             if len(ids) > dc.max_prompt_length:
                 dropped += 1
                 continue
