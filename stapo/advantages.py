@@ -74,10 +74,12 @@ def grpo_advantages(
 
     mean = r.mean(dim=1, keepdim=True)  # [num_groups, 1]
     std = r.std(dim=1, keepdim=True, correction=1)  # [num_groups, 1]
+    # all-equal groups, detected exactly (fp32 std of [0.1]*8 is ~7e-9, not 0, and /(std + ε) would amplify it)
+    zero_std = r.amax(dim=1) == r.amin(dim=1)  # [num_groups] bool
     adv = r - mean  # [num_groups, G]
     if norm_by_std:
         adv = adv / (std + eps)
-    zero_std = std.squeeze(1) == 0  # [num_groups] bool
+    adv = torch.where(zero_std[:, None], torch.zeros_like(adv), adv)  # Â = 0 for all-equal groups (METHOD §2)
     frac_zero = zero_std.float().mean().item()
     adv = adv.reshape(-1)  # [num_groups * G]
     metrics = {

@@ -9,7 +9,9 @@ logits z = a / T is w · (π − e_y)), and w = 0 where the clip is active:
 (lower bound: Σπ² ≥ e^{−H} by Jensen; upper bound: the paper's). With a sampling temperature T the
 gradient w.r.t. the raw logits a is ∇_z / T.
 
-First-order entropy change caused by one token's update with step size η:
+The paper's first-order entropy-change term of one token, step size η (METHOD §9; it is that token's
+term of the covariance estimate of Cui et al., arXiv 2505.22617, not the exact first-order change of a
+single logit-gradient step, which also depends on Σ_v π² (log π + H)):
 
     ΔH ≈ −η · p · (log p − E_π[log π]) · (Â − E_π[Â]),   E_π[log π] = −H
 
@@ -115,7 +117,7 @@ def entropy_change_estimate(
     lr: float = 1.0,
     expected_advantage: torch.Tensor | float = 0.0,
 ) -> torch.Tensor:
-    """First-order entropy change from one token's update (METHOD §9).
+    """The paper's first-order entropy-change term of one token (METHOD §9; see the module docstring).
 
         ΔH ≈ −η · p · (log p − E_π[log π]) · (Â − E_π[Â]),  with E_π[log π] = −H.
 
@@ -175,6 +177,9 @@ def quadrant_summary(
     adv = advantages.detach().float()
     if entropy_change is None:
         entropy_change = entropy_change_estimate(logp, ent, adv)
+    check_same_shape("response_mask", mask, entropy_change=entropy_change)
+    if grad_norm is not None:
+        check_same_shape("response_mask", mask, grad_norm=grad_norm)
     considered = mask & (adv > 0)  # [B, T] bool
     n = int(considered.sum())
     out: dict[str, float] = {"quadrant/num_tokens": float(n)}

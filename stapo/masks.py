@@ -120,8 +120,12 @@ def s2t_mask(
         ``masked_entropy_mean``, ``masked_adv_mean`` (NaN when nothing is silenced).
 
     Raises:
-        ValueError: shapes disagree, τ_p ∉ (0, 1], q ∉ (0, 1), unknown scope.
+        ValueError: shapes disagree, τ_p ∉ (0, 1], q ∉ (0, 1), unknown scope, a NaN/inf entropy or NaN
+            log-prob on a response token.
         TypeError: a float mask, or non-float statistics.
+
+    With strict inequalities and a linearly interpolated quantile, a single candidate, or candidates whose
+    entropies are all equal, are never silenced (τ_h equals their entropy).
 
     Example (scope = "candidates", q = 0.75, τ_p = 0.002): four candidates with H = [0.1, 0.2, 0.3, 0.4]
     → τ_h = 0.3 + 0.25·(0.4 − 0.3) = 0.325 → the tokens with H 0.1, 0.2, 0.3 are silenced, 0.4 is kept.
@@ -135,6 +139,11 @@ def s2t_mask(
     mask, t = _prepare(logprobs, entropy, advantages, response_mask)
     logp, ent, adv = t["logprobs"].detach(), t["entropy"].detach(), t["advantages"].detach()  # [B, T] fp32
 
+    bad = mask & ~(torch.isfinite(ent) & ~torch.isnan(logp))
+    if bool(bad.any()):  # a NaN in the quantile pool would make τ_h NaN and silently silence nothing
+        b, t_ = bad.nonzero()[0].tolist()
+        raise ValueError(f"s2t_mask: non-finite entropy or NaN log-prob at response token ({b}, {t_}); "
+                         f"{int(bad.sum())} such tokens")
     log_tau_p = math.log(prob_threshold)
     candidates = mask & (adv > 0) & (logp < log_tau_p)  # [B, T] bool
     num_candidates = int(candidates.sum())
@@ -198,6 +207,8 @@ def top_entropy_mask(
         raise ValueError(f"top-entropy ratio must be in (0, 1], got {ratio}")
     mask, t = _prepare(None, entropy, None, response_mask)
     ent = t["entropy"].detach()  # [B, T] fp32
+    if bool((mask & torch.isnan(ent)).any()):  # sort would rank NaN above every entropy and keep it
+        raise ValueError(f"top_entropy_mask: {int((mask & torch.isnan(ent)).sum())} response tokens have NaN entropy")
     n = int(mask.sum())
     keep_flat = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)  # [B*T] bool
     threshold = float("nan")

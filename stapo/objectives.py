@@ -168,6 +168,9 @@ def clipped_surrogate(
     Example: Â = 1, ρ = 1.5, ε_high = 0.28 → L = max(−1.5, −1.28) = −1.28 (clipped, no gradient).
     """
     if advantages.dim() == 1:
+        if logprobs.dim() != 2 or advantages.shape[0] != logprobs.shape[0]:
+            raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected [B] with "
+                             f"B = {logprobs.shape[0]} or the shape of logprobs {tuple(logprobs.shape)}")
         advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
     check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages)
     adv = advantages.detach().float()  # [B, T]
@@ -188,7 +191,7 @@ def clipped_surrogate(
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π_θ ‖ π_ref) per token (Schulman's "low-variance" estimator; verl ``low_var_kl``).
 
-        k3 = exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1 ≥ 0, clamped to [−10, 10] as in verl.
+        d = clamp(log π_ref − log π_θ, ±20),  k3 = exp(d) − d − 1 ≥ 0, clamped to [−10, 10] as in verl.
 
     Args:
         logprobs: [B, T] log π_θ (nats), carries gradient.
@@ -198,7 +201,8 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
         [B, T] fp32. Example: log π_θ = log 0.5, log π_ref = log 0.25 → 0.5 − ln 0.5 − 1 ≈ 0.1931.
     """
     check_same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
-    d = ref_logprobs.detach().float() - logprobs.float()  # [B, T]
+    # clamp the log-ratio before exp (as verl does): exp overflow would give 0·inf = NaN gradients
+    d = (ref_logprobs.detach().float() - logprobs.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
     return (torch.exp(d) - d - 1.0).clamp(-_KL_CLAMP, _KL_CLAMP)
 
 

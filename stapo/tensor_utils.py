@@ -61,11 +61,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     Args:
         values: float tensor [...].
-        mask: bool tensor of the same shape.
+        mask: bool (or integer 0/1) tensor of the same shape.
 
     Returns:
         0-dim fp32 tensor. Masked-out entries never reach the sum (``torch.where``), so NaN/inf there is harmless.
     """
+    mask = as_bool_mask(mask, "mask")
     v = torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
     return v.sum() / mask.sum().clamp(min=1)
 

@@ -39,3 +39,10 @@ def test_grpo_advantages_bad_input():
 def test_broadcast_to_tokens():
     adv = broadcast_to_tokens(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 0, 0]]))
     assert adv.tolist() == [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]]
+
+
+def test_equal_non_representable_rewards_give_exactly_zero_advantage():
+    # fp32 std of [0.1] * 8 is ~7e-9, not 0; the group must still count as zero-std with Â = 0 (METHOD §2)
+    out = grpo_advantages(torch.tensor([0.1] * 8 + [0.0, 1.0] * 4), group_size=8)
+    assert out.advantages[:8].tolist() == [0.0] * 8
+    assert out.frac_reward_zero_std == 0.5

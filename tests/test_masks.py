@@ -209,3 +209,16 @@ def test_no_mask_and_registry():
     assert set(TOKEN_MASKS) == {"none", "s2t", "top_entropy"}
     with pytest.raises(KeyError, match="valid names"):
         get_token_mask("s2T")
+
+
+def test_nan_entropy_is_an_error_not_a_silent_no_op():
+    # A NaN in the quantile pool would make τ_h NaN and silence nothing without a word.
+    logp = torch.full((1, 4), math.log(0.001))
+    h = torch.tensor([[0.1, float("nan"), 0.3, 0.4]])
+    with pytest.raises(ValueError, match=r"non-finite entropy .* \(0, 1\)"):
+        s2t_mask(logp, h, torch.ones(1), torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="NaN entropy"):
+        top_entropy_mask(None, h, None, torch.ones(1, 4, dtype=torch.bool))
+    # NaN on a padding position is ignored
+    out = s2t_mask(logp, h, torch.ones(1), torch.tensor([[True, False, True, True]]))
+    assert out.stats["num_candidates"] == 3

@@ -196,3 +196,25 @@ def test_grpo_kl_term_and_metrics():
         assert key in m0
     # ppo_kl = mean over kept tokens of (log p_old − log p): offsets (.05 −.02 .1 0 .03 −.1 .2) / 7
     assert m0["actor/ppo_kl"] == pytest.approx(0.26 / 7, rel=1e-5)
+
+
+def test_kl_k3_gradient_stays_finite_for_extreme_log_ratios():
+    # Token 2 is masked and has log p = −100 (ref − logp = 99.5 would overflow exp): its gradient must be 0,
+    # not NaN. Kept token: d = −1.2 + 1 = −0.2 → k3 = e^−0.2 + 0.2 − 1; d k3/d logp = 1 − e^d = 1 − e^−0.2.
+    lp = torch.tensor([[-1.0, -100.0]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -0.5]])
+    kl = kl_k3(lp, ref)
+    loss = aggregate_loss(kl, torch.tensor([[True, False]]), "token-mean", 1.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(math.exp(-0.2) + 0.2 - 1, rel=1e-6)
+    assert lp.grad.tolist()[0] == pytest.approx([1 - math.exp(-0.2), 0.0], abs=1e-6)
+    # a kept token with a huge ratio: value clamped at 10, gradient finite
+    lp2 = torch.tensor([[-100.0]], requires_grad=True)
+    kl2 = kl_k3(lp2, torch.tensor([[0.0]]))
+    kl2.sum().backward()
+    assert kl2.item() == 10.0 and torch.isfinite(lp2.grad).all()
+
+
+def test_wrong_batch_size_of_per_response_advantages_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"advantages has shape \(3,\)"):
+        objective_loss("justrl", torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(3), torch.ones(2, 4, dtype=torch.bool))
