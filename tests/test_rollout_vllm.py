@@ -175,3 +175,16 @@ def test_sleep_and_wake_are_noops_on_cpu_and_bad_input_is_rejected(engine, polic
         engine.generate([list(range(3, 3 + 128))], 2, SamplingParams(max_new_tokens=3))
     with pytest.raises(ValueError, match="out of range"):
         engine.generate([[1, N + PAD_ROWS]], 2, SamplingParams(max_new_tokens=3))
+
+
+def test_seeded_batch_larger_than_one_prefill_step_does_not_crash(engine, policy):
+    # 16 prompts × G = 8 × 100 prompt tokens = 12,800 prefill tokens: more than vLLM's default CPU token budget
+    # per step, which used to prefill some prompts in chunks and crash seeded sampling on CPU
+    # ("CPU Generator does not use offset"). The engine now sizes the budget to whole prompts.
+    engine.sync_weights(policy)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 20000, (100,), generator=g).tolist() for _ in range(16)]
+    out = engine.generate(prompts, 8, SamplingParams(temperature=1.0, max_new_tokens=2, seed=3))
+    assert len(out) == 128
+    assert [r.group for r in out] == [i // 8 for i in range(128)]
+    assert all(1 <= len(r.response_ids) <= 2 for r in out)

