@@ -218,3 +218,25 @@ def test_kl_k3_gradient_stays_finite_for_extreme_log_ratios():
 def test_wrong_batch_size_of_per_response_advantages_is_a_clear_error():
     with pytest.raises(ValueError, match=r"advantages has shape \(3,\)"):
         objective_loss("justrl", torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(3), torch.ones(2, 4, dtype=torch.bool))
+
+
+def test_s2t_silencing_a_whole_micro_batch_gives_finite_zero_loss_and_zero_gradient():
+    # Mini-batch of two responses (Â = +1 both), split into two micro-batches of one response each.
+    # Every token is rare (p = 0.001) → 4 candidates with H: A = [0.1, 0.2, 0.3], B = [0.9]
+    # → sorted [0.1, 0.2, 0.3, 0.9], q = 0.75, pos = 2.25 → τ_h = 0.3 + 0.25·0.6 = 0.45
+    # → all three tokens of micro-batch A are silenced; B's token is kept (N = 1).
+    logp = torch.full((2, 3), math.log(0.001))
+    ent = torch.tensor([[0.1, 0.2, 0.3], [0.9, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    adv = torch.tensor([1.0, 1.0])
+    obj = get_objective("stapo")
+    tm = compute_token_mask(obj, logp, ent, adv, mask)
+    assert tm.keep.tolist() == [[False, False, False], [True, False, False]]
+    denom = loss_denominator(tm.keep, obj.loss_agg_mode)
+    assert denom == 1.0
+    logp_a = logp[:1].clone().requires_grad_(True)
+    loss_a, m = policy_loss(obj, logp_a, logp[:1], adv[:1], tm.keep[:1], denom)
+    loss_a.backward()
+    assert torch.isfinite(loss_a) and loss_a.item() == 0.0
+    assert torch.equal(logp_a.grad, torch.zeros(1, 3))
+    assert m["actor/num_kept_tokens"] == 0 and m["actor/pg_clipfrac"] == 0.0  # no 0/0 in the metrics either
