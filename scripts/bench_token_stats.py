@@ -58,6 +58,7 @@ METHODS = {
     "ts_compiled_bwd": "token_stats compiled fwd+bwd",
 }
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_NOTES_MARK = "<!-- hand-written notes below: kept when the script rewrites this file -->"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,12 +171,28 @@ def _accuracy(method, out, logits, targets, temperature, acc_rows):
     return d_lp, d_h
 
 
+def _flat_out(method, out):
+    """Flatten the outputs' token dims to [N] for the accuracy check."""
+    if method == "lse":
+        return out.reshape(-1)
+    if method in ("naive", "trl"):
+        return tuple(t.reshape(-1) for t in out)
+    st = out[0] if method == "ts_compiled_bwd" else out
+    flat = type(st)(*(t.reshape(-1) for t in (st.logprobs, st.entropy, st.collision)))
+    return (flat, None) if method == "ts_compiled_bwd" else flat
+
+
 def worker(args) -> None:
     import torch
 
     dtype = getattr(torch, DTYPES[args.dtype])
     fn = _method_fn(args.method, args.temperature)
-    logits, targets = _make_logits(args.n, args.vocab, dtype)
+    flat_logits, flat_targets = _make_logits(args.n, args.vocab, dtype)
+    # Every method gets the same [B, T, V] view (free), as a trainer would pass it: TRL loops over the
+    # leading dim in Python, so a flat [N, V] input would cost it N tiny calls.
+    batch = args.batch if args.n % args.batch == 0 else 1
+    logits = flat_logits.view(batch, args.n // batch, args.vocab)  # [B, T, V]
+    targets = flat_targets.view(batch, args.n // batch)  # [B, T]
     logits_bytes = logits.numel() * logits.element_size()
     result = {"method": args.method, "dtype": args.dtype, "logits_bytes": logits_bytes}
 
@@ -188,7 +205,7 @@ def worker(args) -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     result["max_abs_d_logp"], result["max_abs_d_entropy"] = _accuracy(
-        args.method, out, logits, targets, args.temperature, args.acc_rows
+        args.method, _flat_out(args.method, out), flat_logits, flat_targets, args.temperature, args.acc_rows
     )
     del out
 
@@ -235,6 +252,7 @@ def _run_worker(args, method, dtype, env_extra=None, first_only=False) -> dict |
         sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method, "--dtype", dtype,
         "--n", str(args.n), "--vocab", str(args.vocab), "--repeats", str(args.repeats),
         "--temperature", str(args.temperature), "--acc-rows", str(args.acc_rows),
+        "--batch", str(args.batch),
     ]
     if first_only:
         cmd.append("--first-only")
@@ -285,6 +303,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151_936, help="vocabulary size V")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats after the warm-up call")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--batch", type=int, default=8,
+                   help="the logits are passed as a [B, N/B, V] view (B = 1 if it does not divide N)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32,bf16,fp16")
     p.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ",".join(METHODS))
     p.add_argument("--acc-rows", type=int, default=32, help="rows checked against float64")
@@ -362,7 +382,8 @@ def main() -> None:
     md = f"""# token_stats benchmark
 
 Per-token log-prob + entropy (+ collision) from logits, N = {args.n} tokens × V = {args.vocab:,}
-(fp32 logits = {gib:.2f} GiB), T = {args.temperature}, median of {args.repeats} timed calls after one
+(fp32 logits = {gib:.2f} GiB) passed to every method as a [B = {args.batch}, T = N/B, V] view,
+sampling temperature {args.temperature}, median of {args.repeats} timed calls after one
 warm-up call, each (method, dtype) in a fresh subprocess.  All ratios are to the baseline
 `torch.logsumexp(logits.float() / T, -1)` (eager, same dtype) **measured in the same run**.
 
@@ -388,8 +409,12 @@ How each column is measured (see the script's docstring):
   {args.acc_rows} evenly spaced rows.  The baseline computes only the log-partition, so its Δ logp is
   for gather(logits)/T − lse and it has no entropy.
 """
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(md)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if out_path.exists() and _NOTES_MARK in out_path.read_text():
+        # keep the hand-written discussion below the marker across reruns
+        md += "\n" + _NOTES_MARK + out_path.read_text().split(_NOTES_MARK, 1)[1]
+    out_path.write_text(md)
     print(f"\nwrote {args.out}")
 
 
