@@ -50,9 +50,11 @@ warning, if compilation (or the compiled kernel) fails; ``"compiled"`` raises in
 
 Non-finite logits:
 
-* −inf entries (padded vocabulary, masked ids) are handled exactly: (y − max y) and log2 π are
-  clamped at ``_NEG_CLAMP`` = −1e4 before they multiply 2^(·), so 0 · (−inf) never makes NaN.
-  2^(−1e4) is 0 in fp32, hence the clamp changes no result.  A target whose logit is −inf gets log p = −inf
+* −inf entries (padded vocabulary, masked ids) get probability exactly 0: (y − max y) and log2 π are
+  clamped at ``_LOG2_FLOOR`` = −63 and entries at the floor get weight 0, so 0 · (−inf) never
+  makes NaN.  Finite entries below the floor (relative probability < 2^−63 ≈ 1e−19) are dropped the
+  same way; the effect is < 1e−13 relative on the sums, i.e. invisible in fp32 results (see
+  ``_LOG2_FLOOR``).  A target whose logit is −inf gets log p = −inf
   (its gradient stays finite).
 * A row whose logits are ALL −inf, or a row containing +inf or NaN, gives NaN log-prob, entropy and
   collision for that row (and NaN gradients for it).  Other rows are unaffected.
@@ -87,10 +89,14 @@ Backend = Literal["auto", "compiled", "eager"]
 _BACKENDS = ("auto", "compiled", "eager")
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Floor for (y − max y) and for log2 π: 2^(−1e4) == 0 in fp32 (anything below −150 underflows), so
-# clamping there is exact, and it turns −inf into a finite number so that 0 · (−inf) = NaN cannot
-# happen.
-_NEG_CLAMP = -1.0e4
+# Floor, in log2 units, for (y − max y) in the forward and for log2 π in the backward.  A vocabulary
+# entry at or below it (relative weight 2^−63 ≈ 1.1e−19, or a −inf logit) gets weight exactly 0, and
+# the clamped value keeps every product finite (0 · (−inf) = NaN cannot happen).  What is dropped
+# changes Σ e by at most V · 2^−63 relative (< 1e−13 for V < 2^20), far below fp32 resolution, and
+# −Σ p log p by less than V · 5e−18 nats.  The floor also keeps every operand and result in the
+# normal fp32 range (e ≥ 2^−63, e² ≥ 2^−126): denormals made the kernels 2-3x slower on wide
+# (realistic) logits on the dev CPU.
+_LOG2_FLOOR = -63.0
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -158,8 +164,9 @@ def _fwd_chunk_eager(x: torch.Tensor, c: float, ws: _Workspace) -> tuple[torch.T
     if c != 1.0:
         d.mul_(c)  # [n, V] y = x · log2(e) / T
     m = d.amax(dim=-1, keepdim=True)  # [n, 1] row max of y
-    d.sub_(m).clamp_(min=_NEG_CLAMP)  # [n, V] y − m ∈ [−1e4, 0]  (NaN stays NaN)
+    d.sub_(m).clamp_(min=_LOG2_FLOOR)  # [n, V] y − m ∈ [−63, 0]  (NaN stays NaN)
     torch.exp2(d, out=e)  # [n, V] e = 2^(y − m) = exp(z − max z)
+    e.masked_fill_(d == _LOG2_FLOOR, 0.0)  # [n, V] drop entries at the floor (−inf logits)
     s = e.sum(dim=-1)  # [n] Σ e
     s1 = d.mul_(e).sum(dim=-1)  # [n] Σ e·(y − m)
     s2 = e.square_().sum(dim=-1)  # [n] Σ e²
@@ -179,8 +186,8 @@ def _fwd_chunk_fused(x: torch.Tensor, c: float) -> tuple[torch.Tensor, ...]:
     """
     y = x.float() * c  # [n, V] fp32 (virtual: fused, never stored)
     m = y.amax(dim=-1, keepdim=True)  # [n, 1]
-    d = (y - m).clamp_min(_NEG_CLAMP)  # [n, V] y − m, finite for −inf logits
-    e = d.exp2()  # [n, V] fp32
+    d = (y - m).clamp_min(_LOG2_FLOOR)  # [n, V] y − m ∈ [−63, 0], finite for −inf logits
+    e = torch.where(d > _LOG2_FLOOR, d.exp2(), 0.0)  # [n, V] fp32, 0 at the floor
     s = e.double().sum(dim=-1)  # [n] fp64 Σ e
     s1 = (e * d).double().sum(dim=-1)  # [n] fp64 Σ e·(y − m)
     s2 = (e * e).double().sum(dim=-1)  # [n] fp64 Σ e²
@@ -217,8 +224,9 @@ def _bwd_chunk_eager(
     lp.copy_(x)  # [n, V] fp32 upcast
     if c != 1.0:
         lp.mul_(c)  # [n, V] y
-    lp.sub_(m.unsqueeze(-1)).sub_(log2_s.unsqueeze(-1)).clamp_(min=_NEG_CLAMP)  # [n, V] log2 π
+    lp.sub_(m.unsqueeze(-1)).sub_(log2_s.unsqueeze(-1)).clamp_(min=_LOG2_FLOOR)  # [n, V] log2 π
     torch.exp2(lp, out=p)  # [n, V] π
+    p.masked_fill_(lp == _LOG2_FLOOR, 0.0)  # [n, V] π = 0 at the floor (−inf logits)
     if g_h is not None:
         assert entropy is not None
         lp.mul_(_LN2).add_(entropy.unsqueeze(-1)).mul_(g_h.unsqueeze(-1))  # [n, V] g_h (log π + H)
@@ -252,8 +260,8 @@ def _bwd_chunk_fused(
 
     Inductor fuses it into a single pass that writes ``out`` in place (no [n, V] intermediate).
     """
-    lp2 = (x.float() * c - m.unsqueeze(-1) - log2_s.unsqueeze(-1)).clamp_min(_NEG_CLAMP)  # [n, V] log2 π
-    p = lp2.exp2()  # [n, V] π
+    lp2 = (x.float() * c - m.unsqueeze(-1) - log2_s.unsqueeze(-1)).clamp_min(_LOG2_FLOOR)  # [n, V]
+    p = torch.where(lp2 > _LOG2_FLOOR, lp2.exp2(), 0.0)  # [n, V] π, 0 at the floor
     g = -p * (g_lp.unsqueeze(-1) + g_h.unsqueeze(-1) * (lp2 * _LN2 + entropy.unsqueeze(-1)))  # [n, V]
     hit = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == tgt.unsqueeze(-1)  # [n, V] bool
     g = torch.where(hit, g + g_lp.unsqueeze(-1), g)  # [n, V] + g_lp · onehot(target)

@@ -249,6 +249,28 @@ def test_entropy_detached_by_default():
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_wide_logits_tiny_probabilities(backend, request):
+    """Spreads beyond the kernels' 2^-63 floor (≈ 43.7 nats): tiny-probability entries are dropped,
+    which must not be visible at 1e-5 (log-prob of a tiny-probability target stays exact)."""
+    if backend == "compiled":
+        request.getfixturevalue("compiled_ok")
+    vocab = 500
+    logits = make_logits((4, vocab), seed=15, scale=2.0)
+    logits[:, 0] = 80.0  # dominant: everything else is ~e^-80 relative (beyond the floor)
+    logits[1, 1] = 40.0  # p ≈ e^-40 (inside the floor)
+    logits[2, 2] = 30.0
+    targets = torch.tensor([5, 1, 2, 0])  # row 0's target has p ≈ e^-80
+    st = token_stats(logits, targets, backend=backend, chunk_size=4)
+    ref_lp, ref_h, ref_c = reference(logits, targets)
+    assert_close(st.logprobs, ref_lp, 1e-5, "logprobs")
+    assert_close(st.entropy, ref_h, 1e-5, "entropy")
+    assert_close(st.collision, ref_c, 1e-5, "collision")
+    w = torch.ones(4, dtype=torch.float64)
+    got = run_grads(logits, targets, 1.0, w.float(), w.float(), backend=backend, chunk_size=4)
+    assert_close(got, reference_grads(logits, targets, 1.0, w, w), 1e-5, "grad")
+
+
 @pytest.mark.parametrize("chunk_size", [1, 2, 5, 36, 37, 100])
 def test_chunk_boundaries_eager(chunk_size):
     vocab = 301
@@ -339,10 +361,13 @@ def test_neg_inf_logits_and_target(backend, request):
     assert (x.grad[:, [10, 20, 63]] == 0).all()  # π = 0 there: no gradient
 
 
-def test_all_neg_inf_row_is_nan_and_isolated():
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_all_neg_inf_row_is_nan_and_isolated(backend, request):
     """Documented: a row whose logits are all -inf gives NaN; other rows are unaffected."""
+    if backend == "compiled":
+        request.getfixturevalue("compiled_ok")
     logits = torch.tensor([[NEG_INF, NEG_INF, NEG_INF], [0.0, 0.0, NEG_INF]])
-    st = token_stats(logits, torch.tensor([0, 1]), backend="eager")
+    st = token_stats(logits, torch.tensor([0, 1]), backend=backend)
     assert torch.isnan(st.entropy[0]) and torch.isnan(st.collision[0])
     assert not torch.isfinite(st.logprobs[0])
     assert abs(st.entropy[1].item() - math.log(2.0)) < 1e-6
