@@ -97,6 +97,10 @@ _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # normal fp32 range (e ≥ 2^−63, e² ≥ 2^−126): denormals made the kernels 2-3x slower on wide
 # (realistic) logits on the dev CPU.
 _LOG2_FLOOR = -63.0
+# Eager kernels: 2^(floor) = 2^−63 is exact; anything ≤ this (slightly larger) weight is set to 0 by a
+# single in-place threshold_ pass (no bool mask buffer) — the same set as "y − m > floor" in the
+# compiled kernels.
+_FLOOR_WEIGHT = 2.0**-63 * (1.0 + 2.0**-20)
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -166,7 +170,7 @@ def _fwd_chunk_eager(x: torch.Tensor, c: float, ws: _Workspace) -> tuple[torch.T
     m = d.amax(dim=-1, keepdim=True)  # [n, 1] row max of y
     d.sub_(m).clamp_(min=_LOG2_FLOOR)  # [n, V] y − m ∈ [−63, 0]  (NaN stays NaN)
     torch.exp2(d, out=e)  # [n, V] e = 2^(y − m) = exp(z − max z)
-    e.masked_fill_(d == _LOG2_FLOOR, 0.0)  # [n, V] drop entries at the floor (−inf logits)
+    torch.nn.functional.threshold_(e, _FLOOR_WEIGHT, 0.0)  # [n, V] e = 0 at the floor (−inf logits)
     s = e.sum(dim=-1)  # [n] Σ e
     s1 = d.mul_(e).sum(dim=-1)  # [n] Σ e·(y − m)
     s2 = e.square_().sum(dim=-1)  # [n] Σ e²
@@ -226,7 +230,7 @@ def _bwd_chunk_eager(
         lp.mul_(c)  # [n, V] y
     lp.sub_(m.unsqueeze(-1)).sub_(log2_s.unsqueeze(-1)).clamp_(min=_LOG2_FLOOR)  # [n, V] log2 π
     torch.exp2(lp, out=p)  # [n, V] π
-    p.masked_fill_(lp == _LOG2_FLOOR, 0.0)  # [n, V] π = 0 at the floor (−inf logits)
+    torch.nn.functional.threshold_(p, _FLOOR_WEIGHT, 0.0)  # [n, V] π = 0 at the floor (−inf logits)
     if g_h is not None:
         assert entropy is not None
         lp.mul_(_LN2).add_(entropy.unsqueeze(-1)).mul_(g_h.unsqueeze(-1))  # [n, V] g_h (log π + H)
@@ -272,6 +276,7 @@ def _bwd_chunk_fused(
 # Compiled-kernel management: lazy compilation, one-time fallback for backend="auto".
 # --------------------------------------------------------------------------------------------------
 
+_COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
 _compiled_kernels: dict[str, Callable] = {}
 _compile_error: BaseException | None = None
 _lock = threading.Lock()
@@ -282,7 +287,12 @@ def _get_compiled(name: str) -> Callable:
         fn = _compiled_kernels.get(name)
         if fn is None:
             body = {"fwd": _fwd_chunk_fused, "bwd": _bwd_chunk_fused}[name]
-            fn = torch.compile(body, dynamic=True, fullgraph=True)
+            # cpp.dynamic_threads: always emit an OpenMP parallel loop and let the runtime pick the
+            # thread count.  Otherwise inductor decides serial-vs-parallel from the FIRST call's
+            # sizes (a tiny first call gives a serial kernel, 2x slower on 2 cores for large
+            # inputs) and bakes the thread count in, and its on-disk cache then hands that kernel
+            # to later processes whatever their sizes or thread counts.
+            fn = torch.compile(body, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
             _compiled_kernels[name] = fn
         return fn
 
