@@ -1,0 +1,576 @@
+"""STAPO and 20-Entropy as verl policy losses (verified against verl 0.9.1).
+
+Importing this module
+
+1. registers ``stapo`` (S2T mask, METHOD.md §4) and ``entropy20`` (top-20 %-entropy mask, METHOD.md §5) in
+   verl's own policy-loss registry, ``verl.trainer.ppo.core_algos.register_policy_loss`` (core_algos.py:53;
+   the registry dict ``POLICY_LOSS_REGISTRY`` is at :50 and ``get_policy_loss_fn`` at :70). Both use the
+   registered-loss signature of the installed verl (``PolicyLossFn``, core_algos.py:37; same as the built-in
+   ``vanilla`` loss, :1285)::
+
+       fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+          rollout_is_weights=None) -> (pg_loss: 0-dim tensor, pg_metrics: dict[str, float])
+
+   The loss itself is ours: :func:`stapo.objectives.policy_loss` (JustRL clipped surrogate, dual clip,
+   token-mean) over the keep-mask of :func:`stapo.objectives.compute_token_mask` (which calls
+   :func:`stapo.masks.s2t_mask` / :func:`stapo.masks.top_entropy_mask`). Nothing is re-implemented here.
+2. installs a small hook on verl's actor worker, ``verl.workers.engine_workers.TrainingWorker.train_batch``
+   (engine_workers.py:343, called once per optimizer mini-batch by ``train_mini_batch``, :243), that computes
+   the mask over the WHOLE mini-batch before its micro-batch loop. The hook does nothing unless the worker's
+   loss is ``partial(ppo_loss, config=<ActorConfig>)`` (engine_workers.py:643) with
+   ``policy_loss.loss_mode`` ∈ {``stapo``, ``entropy20``}; the critic and the reference model pass through.
+
+Why a hook, and where the entropy comes from
+--------------------------------------------
+verl 0.9.1 has no ``DataParallelPPOActor`` / ``dp_actor.py`` any more: the actor is a model *engine*
+(``verl/workers/engine/fsdp/transformer_impl.py``) driven by ``TrainingWorker``. The registered loss is called
+by ``verl.workers.utils.losses.ppo_loss`` (losses.py:57, call at :103) once per MICRO-batch with the seven
+arguments above only — no entropy, no token statistics of the other micro-batches or ranks. The engine does
+compute the per-token entropy when the mini-batch carries ``calculate_entropy=True`` (fsdp
+transformer_impl.py ``prepare_model_outputs``; ``model_output["entropy"]``, read by ppo_loss at losses.py:60),
+but (a) verl's driver sets that flag for the update only when ``actor.calculate_entropy`` or
+``entropy_coeff != 0`` (ray_trainer.py:1336), (b) ppo_loss does not pass it on, and (c) even then each call
+would see only its own micro-batch, while the S2T entropy quantile τ_h, the 20-Entropy top-k and the
+token-mean denominator N are mini-batch quantities (METHOD.md §3–§5). The old-policy entropy that verl
+computes in ``_compute_old_log_prob`` is dropped before the update (ray_trainer.py:1601), and the paper's
+Algorithm 1 takes p and H from the CURRENT policy at each mini-batch anyway.
+
+So, per optimizer mini-batch, on every data-parallel rank, the hook (:func:`_stapo_train_batch`):
+
+1. runs one extra no-grad forward of the local mini-batch with ``calculate_entropy=True`` through verl's own
+   engine (``engine.infer_batch`` in ``engine.eval_mode``, exactly what verl's ``compute_log_prob`` does),
+   giving log p and H of the current π_θ at the rollout temperature for every response token
+   (cost: one forward per mini-batch, ≈ +⅓ of the update's FLOPs, no activation memory kept);
+2. all-gathers (log p, H, Â) of the response tokens of all ranks of the data-parallel group
+   (``engine.get_data_parallel_group()``; 12 bytes per token, ≈ 25–95 MB per mini-batch for the paper's
+   512 responses × 4k–15k tokens) and applies OUR mask function once to the concatenation
+   (:func:`stapo.integrations.dp_mask.minibatch_token_mask`) — every rank computes the same global mask: the
+   same τ_h over the global candidate set, the same top-k with the same tie-break (rank-major, then row-major
+   order); a rank with no candidates is fine;
+3. gets N = the number of kept tokens of the whole mini-batch from that global mask (no extra all-reduce);
+4. stores this rank's keep-mask as a per-sample field ``stapo_keep`` of the mini-batch TensorDict (in the
+   layout of ``response_mask``: padded in the v0 trainer, jagged in the v1 TransferQueue trainer), so that
+   verl's own micro-batch split (``prepare_micro_batches``, also with dynamic batch size) carries it along;
+5. runs verl's original ``train_batch`` with its loss function wrapped: before each micro-batch's
+   ``ppo_loss`` call, the micro-batch's ``stapo_keep`` and the mini-batch's N are put into a context variable
+   (:func:`mask_context`) that the registered loss reads.
+
+The denominator and verl's "global batch info"
+----------------------------------------------
+verl passes mini-batch information to registered losses through ``config.global_batch_info``
+(``ActorConfig.global_batch_info``, workers/config/actor.py:192), filled by ppo_loss before each call
+(losses.py:65–68) with ``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor``.
+``batch_num_tokens`` is the number of RESPONSE tokens of the whole mini-batch, all-reduced over the
+data-parallel group by the engine (fsdp transformer_impl.py:730–735) — the right denominator for JustRL but
+not for STAPO/20-Entropy, whose token-mean is renormalised over the KEPT tokens. So the registered losses use
+N from the hook and only ``dp_size`` from verl, with verl's convention for FSDP gradient averaging
+(``agg_loss``, core_algos.py:1140: ``masked_sum / batch_num_tokens * dp_size``):
+
+    pg_loss = Σ_{kept tokens of this micro-batch} ℓ / max(N, 1) · dp_size
+
+After FSDP averages the gradients over the ``dp_size`` ranks and the micro-batch gradients are summed, this is
+exactly the token-mean of METHOD.md §3 over the kept tokens of the whole mini-batch.
+
+Without the hook (a call outside verl's worker, e.g. in tests) the loss accepts per-token entropy through
+``mask_context(entropy=...)`` and computes the mask itself — allowed only when the call provably covers the
+whole mini-batch (``dp_size == 1`` and ``batch_num_tokens`` absent or equal to this call's response-token
+count); otherwise it raises instead of silently using a per-micro-batch quantile.
+
+Configuration (hydra overrides of ``python -m verl.trainer.main_ppo``)
+---------------------------------------------------------------------
+- ``actor_rollout_ref.actor.policy_loss.loss_mode=stapo`` (or ``entropy20``).
+- Loading the plugin in every Ray worker: ``actor_rollout_ref.model.external_lib=stapo.integrations.verl``.
+  verl imports it with ``importlib`` in ``HFModelConfig.__post_init__`` (workers/config/model.py:149), which
+  runs in ``ActorRolloutRefWorker.init_model`` (engine_workers.py:540) before the loss is built (:643) — so the
+  registry lookup (losses.py:103) and the hook both happen in the worker process. (Alternative: the
+  environment variable ``VERL_USE_EXTERNAL_MODULES=stapo.integrations.verl``, imported by ``import verl``,
+  verl/__init__.py:49, in every process that sees it.)
+- S2T / 20-Entropy parameters: verl's ``PolicyLossConfig`` rejects unknown keys, so set
+  ``actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig`` (a subclass
+  with the extra fields of :class:`StapoPolicyLossConfig`) and then e.g.
+  ``+actor_rollout_ref.actor.policy_loss.s2t_prob_threshold=0.002``. Without it the paper defaults of
+  :data:`stapo.objectives.OBJECTIVES` are used (τ_p = 0.002, q = 0.75 over the candidates; ratio 0.2).
+- Clip ε_low, ε_high and the dual-clip c come from verl's actor config (``clip_ratio_low``,
+  ``clip_ratio_high``, ``clip_ratio_c``) like for every verl loss; set them to the paper's 0.2 / 0.28 / 10
+  (verl's defaults are 0.2 / 0.2 / 3 — a warning is emitted once when they differ from the paper's).
+- ``actor.loss_agg_mode`` must be ``token-mean``; no KL (``use_kl_loss=False``), ``entropy_coeff=0``; rollout
+  importance weights (``algorithm.rollout_correction``) are not supported (``NotImplementedError``).
+
+Supported engines: those whose ``infer_batch`` returns the model outputs on every data-parallel rank — verl's
+FSDP / FSDP2 engine (the paper's setup). Megatron with pipeline parallelism raises ``NotImplementedError``.
+Not run on GPUs in this repository: the registered function and the hook's mask/denominator logic are tested
+on CPU against verl 0.9.1's real registry, ``ppo_loss`` and padding utilities (tests/test_verl_plugin.py).
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import math
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from stapo.objectives import (
+    Objective,
+    compute_token_mask,
+    get_objective,
+    loss_denominator,
+    policy_loss,
+)
+from stapo.integrations.dp_mask import MinibatchMask, minibatch_token_mask
+from stapo.tensor_utils import as_bool_mask
+
+try:  # verl is optional for `import stapo`, required for this module
+    from verl.trainer.ppo import core_algos as _core_algos
+    from verl.workers.config import PolicyLossConfig as _PolicyLossConfig
+except ImportError as e:  # pragma: no cover - exercised only without verl
+    raise ImportError(
+        "stapo.integrations.verl needs verl (tested with verl==0.9.1): "
+        "pip install --no-deps verl==0.9.1 plus its runtime dependencies"
+    ) from e
+
+__all__ = [
+    "PLUGIN_LOSSES",
+    "KEEP_KEY",
+    "StapoPolicyLossConfig",
+    "MaskContext",
+    "MinibatchMask",
+    "mask_context",
+    "current_mask_context",
+    "objective_from_verl_config",
+    "minibatch_token_mask",
+    "compute_policy_loss_stapo",
+    "compute_policy_loss_entropy20",
+    "install_worker_hook",
+    "WORKER_HOOK_ERROR",
+]
+
+logger = logging.getLogger(__name__)
+
+#: verl ``policy_loss.loss_mode`` name → our objective name (stapo.objectives.OBJECTIVES).
+PLUGIN_LOSSES: dict[str, str] = {"stapo": "stapo", "entropy20": "entropy20"}
+#: Per-sample TensorDict field that carries the mini-batch-wide keep-mask into verl's micro-batches.
+KEEP_KEY = "stapo_keep"
+#: Why the worker hook could not be installed (None when it is installed).
+WORKER_HOOK_ERROR: str | None = None
+
+
+# --- configuration ---------------------------------------------------------------------------------------
+@dataclass
+class StapoPolicyLossConfig(_PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus the mask parameters of ``stapo`` / ``entropy20``.
+
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig``
+    (hydra instantiates the actor config recursively, so the ``_target_`` import also loads this plugin).
+
+    Attributes (defaults = the paper's, METHOD.md §4–§5):
+        s2t_prob_threshold: τ_p, absolute probability (0.002).
+        s2t_entropy_quantile: q of the entropy quantile τ_h (0.75).
+        s2t_quantile_scope: ``"candidates"`` (v4) or ``"all"`` (v1 text, used with q = 0.80).
+        top_entropy_ratio: fraction of response tokens kept by ``entropy20`` (0.2).
+    """
+
+    _target_: str = "stapo.integrations.verl.StapoPolicyLossConfig"
+    s2t_prob_threshold: float = 0.002
+    s2t_entropy_quantile: float = 0.75
+    s2t_quantile_scope: str = "candidates"
+    top_entropy_ratio: float = 0.2
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg.key`` for verl's BaseConfig dataclasses, OmegaConf DictConfig and plain dicts alike."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    getter = getattr(cfg, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, default)
+        except Exception:  # noqa: BLE001 - fall back to attribute access
+            pass
+    return getattr(cfg, key, default)
+
+
+_WARNED_CLIP: set[tuple] = set()
+
+
+def objective_from_verl_config(loss_mode: str, config: Any) -> Objective:
+    """Our :class:`~stapo.objectives.Objective` for a verl ``loss_mode`` and actor config.
+
+    Clip parameters come from verl's actor config (``clip_ratio_low``/``clip_ratio_high``, falling back to
+    ``clip_ratio``; ``clip_ratio_c``), mask parameters from ``config.policy_loss`` (the fields of
+    :class:`StapoPolicyLossConfig`, falling back to the objective's paper defaults).
+
+    Args:
+        loss_mode: ``"stapo"`` or ``"entropy20"``.
+        config: verl ``ActorConfig`` (or a dict / DictConfig with the same keys).
+
+    Returns:
+        A validated :class:`Objective` (``Objective.__post_init__`` checks the values).
+
+    Raises:
+        KeyError: unknown ``loss_mode``. ValueError: invalid clip or mask values.
+    """
+    if loss_mode not in PLUGIN_LOSSES:
+        raise KeyError(f"unknown plugin loss {loss_mode!r}; valid: {sorted(PLUGIN_LOSSES)}")
+    base = get_objective(PLUGIN_LOSSES[loss_mode])
+    clip = _cfg_get(config, "clip_ratio", None)
+    low = _cfg_get(config, "clip_ratio_low", None)
+    high = _cfg_get(config, "clip_ratio_high", None)
+    low = float(low if low is not None else (clip if clip is not None else base.clip_ratio_low))
+    high = float(high if high is not None else (clip if clip is not None else base.clip_ratio_high))
+    c = _cfg_get(config, "clip_ratio_c", base.clip_ratio_c)
+    c = None if c is None else float(c)
+    pl = _cfg_get(config, "policy_loss", None)
+    params = dict(base.mask_params)
+    if base.token_mask == "s2t":
+        params["prob_threshold"] = float(_cfg_get(pl, "s2t_prob_threshold", params["prob_threshold"]))
+        params["entropy_quantile"] = float(_cfg_get(pl, "s2t_entropy_quantile", params["entropy_quantile"]))
+        params["quantile_scope"] = str(_cfg_get(pl, "s2t_quantile_scope", params["quantile_scope"]))
+    elif base.token_mask == "top_entropy":
+        params["ratio"] = float(_cfg_get(pl, "top_entropy_ratio", params["ratio"]))
+    obj = base.replace(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c, mask_params=params)
+    paper = (base.clip_ratio_low, base.clip_ratio_high, base.clip_ratio_c)
+    if (low, high, c) != paper and (low, high, c) not in _WARNED_CLIP:
+        _WARNED_CLIP.add((low, high, c))
+        warnings.warn(
+            f"verl loss {loss_mode!r}: clip (ε_low, ε_high, c) = {(low, high, c)} from the actor config differ from "
+            f"the paper's {paper} (set actor.clip_ratio_low/clip_ratio_high/clip_ratio_c)", stacklevel=2)
+    return obj
+
+
+# --- the context that carries mini-batch information into the registered loss ----------------------------
+@dataclass(frozen=True)
+class MaskContext:
+    """What the registered loss needs beyond verl's seven arguments, for ONE call (one micro-batch).
+
+    Attributes:
+        keep: [b, T] bool — the mini-batch-wide keep-mask restricted to this micro-batch (same shape as the
+            ``response_mask`` verl passes), or None.
+        num_kept: N, kept tokens of the whole mini-batch over all data-parallel ranks (required with ``keep``).
+        entropy: [b, T] float per-token entropy (nats) of the current policy — used only when ``keep`` is None,
+            to compute the mask in the call itself (whole-mini-batch calls only).
+        stats: mask statistics of the whole mini-batch (``s2t/num_masked``...), reported as metrics.
+    """
+
+    keep: torch.Tensor | None = None
+    num_kept: int | None = None
+    entropy: torch.Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+_CONTEXT: contextvars.ContextVar[MaskContext | None] = contextvars.ContextVar("stapo_verl_mask_context", default=None)
+
+
+@contextmanager
+def mask_context(
+    *,
+    keep: torch.Tensor | None = None,
+    num_kept: int | None = None,
+    entropy: torch.Tensor | None = None,
+    stats: dict[str, float] | None = None,
+) -> Iterator[MaskContext]:
+    """Make a :class:`MaskContext` visible to the registered losses inside the ``with`` block.
+
+    Use ``keep`` + ``num_kept`` (what the worker hook does for each micro-batch) or ``entropy`` alone (a call
+    that covers the whole mini-batch, e.g. a test).
+
+    Raises:
+        ValueError: ``keep`` without ``num_kept`` (or the reverse), or neither ``keep`` nor ``entropy``.
+    """
+    if (keep is None) != (num_kept is None):
+        raise ValueError("mask_context: keep and num_kept go together")
+    if keep is None and entropy is None:
+        raise ValueError("mask_context: give keep + num_kept, or entropy")
+    token = _CONTEXT.set(MaskContext(keep=keep, num_kept=num_kept, entropy=entropy, stats=dict(stats or {})))
+    try:
+        yield _CONTEXT.get()
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current_mask_context() -> MaskContext | None:
+    """The :class:`MaskContext` of the innermost active :func:`mask_context`, or None."""
+    return _CONTEXT.get()
+
+
+# --- the registered losses -------------------------------------------------------------------------------
+def _plugin_policy_loss(
+    loss_mode: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    rollout_is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    if config is None:
+        raise ValueError(f"verl loss {loss_mode!r} needs the actor config (clip ratios, mask parameters)")
+    if rollout_is_weights is not None:
+        raise NotImplementedError(
+            f"verl loss {loss_mode!r}: rollout importance weights (algorithm.rollout_correction) are not part of "
+            "the STAPO objective; disable rollout correction")
+    obj = objective_from_verl_config(loss_mode, config)
+    if loss_agg_mode != obj.loss_agg_mode:
+        raise ValueError(f"verl loss {loss_mode!r} is defined with loss_agg_mode={obj.loss_agg_mode!r} "
+                         f"(renormalised over the kept tokens), got {loss_agg_mode!r}")
+    info = _cfg_get(config, "global_batch_info", None) or {}
+    dp_size = int(info.get("dp_size") or 1)
+    mask = as_bool_mask(response_mask, "response_mask")
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError(
+            f"verl loss {loss_mode!r} needs the mini-batch keep-mask or per-token entropy, which verl's loss "
+            "signature does not carry. Inside verl this comes from the worker hook of stapo.integrations.verl "
+            f"(installed: {WORKER_HOOK_ERROR is None}; error: {WORKER_HOOK_ERROR}); load the plugin in the workers "
+            "with actor_rollout_ref.model.external_lib=stapo.integrations.verl. Outside verl, call it inside "
+            "stapo.integrations.verl.mask_context(entropy=...).")
+    if ctx.keep is not None:
+        keep = as_bool_mask(ctx.keep, "keep").to(mask.device)
+        if tuple(keep.shape) != tuple(mask.shape):
+            raise ValueError(f"keep-mask shape {tuple(keep.shape)} != response_mask shape {tuple(mask.shape)}")
+        if bool((keep & ~mask).any()):
+            raise ValueError(f"keep-mask keeps {int((keep & ~mask).sum())} tokens outside response_mask")
+        num_kept = int(ctx.num_kept)
+        stats = ctx.stats
+        # Σ_kept ℓ / N · dp_size (verl agg_loss convention: FSDP averages gradients over the dp ranks).
+        denominator = max(num_kept, 1) / dp_size
+    else:
+        batch_num_tokens = info.get("batch_num_tokens")
+        n_here = int(mask.sum())
+        if dp_size != 1 or (batch_num_tokens is not None and int(batch_num_tokens) != n_here):
+            raise RuntimeError(
+                f"verl loss {loss_mode!r}: this call sees {n_here} response tokens but the mini-batch has "
+                f"{batch_num_tokens} over dp_size={dp_size}; the mask needs the whole mini-batch. Use the worker "
+                "hook (mask_context(keep=..., num_kept=...)) instead of mask_context(entropy=...).")
+        tm = compute_token_mask(obj, log_prob, ctx.entropy, advantages, mask)
+        keep = tm.keep
+        num_kept = int(keep.sum())
+        stats = tm.stats
+        denominator = loss_denominator(keep, obj.loss_agg_mode)
+    loss, metrics = policy_loss(obj, log_prob, old_log_prob, advantages, keep, denominator)
+    metrics.pop("actor/pg_loss", None)  # ppo_loss reports pg_loss itself (losses.py)
+    metrics.pop("actor/num_kept_tokens", None)
+    metrics[f"actor/{loss_mode}/num_kept_tokens"] = float(num_kept)
+    for k, v in stats.items():
+        if isinstance(v, (int, float)) and math.isfinite(float(v)):
+            metrics[f"actor/{k}"] = float(v)
+    return loss, metrics
+
+
+def compute_policy_loss_stapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl policy loss ``stapo``: JustRL's clipped surrogate over the tokens kept by the S2T mask, token-mean
+    renormalised over the kept tokens of the whole mini-batch (METHOD.md §3–§4; arXiv 2602.15620 Alg. 1).
+
+    Args:
+        old_log_prob: [b, T] fp32 log p under π_old (nats).
+        log_prob: [b, T] fp32 log p under π_θ (nats), with gradient.
+        advantages: [b, T] token advantages (GRPO Â broadcast over the response).
+        response_mask: [b, T] bool (or 0/1) response tokens of this micro-batch.
+        loss_agg_mode: must be ``"token-mean"``.
+        config: verl ``ActorConfig`` — clip ratios, ``policy_loss`` mask parameters and ``global_batch_info``
+            (``dp_size``; ``batch_num_tokens`` for the whole-mini-batch check).
+        rollout_is_weights: must be None.
+
+    The keep-mask and N come from the active :func:`mask_context` (set per micro-batch by the worker hook), or
+    the mask is computed here from ``mask_context(entropy=...)`` when the call is the whole mini-batch.
+
+    Returns:
+        (pg_loss 0-dim fp32 = Σ_kept ℓ / max(N, 1) · dp_size, metrics: ``actor/pg_clipfrac``,
+        ``actor/pg_clipfrac_lower``, ``actor/ppo_kl`` (this micro-batch's kept tokens),
+        ``actor/stapo/num_kept_tokens`` and the S2T statistics ``actor/s2t/...`` of the whole mini-batch).
+
+    Raises:
+        RuntimeError: no mask context, or an entropy-only context on a partial mini-batch.
+        ValueError: loss_agg_mode ≠ token-mean, no config, mask/shape mismatch, invalid parameters.
+        NotImplementedError: ``rollout_is_weights`` given.
+    """
+    return _plugin_policy_loss("stapo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                               rollout_is_weights)
+
+
+def compute_policy_loss_entropy20(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl policy loss ``entropy20``: JustRL's clipped surrogate over the top-20 %-entropy response tokens of the
+    whole mini-batch, token-mean renormalised over them ("Beyond the 80/20 Rule", arXiv 2506.01939; METHOD.md §5).
+
+    Arguments, returns and errors as :func:`compute_policy_loss_stapo` (metrics ``actor/entropy20/num_kept_tokens``
+    and ``actor/top_entropy/...``); the ratio is ``policy_loss.top_entropy_ratio`` (default 0.2).
+    """
+    return _plugin_policy_loss("entropy20", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                               config, rollout_is_weights)
+
+
+_REGISTERED_FNS = {"stapo": compute_policy_loss_stapo, "entropy20": compute_policy_loss_entropy20}
+
+
+def _register_losses() -> None:
+    for name, fn in _REGISTERED_FNS.items():
+        existing = _core_algos.POLICY_LOSS_REGISTRY.get(name)
+        if existing is not None and existing is not fn:
+            warnings.warn(f"verl policy loss {name!r} was already registered ({existing!r}); "
+                          "stapo.integrations.verl replaces it", stacklevel=2)
+        _core_algos.register_policy_loss(name)(fn)
+
+
+# --- the worker hook -------------------------------------------------------------------------------------
+_MISSING = object()
+
+
+def _actor_loss_mode(worker: Any) -> tuple[str | None, Any]:
+    """(plugin loss mode, actor config) of a TrainingWorker's loss function, or (None, None)."""
+    loss_fn = getattr(worker, "loss_fn", None)
+    cfg = loss_fn.keywords.get("config") if isinstance(loss_fn, functools.partial) else None
+    mode = _cfg_get(_cfg_get(cfg, "policy_loss", None), "loss_mode", None)
+    return (mode, cfg) if mode in PLUGIN_LOSSES else (None, None)
+
+
+def _fit_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, T'] → [b, width]: truncate or right-pad with zeros."""
+    if x.shape[1] >= width:
+        return x[:, :width]
+    return F.pad(x, (0, width - x.shape[1]))
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """A per-response tensor as padded [b, T] (jagged nested tensors are padded with 0)."""
+    return x.to_padded_tensor(0) if x.is_nested else x
+
+
+def _minibatch_keep_for_worker(worker: Any, data: Any, loss_mode: str, config: Any) -> MinibatchMask:
+    """Steps 1–3 of the hook (module docstring): current-policy stats of the local mini-batch, global mask."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    # the engineering keys TrainingWorker.train_batch sets when absent (engine_workers.py:350-360)
+    model_config = getattr(worker, "model_config", None)
+    engine_config = getattr(worker, "engine_config", None)
+    defaults = dict(
+        use_remove_padding=_cfg_get(model_config, "use_remove_padding", False),
+        use_dynamic_bsz=_cfg_get(engine_config, "use_dynamic_bsz", False),
+        max_token_len_per_gpu=_cfg_get(engine_config, "max_token_len_per_gpu", None),
+        micro_batch_size_per_gpu=_cfg_get(engine_config, "micro_batch_size_per_gpu", None),
+        use_fused_kernels=_cfg_get(engine_config, "use_fused_kernels", False),
+    )
+    for key, val in defaults.items():
+        if key not in data.keys():
+            tu.assign_non_tensor(data, **{key: val})
+    previous = tu.get(data, "calculate_entropy", _MISSING)
+    tu.assign_non_tensor(data, calculate_entropy=True)
+    try:
+        disable_auto_offload = tu.get(data, "disable_auto_offload", False)
+        with worker.engine.eval_mode(disable_auto_offload=disable_auto_offload):
+            out = worker.engine.infer_batch(data, loss_function=None)
+    finally:
+        if previous is _MISSING:
+            data.pop("calculate_entropy", None)
+        else:
+            tu.assign_non_tensor(data, calculate_entropy=previous)
+    model_output = (out or {}).get("model_output", {}) if isinstance(out, dict) else {}
+    if "log_probs" not in model_output or "entropy" not in model_output:
+        raise NotImplementedError(
+            f"verl loss {loss_mode!r}: the engine {type(worker.engine).__name__} returned no per-token log-probs/"
+            "entropy on this rank (pipeline parallelism?); the stapo hook supports FSDP/FSDP2 engines")
+    response_mask = _padded(data["response_mask"]).bool()  # [b, T]
+    width = response_mask.shape[1]
+    logp = _fit_width(no_padding_2_padding(model_output["log_probs"], data), width)  # [b, T]
+    ent = _fit_width(no_padding_2_padding(model_output["entropy"], data), width)  # [b, T]
+    adv = _fit_width(_padded(data["advantages"]), width)  # [b, T]
+    objective = objective_from_verl_config(loss_mode, config)
+    group = worker.engine.get_data_parallel_group()
+    return minibatch_token_mask(objective, logp, ent, adv.to(logp.device), response_mask.to(logp.device),
+                                group=group)
+
+
+def _keep_in_layout_of(keep: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The padded [b, T] keep-mask in the layout of ``response_mask`` (padded tensor or jagged nested)."""
+    if response_mask.is_nested:
+        from verl.workers.utils.padding import response_to_nested
+
+        return response_to_nested(keep.cpu(), response_mask.cpu())
+    return keep.to(response_mask.device)
+
+
+def _loss_fn_with_mask(loss_fn: Any, num_kept: int, stats: dict[str, float]) -> Any:
+    """Wrap verl's per-micro-batch loss function so the registered loss sees this micro-batch's keep-mask."""
+
+    def wrapped(model_output: Any, data: Any, dp_group: Any = None):
+        # ppo_loss pads its fields with `data.select(...).to_padded_tensor()` (losses.py); do the same so the
+        # keep-mask has exactly the shape of the response_mask the registered loss receives.
+        sel = data.select("response_mask", KEEP_KEY)
+        if any(sel[k].is_nested for k in ("response_mask", KEEP_KEY)):
+            sel = sel.to_padded_tensor()
+        with mask_context(keep=sel[KEEP_KEY].bool(), num_kept=num_kept, stats=stats):
+            return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+
+    wrapped.__wrapped__ = loss_fn  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _wrap_train_batch(orig: Any) -> Any:
+    """Wrap ``TrainingWorker.train_batch`` (see the module docstring, steps 1–5)."""
+    if getattr(orig, "_stapo_hook", False):
+        return orig
+
+    @functools.wraps(orig)  # keeps verl's @register dispatch attributes (__dict__ is copied)
+    def train_batch(self: Any, data: Any) -> Any:
+        loss_mode, config = _actor_loss_mode(self)
+        if loss_mode is None:
+            return orig(self, data)
+        mb = _minibatch_keep_for_worker(self, data, loss_mode, config)
+        data[KEEP_KEY] = _keep_in_layout_of(mb.keep, data["response_mask"])
+        loss_fn = self.loss_fn
+        self.loss_fn = _loss_fn_with_mask(loss_fn, mb.num_kept, mb.stats)
+        try:
+            return orig(self, data)
+        finally:
+            self.loss_fn = loss_fn
+            data.pop(KEEP_KEY, None)
+
+    train_batch._stapo_hook = True  # type: ignore[attr-defined]
+    return train_batch
+
+
+def install_worker_hook() -> bool:
+    """Install the mini-batch hook on ``verl.workers.engine_workers.TrainingWorker.train_batch`` (idempotent).
+
+    Returns:
+        True when installed (or already installed); False when verl's worker module cannot be imported in this
+        process — the reason is kept in :data:`WORKER_HOOK_ERROR` and repeated by the loss's error message.
+    """
+    global WORKER_HOOK_ERROR
+    try:
+        from verl.workers.engine_workers import TrainingWorker
+    except Exception as e:  # noqa: BLE001 - e.g. a verl build without the engine workers
+        WORKER_HOOK_ERROR = f"{type(e).__name__}: {e}"
+        logger.warning("stapo.integrations.verl: worker hook not installed (%s)", WORKER_HOOK_ERROR)
+        return False
+    TrainingWorker.train_batch = _wrap_train_batch(TrainingWorker.train_batch)
+    WORKER_HOOK_ERROR = None
+    return True
+
+
+_register_losses()
+install_worker_hook()

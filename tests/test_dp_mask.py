@@ -1,0 +1,98 @@
+"""stapo.integrations.dp_mask: the mini-batch mask over data-parallel ranks equals the single-process mask.
+
+Two real gloo processes (CPU) with an uneven split: rank 0 holds 2 responses and every S2T candidate, rank 1 holds
+3 responses of different lengths and no candidate (all its advantages are negative).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+from stapo.integrations.dp_mask import all_gather_varlen, minibatch_token_mask
+from stapo.objectives import get_objective
+
+TAU_P_LOGP = -7.0  # log p < ln 0.002 ≈ −6.2146: a candidate when Â > 0
+
+
+def _shares() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(logprobs, entropy, advantages [B], response_mask) of the two ranks."""
+    g = torch.Generator().manual_seed(7)
+    # rank 0: 2 responses × 6 tokens, Â > 0; tokens 1..4 of each row are candidates (p < τ_p), 8 in all
+    lp0 = torch.full((2, 6), -0.5)
+    lp0[:, 1:5] = TAU_P_LOGP
+    ent0 = torch.rand(2, 6, generator=g) * 2
+    ent0[1, 2] = ent0[0, 3]  # a tie across rows for the top-entropy tie-break
+    m0 = torch.ones(2, 6, dtype=torch.bool)
+    m0[1, 5] = False
+    # rank 1: 3 responses × 4 tokens, Â < 0: low-p tokens but no candidates
+    lp1 = torch.full((3, 4), TAU_P_LOGP)
+    ent1 = torch.rand(3, 4, generator=g) * 2
+    m1 = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    return [(lp0, ent0, torch.tensor([1.0, 0.5]), m0), (lp1, ent1, torch.tensor([-1.0, -0.2, -0.7]), m1)]
+
+
+def _objectives():
+    return [get_objective("stapo"), get_objective("entropy20"),
+            get_objective("stapo").replace(mask_params={"prob_threshold": 0.002, "entropy_quantile": 0.8,
+                                                        "quantile_scope": "all"})]
+
+
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        lp, ent, adv, m = _shares()[rank]
+        results = [minibatch_token_mask(obj, lp, ent, adv, m) for obj in _objectives()]
+        gathered = all_gather_varlen(torch.arange(rank + 2, dtype=torch.float32)[None, :])
+        torch.save({"results": [(r.keep, r.num_kept, r.stats) for r in results],
+                    "gathered": gathered}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _pad_cat(tensors: list[torch.Tensor], width: int, fill) -> torch.Tensor:
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors])
+
+
+def test_two_gloo_ranks_with_uneven_candidates_match_one_process(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path / "store"), str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    out = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+
+    assert [g.tolist() for g in out[0]["gathered"]] == [[[0.0, 1.0]], [[0.0, 1.0, 2.0]]]
+    # single process: the same mini-batch as one [5, 6] batch, rank 0's rows first (rank-major order)
+    shares = _shares()
+    lp = _pad_cat([s[0] for s in shares], 6, 0.0)
+    ent = _pad_cat([s[1] for s in shares], 6, 0.0)
+    adv = torch.cat([s[2] for s in shares])
+    m = _pad_cat([s[3] for s in shares], 6, False)
+    for i, obj in enumerate(_objectives()):
+        ref = minibatch_token_mask(obj, lp, ent, adv, m)
+        for rank, rows in ((0, slice(0, 2)), (1, slice(2, 5))):
+            keep, num_kept, stats = out[rank]["results"][i]
+            width = shares[rank][3].shape[1]
+            assert torch.equal(keep, ref.keep[rows, :width]), (obj.name, rank)
+            assert num_kept == ref.num_kept
+            assert stats.keys() == ref.stats.keys()
+            for k, v in stats.items():
+                assert v == ref.stats[k] or (v != v and ref.stats[k] != ref.stats[k]), (obj.name, k)
+    s2t = minibatch_token_mask(_objectives()[0], lp, ent, adv, m)
+    assert s2t.stats["s2t/num_candidates"] == 8 and 0 < s2t.stats["s2t/num_masked"] < 8
+    assert not s2t.keep[:2].all() and s2t.keep[2:].equal(m[2:])  # rank 1 (no candidates) keeps everything
+
+
+def test_single_process_without_torch_distributed_is_the_plain_mask():
+    lp, ent, adv, m = _shares()[0]
+    obj = get_objective("stapo")
+    from stapo.objectives import compute_token_mask
+
+    ref = compute_token_mask(obj, lp, ent, adv, m)
+    got = minibatch_token_mask(obj, lp, ent, adv, m)
+    assert torch.equal(got.keep, ref.keep) and got.num_kept == int(ref.keep.sum()) and got.stats == ref.stats

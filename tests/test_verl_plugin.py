@@ -1,0 +1,357 @@
+"""The verl plugin (stapo.integrations.verl) against verl's real registry and loss plumbing, on CPU.
+
+verl is an optional dependency: these tests are skipped when it is not installed (install line in
+stapo/integrations/verl.py's docstring / the README). Importing verl takes ~10 s of CPU; the tests themselves
+take ~1-2 s.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl is not installed (pip install --no-deps verl==0.9.1 + deps, see README)")
+pytest.importorskip("ray", reason="verl needs ray to import")
+
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+
+import stapo.integrations.verl as plugin  # noqa: E402
+from stapo.integrations.dp_mask import minibatch_token_mask  # noqa: E402
+from stapo.objectives import objective_loss  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _actor_config(loss_mode: str = "stapo", *, dp_size: int = 1, batch_num_tokens=None, **policy_loss) -> ActorConfig:
+    """A real verl ActorConfig with the paper's clip values (METHOD §3) and our policy-loss config."""
+    cfg = ActorConfig(
+        strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=2,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
+        policy_loss=plugin.StapoPolicyLossConfig(loss_mode=loss_mode, **policy_loss))
+    cfg.global_batch_info.update(dp_size=dp_size, batch_num_tokens=batch_num_tokens)
+    return cfg
+
+
+# --- hand-made tensors (B = 2 responses, T = 4) -----------------------------------------------------------
+#   response 0: Â = +1, 4 tokens; response 1: Â = −1, 3 tokens (+1 padding)
+#   p (current policy)  row 0: [0.5, 0.001, 0.0005, 0.0015]   row 1: [0.001, 0.3, 0.0001, pad]
+#   H                   row 0: [1.0, 0.2,   0.4,    0.9   ]   row 1: [0.1,   2.0, 0.05,   pad]
+#   ρ = p / p_old       row 0: [1.5, 1.0,   1.0,    1.0   ]   row 1: [1.1,   0.5, 20.0,   pad]
+# S2T (τ_p = 0.002, q = 0.75 over the candidates):
+#   candidates = Â > 0 and p < 0.002 = row 0, tokens 1, 2, 3 (row 1 has Â < 0) with H = [0.2, 0.4, 0.9]
+#   τ_h = quantile_0.75([0.2, 0.4, 0.9]) = 0.4 + 0.5·(0.9 − 0.4) = 0.65 (linear interpolation, pos 1.5)
+#   silenced = candidates with H < 0.65 = row 0 tokens 1 (H 0.2) and 2 (H 0.4); token 3 (H 0.9) kept
+#   kept = row 0 {0, 3} + row 1 {0, 1, 2} → N = 5 (of 7 response tokens)
+# per-token JustRL loss ℓ = max(−Âρ, −Â·clip(ρ, 0.8, 1.28)), capped at −c·Â = 10 for Â < 0:
+#   r0t0: max(−1.5, −1.28) = −1.28 (clipped, no gradient)   r0t3: −1.0 (gradient −Âρ = −1)
+#   r1t0: max(1.1, 1.1) = 1.1 (gradient +1.1)                r1t1: max(0.5, 0.8) = 0.8 (clipped)
+#   r1t2: max(20, 1.28) = 20 → dual clip 10 (no gradient)
+#   loss = (−1.28 − 1.0 + 1.1 + 0.8 + 10) / 5 = 9.62 / 5 = 1.924
+#   ∂loss/∂log p = ℓ'·ρ/N: r0t3 −1/5 = −0.2, r1t0 +1.1/5 = 0.22, every other token 0 (silenced r0t1, r0t2 too)
+P = torch.tensor([[0.5, 0.001, 0.0005, 0.0015], [0.001, 0.3, 0.0001, 0.5]], dtype=torch.float64)
+H = torch.tensor([[1.0, 0.2, 0.4, 0.9], [0.1, 2.0, 0.05, 0.7]])
+RHO = torch.tensor([[1.5, 1.0, 1.0, 1.0], [1.1, 0.5, 20.0, 1.0]], dtype=torch.float64)
+MASK = torch.tensor([[True, True, True, True], [True, True, True, False]])
+ADV = torch.tensor([[1.0] * 4, [-1.0] * 4])
+
+
+def _hand_tensors():
+    logp = P.log().float().requires_grad_(True)
+    old = (P / RHO).log().float()
+    return logp, old
+
+
+def test_losses_are_registered_in_verls_registry():
+    assert get_policy_loss_fn("stapo") is plugin.compute_policy_loss_stapo
+    assert get_policy_loss_fn("entropy20") is plugin.compute_policy_loss_entropy20
+    assert {"stapo", "entropy20", "vanilla"} <= set(POLICY_LOSS_REGISTRY)
+    assert plugin.WORKER_HOOK_ERROR is None  # the TrainingWorker hook is installed
+    from verl.workers.engine_workers import TrainingWorker
+    assert getattr(TrainingWorker.train_batch, "_stapo_hook", False)
+
+
+def test_stapo_on_hand_made_tensors_matches_our_objective_and_hand_values():
+    logp, old = _hand_tensors()
+    cfg = _actor_config(batch_num_tokens=int(MASK.sum()))
+    with plugin.mask_context(entropy=H):
+        loss, metrics = get_policy_loss_fn("stapo")(old, logp, ADV, MASK, "token-mean", cfg)
+    loss.backward()
+    grad = logp.grad.clone()
+
+    logp_ref, old_ref = _hand_tensors()
+    ref_loss, ref_metrics = objective_loss("stapo", logp_ref, old_ref, ADV, MASK, entropy=H)
+    ref_loss.backward()
+
+    assert loss.item() == pytest.approx(1.924, abs=1e-5)
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    torch.testing.assert_close(grad, logp_ref.grad, rtol=0, atol=1e-6)
+    expected = torch.zeros(2, 4)
+    expected[0, 3], expected[1, 0] = -0.2, 0.22
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-5)
+    assert metrics["actor/s2t/num_masked"] == 2.0 and metrics["actor/s2t/num_candidates"] == 3.0
+    assert metrics["actor/s2t/entropy_threshold"] == pytest.approx(0.65, abs=1e-6)
+    assert metrics["actor/stapo/num_kept_tokens"] == 5.0
+    for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+        assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-6)
+
+
+def test_entropy20_matches_our_objective():
+    # 7 response tokens → k = ceil(0.2·7) = 2: the two highest entropies, r1t1 (2.0) and r0t0 (1.0)
+    logp, old = _hand_tensors()
+    with plugin.mask_context(entropy=H):
+        loss, metrics = get_policy_loss_fn("entropy20")(old, logp, ADV, MASK, "token-mean", _actor_config("entropy20"))
+    loss.backward()
+    logp_ref, old_ref = _hand_tensors()
+    ref_loss, _ = objective_loss("entropy20", logp_ref, old_ref, ADV, MASK, entropy=H)
+    ref_loss.backward()
+    # r0t0: −1.28 (clipped), r1t1: 0.8 (clipped) → (−1.28 + 0.8) / 2 = −0.24, no gradient anywhere
+    assert loss.item() == pytest.approx(-0.24, abs=1e-6)
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    torch.testing.assert_close(logp.grad, logp_ref.grad, rtol=0, atol=1e-6)
+    assert metrics["actor/top_entropy/num_kept"] == 2.0
+
+
+def test_precomputed_mask_split_into_micro_batches_and_dp_ranks_gives_the_whole_minibatch_loss():
+    """The worker-hook path: keep from minibatch_token_mask, each call sees one row; Σ over calls (and the
+    FSDP average over dp ranks of loss·dp_size) equals the whole-mini-batch loss and gradient."""
+    obj = plugin.objective_from_verl_config("stapo", _actor_config())
+    mb = minibatch_token_mask(obj, P.log().float(), H, ADV, MASK)
+    assert mb.num_kept == 5 and mb.keep.tolist() == [[True, False, False, True], [True, True, True, False]]
+    logp_ref, old_ref = _hand_tensors()
+    ref_loss, _ = objective_loss("stapo", logp_ref, old_ref, ADV, MASK, entropy=H)
+    ref_loss.backward()
+    for dp_size in (1, 2):
+        logp, old = _hand_tensors()
+        cfg = _actor_config(dp_size=dp_size, batch_num_tokens=int(MASK.sum()))
+        total, grad = 0.0, torch.zeros(2, 4)
+        for row in (0, 1):  # one micro-batch (dp_size 1) or one rank (dp_size 2) per row
+            lp = logp[row:row + 1]
+            with plugin.mask_context(keep=mb.keep[row:row + 1], num_kept=mb.num_kept, stats=mb.stats):
+                loss, _ = get_policy_loss_fn("stapo")(old[row:row + 1], lp, ADV[row:row + 1], MASK[row:row + 1],
+                                                      "token-mean", cfg)
+            (g,) = torch.autograd.grad(loss, logp)
+            total += loss.item() / dp_size  # verl reports the dp-average of the per-rank sums
+            grad += g / dp_size  # FSDP/DDP average the gradients over the dp ranks
+        assert total == pytest.approx(ref_loss.item(), abs=1e-6)
+        torch.testing.assert_close(grad, logp_ref.grad, rtol=0, atol=1e-6)
+
+
+def test_minibatch_mask_over_ranks_equals_the_single_rank_mask():
+    """Two ranks simulated by splitting the rows; the all-gather is replaced by the two shares in rank order
+    (the real 2-process gloo all-gather is tested in tests/test_dp_mask.py)."""
+    import stapo.integrations.dp_mask as dp
+
+    obj = plugin.objective_from_verl_config("stapo", _actor_config())
+    full = minibatch_token_mask(obj, P.log().float(), H, ADV, MASK)
+    shares = [(P.log().float()[r:r + 1], H[r:r + 1], ADV[r:r + 1], MASK[r:r + 1]) for r in (0, 1)]
+    parts = [torch.stack([lp[m], h[m], a[m]]) for lp, h, a, m in shares]
+    orig_gather, orig_world = dp.all_gather_varlen, dp.dist_world
+    try:
+        dp.all_gather_varlen = lambda x, group=None: parts
+        for rank in (0, 1):
+            dp.dist_world = lambda group=None, rank=rank: (2, rank)
+            got = minibatch_token_mask(obj, *shares[rank], group=None)
+            assert got.num_kept == full.num_kept
+            assert torch.equal(got.keep, full.keep[rank:rank + 1])
+            assert got.stats == full.stats
+    finally:
+        dp.all_gather_varlen, dp.dist_world = orig_gather, orig_world
+
+
+def test_errors():
+    logp, old = _hand_tensors()
+    fn = get_policy_loss_fn("stapo")
+    with pytest.raises(RuntimeError, match="mask_context"):
+        fn(old, logp, ADV, MASK, "token-mean", _actor_config())
+    with plugin.mask_context(entropy=H):  # this call sees 7 of 20 response tokens: needs the worker hook
+        with pytest.raises(RuntimeError, match="whole mini-batch"):
+            fn(old, logp, ADV, MASK, "token-mean", _actor_config(batch_num_tokens=20))
+        with pytest.raises(RuntimeError, match="whole mini-batch"):
+            fn(old, logp, ADV, MASK, "token-mean", _actor_config(dp_size=2))
+        with pytest.raises(ValueError, match="token-mean"):
+            fn(old, logp, ADV, MASK, "seq-mean-token-mean", _actor_config())
+        with pytest.raises(NotImplementedError):
+            fn(old, logp, ADV, MASK, "token-mean", _actor_config(), torch.ones(2, 4))
+    with plugin.mask_context(keep=MASK, num_kept=7):  # keeps tokens that are not response tokens
+        with pytest.raises(ValueError, match="outside response_mask"):
+            fn(old, logp, ADV, torch.zeros_like(MASK), "token-mean", _actor_config())
+    with pytest.raises(ValueError):
+        with plugin.mask_context(keep=MASK):
+            pass
+
+
+def test_policy_loss_config_parameters_reach_the_objective():
+    obj = plugin.objective_from_verl_config(
+        "stapo", _actor_config(s2t_prob_threshold=0.01, s2t_entropy_quantile=0.8, s2t_quantile_scope="all"))
+    assert obj.mask_params == {"prob_threshold": 0.01, "entropy_quantile": 0.8, "quantile_scope": "all"}
+    assert (obj.clip_ratio_low, obj.clip_ratio_high, obj.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert plugin.objective_from_verl_config("entropy20", _actor_config("entropy20", top_entropy_ratio=0.1)
+                                             ).mask_params == {"ratio": 0.1}
+    # a plain verl PolicyLossConfig (no _target_ override) falls back to the paper's parameters
+    from verl.workers.config import PolicyLossConfig
+    cfg = ActorConfig(strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=2,
+                      policy_loss=PolicyLossConfig(loss_mode="stapo"))
+    with pytest.warns(UserWarning, match="clip"):  # verl's default clip 0.2/0.2/3 ≠ the paper's
+        obj = plugin.objective_from_verl_config("stapo", cfg)
+    assert obj.mask_params["prob_threshold"] == 0.002 and obj.mask_params["entropy_quantile"] == 0.75
+
+
+# --- the worker hook, end to end through verl's ppo_loss, padding and micro-batch utilities -------------
+V = 6
+
+
+class _FakeEngine:
+    """Stands in for verl's FSDP engine: a bigram "model" (logits of the next token = W[current token]) and a
+    forward_backward_batch that mirrors fsdp/transformer_impl.py:724-772 (global token count, verl's own
+    prepare_micro_batches / postprocess_batch_func, loss per micro-batch, backward)."""
+
+    def __init__(self, weight: torch.nn.Parameter):
+        self.weight = weight
+
+    @contextmanager
+    def eval_mode(self, **kwargs):
+        yield
+
+    def get_data_parallel_group(self):
+        return None
+
+    def forward(self, mb):
+        ids = mb["input_ids"]  # jagged [b, j]
+        values, offsets = ids.values(), ids.offsets()
+        labels = torch.roll(values, shifts=-1)  # next token (verl's input_ids_rmpad_rolled)
+        logp_all = torch.log_softmax(self.weight[values], dim=-1)  # [total, V]
+        out = {"log_probs": torch.nested.nested_tensor_from_jagged(
+            logp_all.gather(-1, labels[:, None]).squeeze(-1), offsets)}
+        if tu.get_non_tensor_data(mb, "calculate_entropy", False):
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+            out["entropy"] = torch.nested.nested_tensor_from_jagged(ent, offsets)
+        return out
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        tu.assign_non_tensor(data, batch_num_tokens=int(data["loss_mask"].sum()), dp_size=1)
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)
+        assert len(micro_batches) == 2
+        outputs = []
+        for mb in micro_batches:
+            with torch.no_grad() if forward_only else nullcontext():
+                model_output = self.forward(mb)
+                loss, metrics = (loss_function(model_output=model_output, data=mb, dp_group=None)
+                                 if loss_function is not None else (torch.tensor(1.0), {}))
+                if not forward_only:
+                    loss.backward()
+            outputs.append({"model_output": {k: v.detach() for k, v in model_output.items()},
+                            "loss": loss.item(), "metrics": metrics})
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    def infer_batch(self, data, loss_function=None):
+        with torch.no_grad():
+            return self.forward_backward_batch(data, loss_function, forward_only=True)
+
+
+def _orig_train_batch(self, data):
+    """The part of verl's TrainingWorker.train_batch (engine_workers.py:343-368) that the hook wraps."""
+    for key, val in dict(use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                         use_fused_kernels=False).items():
+        if key not in data.keys():
+            tu.assign_non_tensor(data, **{key: val})
+    return self.engine.forward_backward_batch(data, loss_function=self.loss_fn)
+
+
+def _minibatch(weight):
+    """4 responses in verl's v0 layout (left-padded prompts, right-padded responses → no-padding TensorDict)."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(3)
+    B, Pp, T = 4, 3, 5
+    prompt_len, resp_len = torch.tensor([3, 2, 3, 1]), torch.tensor([5, 3, 4, 2])
+    prompt_mask = torch.arange(Pp)[None, :] >= (Pp - prompt_len)[:, None]
+    response_mask = torch.arange(T)[None, :] < resp_len[:, None]
+    prompts = torch.randint(0, V, (B, Pp), generator=g) * prompt_mask
+    responses = torch.randint(0, V, (B, T), generator=g) * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], 1).long()
+    adv = torch.tensor([1.0, -0.5, 0.8, 1.2])[:, None] * response_mask
+    td = TensorDict({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": response_mask.long(), "advantages": adv,
+    }, batch_size=[B])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, global_batch_size=B)
+    with torch.no_grad():  # π_old: the current policy perturbed, so that ρ ≠ 1 and some clips fire
+        logp = no_padding_2_padding(_FakeEngine(weight).forward(td)["log_probs"], td)
+    noise = torch.randn(B, T, generator=g) * 0.3
+    td["old_log_probs"] = (logp + noise) * response_mask
+    return td
+
+
+@pytest.mark.parametrize("loss_mode", ["stapo", "entropy20"])
+def test_worker_hook_end_to_end_matches_our_objective(loss_mode):
+    """Hook (extra no-grad pass, global mask, keep field carried through verl's micro-batch split) + verl's
+    ppo_loss + registered loss, 2 micro-batches, give the parameter gradient of our objective on the whole
+    mini-batch in one call."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(V, V) * 3.0)
+    data = _minibatch(weight)
+    # τ_p = 0.2 so that the 6-token vocabulary has S2T candidates; q = 0.5
+    cfg = _actor_config(loss_mode, s2t_prob_threshold=0.2, s2t_entropy_quantile=0.5)
+    worker = SimpleNamespace(engine=_FakeEngine(weight), loss_fn=partial(ppo_loss, config=cfg),
+                             model_config={"use_remove_padding": True},
+                             engine_config=SimpleNamespace(use_dynamic_bsz=False, max_token_len_per_gpu=None,
+                                                           micro_batch_size_per_gpu=2, use_fused_kernels=False))
+    out = plugin._wrap_train_batch(_orig_train_batch)(worker, data)
+    grad = weight.grad.clone()
+    assert plugin.KEEP_KEY not in data.keys() and worker.loss_fn.func is ppo_loss  # cleaned up
+    assert tu.get(data, "calculate_entropy", None) is None  # the training pass is not switched to entropy
+
+    # reference: our objective on the whole mini-batch at once
+    weight.grad = None
+    ref_td = _minibatch(weight)
+    tu.assign_non_tensor(ref_td, calculate_entropy=True)
+    mo = _FakeEngine(weight).forward(ref_td)
+    logp, ent = no_padding_2_padding(mo["log_probs"], ref_td), no_padding_2_padding(mo["entropy"], ref_td)
+    obj = plugin.objective_from_verl_config(loss_mode, cfg)
+    ref_loss, ref_metrics = objective_loss(obj, logp, ref_td["old_log_probs"], ref_td["advantages"],
+                                           ref_td["response_mask"].bool(), entropy=ent)
+    ref_loss.backward()
+
+    n_masked = ref_metrics["s2t/num_masked"] if loss_mode == "stapo" else 14 - ref_metrics["top_entropy/num_kept"]
+    assert 0 < n_masked < 14  # the mask really removes some of the 14 response tokens, not all
+    torch.testing.assert_close(grad, weight.grad, rtol=1e-5, atol=1e-6)
+    losses = out["loss"]
+    assert len(losses) == 2 and math.isclose(sum(losses), ref_loss.item(), rel_tol=1e-5, abs_tol=1e-6)
+    key = "actor/s2t/num_masked" if loss_mode == "stapo" else "actor/top_entropy/num_kept"
+    reported = out["metrics"][key]  # a verl Metric (MEAN over the micro-batches, each reports the global value)
+    assert reported.values == [ref_metrics[key.removeprefix("actor/")]] * 2
+    assert reported.aggregate() == ref_metrics[key.removeprefix("actor/")]
+
+
+def test_keep_mask_follows_a_jagged_response_mask():
+    """v1 (TransferQueue) trainer layout: response fields are jagged; the keep field uses the same layout and
+    the loss wrapper pads it exactly like ppo_loss pads response_mask."""
+    from tensordict import TensorDict
+
+    rm = torch.nested.as_nested_tensor([torch.ones(4, dtype=torch.long), torch.ones(3, dtype=torch.long)],
+                                       layout=torch.jagged)
+    keep_padded = torch.tensor([[True, False, False, True], [True, True, True, False]])
+    keep = plugin._keep_in_layout_of(keep_padded, rm)
+    assert keep.is_nested and [t.tolist() for t in keep.unbind()] == [[True, False, False, True], [True, True, True]]
+    td = TensorDict({"response_mask": rm, plugin.KEEP_KEY: keep}, batch_size=[2])
+    seen = {}
+
+    def loss_fn(model_output, data, dp_group=None):
+        ctx = plugin.current_mask_context()
+        seen["keep"], seen["n"] = ctx.keep, ctx.num_kept
+        return torch.tensor(0.0), {}
+
+    plugin._loss_fn_with_mask(loss_fn, 5, {})(model_output={}, data=td)
+    assert seen["n"] == 5 and torch.equal(seen["keep"], keep_padded)
+    assert plugin.current_mask_context() is None
