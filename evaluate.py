@@ -1,5 +1,78 @@
-"""Evaluate a checkpoint on the six math benchmarks: `python evaluate.py --config configs/eval/<name>.yaml`."""
+"""Evaluate a checkpoint on the six math benchmarks under the paper's two decoding settings (METHOD.md §7).
+
+    python evaluate.py --config configs/eval/cpu_smollm2.yaml --limit 2
+    python evaluate.py --model runs/stapo_smollm2/checkpoints/step_000020 --benchmarks aime24 math500
+    python evaluate.py --config configs/eval/paper.yaml --model /models/qwen3-8b-stapo [key=value ...]
+
+--model takes an HF folder, a train.py checkpoint (or run folder: its latest checkpoint), a hub id, or
+embedded:smollm2. Outputs go to the run directory (default runs/eval/<label>): per-sample JSONL with grades,
+results.json / .md / .csv / .png, and a W&B summary (offline by default). Rerunning the same command resumes
+where it stopped. The harness lives in stapo/evaluation/.
+"""
+import argparse
 import sys
 
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config (configs/eval/); default: the paper protocol")
+    p.add_argument("--model", help="model.path: HF folder, train.py checkpoint/run folder, hub id, embedded:smollm2")
+    p.add_argument("--label", help="model.label: the row name in tables")
+    p.add_argument("--benchmarks", nargs="+", help="data.benchmarks, space- or comma-separated "
+                   "(aime24 aime25 amc23 math500 minerva olympiad)")
+    p.add_argument("--settings", nargs="+", help="keep only these decoding settings by name (t1.0_p1.0 t0.7_p0.9)")
+    p.add_argument("--limit", type=int, help="data.limit: first K problems of each benchmark")
+    p.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")
+    p.add_argument("--backend", choices=["vllm", "hf"], help="engine.backend")
+    p.add_argument("--data-root", help="data.root")
+    p.add_argument("--output", help="output.dir (run directory)")
+    p.add_argument("--wandb", choices=["offline", "online", "disabled"], help="logging.wandb_mode")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.samples.aime24=8")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("benchmarks", "settings"):  # nargs="+" swallows key=value overrides that follow: give them back
+        values = getattr(args, name)
+        if values:
+            args.overrides += [v for v in values if "=" in v]
+            setattr(args, name, [x for v in values if "=" not in v for x in v.split(",") if x] or None)
+
+    from stapo.config import ConfigError
+    from stapo.evaluation import EvalError, load_eval_config, run_evaluation
+    from stapo.evaluation.config import validate_eval_config
+
+    flags = {("model", "path"): args.model, ("model", "label"): args.label, ("data", "limit"): args.limit,
+             ("generation", "max_new_tokens"): args.max_new_tokens, ("engine", "backend"): args.backend,
+             ("data", "root"): args.data_root, ("output", "dir"): args.output,
+             ("logging", "wandb_mode"): args.wandb, ("data", "benchmarks"): args.benchmarks}
+    try:
+        cfg = load_eval_config(args.config, list(args.overrides))
+        for (section, key), value in flags.items():  # flags win over the file and the overrides
+            if value is not None:
+                setattr(getattr(cfg, section), key, list(value) if isinstance(value, list) else value)
+        if args.settings:
+            known = {s.name: s for s in cfg.generation.settings}
+            unknown = [s for s in args.settings if s not in known]
+            if unknown:
+                raise EvalError(f"unknown decoding setting(s) {unknown}; configured: {', '.join(known)}")
+            cfg.generation.settings = [known[s] for s in args.settings]
+        validate_eval_config(cfg)
+        results = run_evaluation(cfg)
+    except (EvalError, ConfigError) as e:
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("evaluate.py: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+    from stapo.evaluation.report import markdown_table
+
+    print(markdown_table([results], "avg@N"))
+    print(f"run directory: {results['run_dir']}")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit("evaluate.py: the evaluation harness is not implemented yet (tracked in issue 6).")
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""Typed configuration of evaluate.py: OmegaConf YAML files (``configs/eval/*.yaml``) + dotted overrides.
+
+    python evaluate.py --config configs/eval/cpu_smollm2.yaml data.limit=2 generation.max_new_tokens=256
+
+The schema defaults are the paper's protocol (METHOD.md §7): the six benchmarks, N = 32 for AIME24, AIME25
+and AMC23 and N = 4 for MATH500, Minerva and OlympiadBench, the two decoding settings (T=1.0, top-p=1.0) and
+(T=0.7, top-p=0.9), at most 20,480 new tokens. As for train.py, a YAML file may name parent files with
+``defaults: [...]``; an unknown key fails with the closest valid key, a bad value names the key
+(:class:`stapo.config.ConfigError`).
+
+Benchmark names accept aliases and any case (``AIME24``, ``minerva``, ``olympiad``, ``MATH-500``); they are
+stored canonically (:data:`stapo.data.BENCHMARKS`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from stapo.config import ConfigError
+from stapo.data import BENCHMARKS
+from stapo.evaluation.errors import EvalError
+
+__all__ = [
+    "PAPER_SAMPLES",
+    "PAPER_SETTINGS",
+    "BENCHMARK_ALIASES",
+    "DecodingSetting",
+    "EvalModelConfig",
+    "EvalPromptConfig",
+    "EvalDataConfig",
+    "EvalGenerationConfig",
+    "EvalEngineConfig",
+    "EvalGraderConfig",
+    "VerifierConfig",
+    "EvalOutputConfig",
+    "EvalLoggingConfig",
+    "EvalConfig",
+    "canonical_benchmark",
+    "load_eval_config",
+    "validate_eval_config",
+    "eval_config_to_dict",
+]
+
+#: Samples per problem N (METHOD.md §7).
+PAPER_SAMPLES: dict[str, int] = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4,
+                                 "olympiadbench": 4}
+
+BENCHMARK_ALIASES: dict[str, str] = {
+    "minerva": "minerva_math", "minervamath": "minerva_math", "olympiad": "olympiadbench",
+    "olympiad_bench": "olympiadbench", "math": "math500", "math_500": "math500", "math-500": "math500",
+    "aime2024": "aime24", "aime2025": "aime25", "amc2023": "amc23", "amc": "amc23",
+}
+
+
+@dataclass
+class DecodingSetting:
+    """One decoding setting: a name (used in file names and tables), temperature and top-p."""
+
+    name: str = "t1.0_p1.0"
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+#: The paper's two settings, in table order: "training-aligned" first, the JustRL default in parentheses.
+PAPER_SETTINGS = (DecodingSetting("t1.0_p1.0", 1.0, 1.0), DecodingSetting("t0.7_p0.9", 0.7, 0.9))
+
+
+@dataclass
+class EvalModelConfig:
+    # A local HF folder, a train.py checkpoint (runs/<name>/checkpoints/step_XXXXXX) or run folder (its latest
+    # checkpoint), a hub id, "embedded:smollm2", or "tiny" (a random tiny model, tests only).
+    path: str = "embedded:smollm2"
+    label: Optional[str] = None  # row name in tables; default derived from the path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    cache_dir: Optional[str] = None  # where the embedded model is converted to
+
+
+@dataclass
+class EvalPromptConfig:
+    # The boxed prompt of training (stapo.prompts). Resolution, later wins: "auto" and no system prompt →
+    # the run config of a train.py checkpoint (from_checkpoint) → from_train_config → style / system_prompt.
+    style: Optional[Literal["auto", "chat", "plain"]] = None
+    system_prompt: Optional[str] = None  # "" forces no system prompt
+    from_train_config: Optional[str] = None  # a train.py YAML: take its data.prompt_style / data.system_prompt
+    from_checkpoint: bool = True
+
+
+@dataclass
+class EvalDataConfig:
+    root: str = "data"  # data root with benchmarks/<name>/test.jsonl (tests use ../shared/data)
+    benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS))
+    limit: Optional[int] = None  # evaluate the first K problems of each benchmark
+    samples: dict[str, int] = field(default_factory=lambda: dict(PAPER_SAMPLES))  # N per benchmark
+    max_prompt_tokens: Optional[int] = None  # longer prompts are skipped (and counted); null keeps all
+
+
+@dataclass
+class EvalGenerationConfig:
+    settings: list[DecodingSetting] = field(default_factory=lambda: [dataclasses.replace(s) for s in PAPER_SETTINGS])
+    max_new_tokens: int = 20480
+    seed: int = 0
+    samples_per_call: int = 256  # responses per engine call (whole problems); also the unit of resumption
+
+
+@dataclass
+class EvalEngineConfig:
+    backend: Literal["vllm", "hf"] = "vllm"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # HF backend: where the model runs
+    max_model_len: Optional[int] = None  # vLLM; default: longest prompt + max_new_tokens, capped by the model
+    kv_cache_gib: float = 4.0  # vLLM on CPU
+    gpu_memory_utilization: float = 0.85  # vLLM on GPU
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    max_num_seqs: Optional[int] = None  # vLLM: concurrent sequences (engine default 128 on CPU)
+    hf_max_batch_size: Optional[int] = None  # HF: rows per generate call
+
+
+@dataclass
+class EvalGraderConfig:
+    num_workers: int = 2
+    timeout_s: float = 5.0
+
+
+@dataclass
+class VerifierConfig:
+    # Optional LLM-verifier fallback (the paper uses CompassVerifier-3B) for answers the rules reject.
+    enabled: bool = False
+    model: str = "opencompass/CompassVerifier-3B"
+    backend: Literal["hf", "vllm"] = "hf"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    max_new_tokens: int = 8
+    max_response_chars: int = 4000  # the tail of the response shown to the verifier
+    batch_size: int = 32
+    prompt_template: Optional[str] = None  # {question} {gold_answer} {response}; default stapo's A/B/C prompt
+    apply_to: list[str] = field(default_factory=lambda: ["incorrect", "no_answer"])
+
+
+@dataclass
+class EvalOutputConfig:
+    dir: Optional[str] = None  # default: <root>/<label>
+    root: str = "runs/eval"
+    plot: bool = True
+
+
+@dataclass
+class EvalLoggingConfig:
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "stapo"
+    entity: Optional[str] = None
+    progress_bar: bool = True
+
+
+@dataclass
+class EvalConfig:
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)
+    prompt: EvalPromptConfig = field(default_factory=EvalPromptConfig)
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
+    generation: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
+    engine: EvalEngineConfig = field(default_factory=EvalEngineConfig)
+    grader: EvalGraderConfig = field(default_factory=EvalGraderConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    output: EvalOutputConfig = field(default_factory=EvalOutputConfig)
+    logging: EvalLoggingConfig = field(default_factory=EvalLoggingConfig)
+
+
+# --- benchmark names ----------------------------------------------------------------------------------
+def canonical_benchmark(name: str) -> str:
+    """The canonical name of a benchmark (:data:`stapo.data.BENCHMARKS`) from any case or alias.
+
+    Raises:
+        EvalError: an unknown name (the message lists the known names and the closest one).
+    """
+    key = str(name).strip().lower()
+    key = BENCHMARK_ALIASES.get(key, key)
+    if key in BENCHMARKS:
+        return key
+    close = difflib.get_close_matches(key, list(BENCHMARKS) + list(BENCHMARK_ALIASES), n=1, cutoff=0.6)
+    hint = f" (did you mean {BENCHMARK_ALIASES.get(close[0], close[0])!r}?)" if close else ""
+    raise EvalError(f"unknown benchmark {name!r}{hint}; known: {', '.join(BENCHMARKS)}")
+
+
+# --- loading ------------------------------------------------------------------------------------------
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictConfig]]:
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path in seen:
+        raise ConfigError(f"config file {path} includes itself through 'defaults'")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors
+        raise ConfigError(f"cannot parse config file {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    parents = raw.pop("defaults", None) or []
+    out: list[tuple[str, DictConfig]] = []
+    for p in parents:
+        out += _read_yaml(path.parent / str(p), seen + (path,))
+    out.append((str(path), raw))
+    return out
+
+
+def _closest_key_error(schema: DictConfig, full_key: str, source: str) -> ConfigError:
+    parent, _, leaf = full_key.rpartition(".")
+    node: Any = schema
+    try:
+        for part in [p for p in parent.split(".") if p]:
+            node = node[part]
+        valid = list(node.keys()) if isinstance(node, DictConfig) else []
+    except Exception:
+        valid = []
+    close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{(parent + '.' if parent else '') + close[0]}'?" if close else ""
+    where = f"'{parent}'" if parent else "the top level"
+    return ConfigError(f"{source}: unknown config key '{full_key}'{hint} (valid keys under {where}: "
+                       f"{', '.join(valid)})")
+
+
+def load_eval_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EvalConfig:
+    """Build a validated :class:`EvalConfig` from a YAML file (with ``defaults`` parents) and overrides.
+
+    Args:
+        path: YAML file (``configs/eval/*.yaml``), or ``None`` for the schema defaults (the paper protocol).
+        overrides: dotted ``key=value`` strings applied last (e.g. ``data.limit=2``,
+            ``data.samples.aime24=4``, ``data.benchmarks=[aime24,math500]``).
+
+    Returns:
+        :class:`EvalConfig` (plain dataclasses), benchmark names canonicalised.
+
+    Raises:
+        ConfigError: missing / unparsable file, unknown key (with the closest valid key), wrong type.
+        EvalError: an impossible value (see :func:`validate_eval_config`).
+    """
+    schema = OmegaConf.structured(EvalConfig)
+    layers = _read_yaml(Path(path)) if path is not None else []
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not of the form key=value")
+    if overrides:
+        layers.append(("command-line override", OmegaConf.from_dotlist(list(overrides))))
+    cfg = schema
+    for source, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except ConfigKeyError as e:
+            raise _closest_key_error(schema, str(e.full_key), source) from None
+        except OmegaConfBaseException as e:
+            msg = str(e).splitlines()[0]
+            raise ConfigError(f"{source}: invalid value for '{e.full_key}': {msg}") from None
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, EvalConfig)
+    validate_eval_config(obj)
+    return obj
+
+
+def validate_eval_config(cfg: EvalConfig) -> None:
+    """Check values that types cannot express; canonicalise benchmark names and ``data.samples`` keys (in place).
+
+    Raises:
+        EvalError: naming the key — unknown benchmark, a benchmark without N, duplicate setting names, a
+            temperature < 0, top-p outside (0, 1], non-positive sizes or limits.
+    """
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise EvalError(f"invalid value for '{key}': {msg}")
+
+    need(len(cfg.data.benchmarks) > 0, "data.benchmarks", "at least one benchmark is needed")
+    names = [canonical_benchmark(b) for b in cfg.data.benchmarks]
+    need(len(set(names)) == len(names), "data.benchmarks", f"duplicate benchmark in {cfg.data.benchmarks}")
+    cfg.data.benchmarks = names
+    samples: dict[str, int] = {}
+    for key, n in cfg.data.samples.items():
+        samples[canonical_benchmark(key)] = int(n)
+    for name in names:
+        need(name in samples, f"data.samples.{name}", "no samples-per-problem N for this benchmark")
+        need(samples[name] >= 1, f"data.samples.{name}", f"N must be >= 1, got {samples[name]}")
+    cfg.data.samples = samples
+    need(cfg.data.limit is None or cfg.data.limit >= 1, "data.limit", f"must be >= 1 or null, got {cfg.data.limit}")
+    need(cfg.data.max_prompt_tokens is None or cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens",
+         "must be >= 1 or null")
+    settings = cfg.generation.settings
+    need(len(settings) > 0, "generation.settings", "at least one decoding setting is needed")
+    seen: set[str] = set()
+    for i, s in enumerate(settings):
+        need(bool(s.name) and all(c.isalnum() or c in "._-" for c in s.name), f"generation.settings[{i}].name",
+             f"{s.name!r} must be non-empty letters, digits, '.', '_' or '-' (it names files)")
+        need(s.name not in seen, f"generation.settings[{i}].name", f"duplicate setting name {s.name!r}")
+        seen.add(s.name)
+        need(s.temperature >= 0, f"generation.settings[{i}].temperature", f"must be >= 0, got {s.temperature}")
+        need(0 < s.top_p <= 1, f"generation.settings[{i}].top_p", f"must be in (0, 1], got {s.top_p}")
+    need(cfg.generation.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
+    need(cfg.generation.samples_per_call >= 1, "generation.samples_per_call", "must be >= 1")
+    need(cfg.generation.seed >= 0, "generation.seed", "must be >= 0")
+    need(cfg.grader.num_workers >= 1, "grader.num_workers", "must be >= 1")
+    need(cfg.grader.timeout_s > 0, "grader.timeout_s", "must be > 0")
+    need(cfg.engine.max_model_len is None or cfg.engine.max_model_len >= 2, "engine.max_model_len", "must be >= 2")
+    need(cfg.engine.kv_cache_gib > 0, "engine.kv_cache_gib", "must be > 0")
+    need(cfg.verifier.max_new_tokens >= 1, "verifier.max_new_tokens", "must be >= 1")
+    need(cfg.verifier.batch_size >= 1, "verifier.batch_size", "must be >= 1")
+    bad = [s for s in cfg.verifier.apply_to if s not in ("incorrect", "no_answer", "timeout", "error")]
+    need(not bad, "verifier.apply_to", f"unknown grader status {bad}; use incorrect, no_answer, timeout, error")
+
+
+def eval_config_to_dict(cfg: EvalConfig) -> dict[str, Any]:
+    """The config as a plain nested dict (for results.json and W&B)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,257 @@
+"""Evaluation metrics over N graded samples per problem: avg@N, unbiased pass@k, maj@N (METHOD.md §7).
+
+All metrics are fractions in [0, 1] (tables multiply by 100). For a benchmark of P problems where problem i
+has c_i correct samples out of N:
+
+* ``avg@N``  = (1/P) Σ_i c_i / N — the paper's number (the mean pass@1 over the N samples).
+* ``pass@k`` = (1/P) Σ_i [1 − C(N − c_i, k) / C(N, k)] — the unbiased estimator of Chen et al. (2021,
+  "Evaluating Large Language Models Trained on Code", eq. 1); computed here for k = 1 (equal to avg@N) and
+  k = N (the fraction of problems with at least one correct sample).
+* ``maj@N``  = (1/P) Σ_i [the majority answer of problem i is correct] (self-consistency voting).
+
+Majority vote (:func:`majority_vote`): each sample with an extracted answer votes for its
+:func:`answer_key` (the extracted answer with decorations, whitespace and LaTeX spacing removed); samples
+without an answer do not vote. **Ties** are broken deterministically: among the keys with the most votes,
+the one whose first vote comes from the lowest sample index wins (samples are numbered 0..N−1 in generation
+order). The winning key counts as correct when *any* sample voting for it was graded correct (the same
+string graded against the same gold answer gets the same verdict unless the grader timed out on one copy).
+A problem where no sample has an answer counts as incorrect. Voting groups answers by string, not by
+mathematical equivalence: ``1/2`` and ``0.5`` are different votes.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from stapo.boxed import strip_answer_decorations
+
+__all__ = [
+    "GRADER_STATUSES",
+    "MajorityVote",
+    "pass_at_k",
+    "mean_pass_at_k",
+    "avg_at_n",
+    "answer_key",
+    "majority_vote",
+    "summarize_benchmark",
+    "average_over_benchmarks",
+]
+
+#: Verdicts of :class:`stapo.grader.MathGrader` (``GradeStatus`` values), in table order.
+GRADER_STATUSES = ("correct", "incorrect", "no_answer", "timeout", "error")
+
+_LATEX_SPACING = re.compile(r"\\[,;:! ]|\\q?quad|\\left|\\right")
+_WHITESPACE = re.compile(r"\s+")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem: ``1 − C(n − c, k) / C(n, k)``.
+
+    Args:
+        n: samples drawn for the problem (>= 1).
+        c: of those, samples graded correct (0 <= c <= n).
+        k: the k of pass@k (1 <= k <= n).
+
+    Returns:
+        Probability in [0, 1] that at least one of k samples drawn without replacement from the n is correct
+        (exact integer binomials, then one correctly rounded division).
+
+    Raises:
+        ValueError: n, c or k out of range (the message names which).
+
+    Source: Chen et al. 2021 (Codex paper), eq. 1.
+    """
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or int(value) != value:
+            raise ValueError(f"pass_at_k: {name} must be an integer, got {value!r}")
+    n, c, k = int(n), int(c), int(k)
+    if n < 1:
+        raise ValueError(f"pass_at_k: n must be >= 1, got {n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: c must be in [0, n={n}], got {c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: k must be in [1, n={n}], got {k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
+    """Mean of :func:`pass_at_k` over problems.
+
+    Args:
+        counts: one ``(n, c)`` pair per problem.
+        k: the k of pass@k (<= every n).
+
+    Returns:
+        Fraction in [0, 1]; ``nan`` for an empty ``counts``.
+    """
+    if not counts:
+        return math.nan
+    return sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
+
+
+def avg_at_n(correct: Sequence[Sequence[bool]]) -> float:
+    """avg@N: the mean over problems of the fraction of that problem's samples graded correct.
+
+    Args:
+        correct: ``correct[i][j]`` — whether sample j of problem i is correct (problems may have different N).
+
+    Returns:
+        Fraction in [0, 1]; ``nan`` when there are no problems.
+
+    Raises:
+        ValueError: a problem has no samples.
+
+    Source: METHOD.md §7 ("avg@N = mean over problems of the fraction of N samples graded correct").
+    """
+    if not correct:
+        return math.nan
+    total = 0.0
+    for i, row in enumerate(correct):
+        if len(row) == 0:
+            raise ValueError(f"avg_at_n: problem {i} has no samples")
+        total += sum(bool(x) for x in row) / len(row)
+    return total / len(correct)
+
+
+def answer_key(answer: str | None) -> str | None:
+    """The voting key of an extracted answer: decorations stripped (surrounding ``$``, a trailing period, see
+    :func:`stapo.boxed.strip_answer_decorations`), LaTeX spacing commands (``\\,`` ``\\;`` ``\\!`` ``\\quad``) and
+    ``\\left`` / ``\\right`` removed, all whitespace removed, ``\\dfrac`` / ``\\tfrac`` written ``\\frac``.
+
+    Returns:
+        The key, or ``None`` for ``None`` or an answer that is empty after normalisation.
+
+    Examples: ``" 34. "`` -> ``"34"``; ``"\\dfrac{1}{2}"`` -> ``"\\frac{1}{2}"``; ``"(1, 2)"`` -> ``"(1,2)"``.
+    """
+    if answer is None:
+        return None
+    key = strip_answer_decorations(str(answer))
+    key = _LATEX_SPACING.sub("", key)
+    key = _WHITESPACE.sub("", key).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return key or None
+
+
+@dataclass(frozen=True)
+class MajorityVote:
+    """Outcome of :func:`majority_vote` for one problem.
+
+    Attributes:
+        answer: the winning voting key (``None`` when no sample had an answer).
+        votes: samples that voted for it.
+        correct: whether any sample voting for it was graded correct.
+        tied: whether another key had as many votes (the tie-break rule then decided).
+    """
+
+    answer: str | None
+    votes: int
+    correct: bool
+    tied: bool
+
+
+def majority_vote(answers: Sequence[str | None], correct: Sequence[bool]) -> MajorityVote:
+    """Majority vote over one problem's samples (rule and tie-break in the module docstring).
+
+    Args:
+        answers: extracted answer per sample (``None`` = no answer), in sample order 0..N−1.
+        correct: grader verdict per sample (same length).
+
+    Returns:
+        :class:`MajorityVote`.
+
+    Raises:
+        ValueError: the two sequences differ in length.
+    """
+    if len(answers) != len(correct):
+        raise ValueError(f"majority_vote: {len(answers)} answers but {len(correct)} verdicts")
+    votes: dict[str, int] = {}
+    first: dict[str, int] = {}
+    right: dict[str, bool] = {}
+    for j, (ans, ok) in enumerate(zip(answers, correct)):
+        key = answer_key(ans)
+        if key is None:
+            continue
+        votes[key] = votes.get(key, 0) + 1
+        first.setdefault(key, j)
+        right[key] = right.get(key, False) or bool(ok)
+    if not votes:
+        return MajorityVote(answer=None, votes=0, correct=False, tied=False)
+    top = max(votes.values())
+    leaders = [key for key in votes if votes[key] == top]
+    winner = min(leaders, key=lambda key: first[key])
+    return MajorityVote(answer=winner, votes=top, correct=right[winner], tied=len(leaders) > 1)
+
+
+def summarize_benchmark(problems: Sequence[Sequence[Mapping[str, Any]]], n: int) -> dict[str, Any]:
+    """All metrics of one (benchmark, decoding setting) from its graded samples.
+
+    Args:
+        problems: one list per problem of exactly ``n`` sample records, in sample order, each a mapping with
+            ``correct`` (bool, final verdict), ``extracted`` (str | None), ``status`` (rule-based grader verdict,
+            one of :data:`GRADER_STATUSES`), ``response_tokens`` (int), ``finish_reason`` (``"eos"`` /
+            ``"length"``) and optionally ``verifier_accepted`` (bool).
+        n: samples per problem N.
+
+    Returns:
+        Plain dict: ``N``, ``problems`` (P), ``samples`` (P·N), ``avg@N``, ``pass@1``, ``pass@N``, ``maj@N``
+        (fractions; ``nan`` when P = 0), ``maj_ties`` (problems whose vote was tied), ``grader`` (count per
+        status, summing to P·N), ``verifier_accepted`` (samples the LLM verifier turned correct),
+        ``no_answer_rate``, ``mean_response_tokens`` (tokens, EOS included) and ``truncation_rate`` (fraction of
+        samples that hit the generation limit).
+
+    Raises:
+        ValueError: a problem does not have exactly ``n`` samples, or an unknown grader status.
+    """
+    counts: list[tuple[int, int]] = []
+    grader = {status: 0 for status in GRADER_STATUSES}
+    maj_correct = ties = accepted = tokens = truncated = 0
+    for i, samples in enumerate(problems):
+        if len(samples) != n:
+            raise ValueError(f"summarize_benchmark: problem {i} has {len(samples)} samples, expected N={n}")
+        flags = [bool(s["correct"]) for s in samples]
+        counts.append((n, sum(flags)))
+        vote = majority_vote([s.get("extracted") for s in samples], flags)
+        maj_correct += vote.correct
+        ties += vote.tied
+        for s in samples:
+            status = s["status"]
+            if status not in grader:
+                raise ValueError(f"summarize_benchmark: unknown grader status {status!r}")
+            grader[status] += 1
+            accepted += bool(s.get("verifier_accepted", False))
+            tokens += int(s["response_tokens"])
+            truncated += s["finish_reason"] == "length"
+    p = len(counts)
+    total = p * n
+    return {
+        "N": n,
+        "problems": p,
+        "samples": total,
+        "avg@N": avg_at_n([[j < c for j in range(n)] for _, c in counts]) if p else math.nan,
+        "pass@1": mean_pass_at_k(counts, 1),
+        "pass@N": mean_pass_at_k(counts, n),
+        "maj@N": maj_correct / p if p else math.nan,
+        "maj_ties": ties,
+        "grader": grader,
+        "verifier_accepted": accepted,
+        "no_answer_rate": grader["no_answer"] / total if total else math.nan,
+        "mean_response_tokens": tokens / total if total else math.nan,
+        "truncation_rate": truncated / total if total else math.nan,
+    }
+
+
+def average_over_benchmarks(per_benchmark: Mapping[str, Mapping[str, Any]], key: str = "avg@N") -> float:
+    """Unweighted mean of ``key`` over benchmarks (the paper's "average over the six benchmarks").
+
+    Args:
+        per_benchmark: ``{benchmark: summary}`` as returned by :func:`summarize_benchmark`.
+        key: the metric to average.
+
+    Returns:
+        The mean (``nan`` when empty or when any value is ``nan``).
+    """
+    values = [float(s[key]) for s in per_benchmark.values()]
+    return sum(values) / len(values) if values else math.nan

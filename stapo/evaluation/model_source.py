@@ -1,0 +1,139 @@
+"""What ``--model`` names: resolved and checked without importing torch, so bad paths fail in milliseconds.
+
+Accepted forms (:func:`resolve_model_source`):
+
+* ``embedded:smollm2`` (and the other :data:`stapo.models.EMBEDDED_ALIASES`) — the embedded SmolLM2-135M-Instruct;
+* ``tiny`` — a randomly initialised tiny Qwen3 model (tests only, like ``model.path: tiny`` in train configs);
+* a local HF folder (``config.json`` plus ``*.safetensors`` / ``pytorch_model*.bin`` weights);
+* a train.py checkpoint ``runs/<name>/checkpoints/step_XXXXXX`` (an HF folder with ``trainer_state.pt``) —
+  its run's ``config.json`` gives the training prompt (``data.prompt_style``, ``data.system_prompt``);
+* a train.py run folder ``runs/<name>`` or its ``checkpoints`` folder — the latest complete checkpoint;
+* a hub id ``org/name`` (needs network or a filled HF cache), when no local path of that name exists.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from stapo.evaluation.errors import EvalError
+
+__all__ = ["EMBEDDED_NAMES", "ModelSource", "resolve_model_source"]
+
+#: Same names as :data:`stapo.models.EMBEDDED_ALIASES` (kept here to avoid importing torch; a test checks).
+EMBEDDED_NAMES = ("embedded:smollm2", "embedded", "smollm2", "embedded:smollm2-135m-instruct")
+
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved ``--model``.
+
+    Attributes:
+        spec: the string as given.
+        kind: ``"embedded"``, ``"tiny"``, ``"hf_folder"``, ``"checkpoint"`` or ``"hub"``.
+        path: what to load (:func:`stapo.models.load_policy` argument; an absolute folder for local kinds).
+        label: default row name in tables (``smollm2-135m-instruct``, ``<run>@step_000020``, folder name, ...).
+        step: the training step of a train.py checkpoint, else ``None``.
+        run_dir: the train.py run folder of a checkpoint (holding ``config.json``), else ``None``.
+    """
+
+    spec: str
+    kind: Literal["embedded", "tiny", "hf_folder", "checkpoint", "hub"]
+    path: str
+    label: str
+    step: int | None = None
+    run_dir: str | None = None
+
+    def train_prompt(self) -> dict[str, Any] | None:
+        """``{"style", "system_prompt"}`` from the checkpoint's run ``config.json`` (``data.prompt_style``,
+        ``data.system_prompt``), or ``None`` when this is not a checkpoint or the file is missing/unreadable."""
+        if self.run_dir is None:
+            return None
+        path = Path(self.run_dir) / "config.json"
+        try:
+            data = json.loads(path.read_text()).get("data", {})
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(data, dict) or "prompt_style" not in data:
+            return None
+        return {"style": data.get("prompt_style"), "system_prompt": data.get("system_prompt")}
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(any(folder.glob(pattern)) for pattern in _WEIGHT_GLOBS)
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (``step_XXXXXX`` with ``trainer_state.pt``) under ``root``, oldest first
+    (the same rule as :func:`stapo.checkpoint.latest_checkpoint`)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := _STEP_DIR.match(p.name)) and (p / "trainer_state.pt").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def _folder_source(spec: str, folder: Path) -> ModelSource:
+    folder = folder.resolve()
+    if folder.name.endswith(".tmp") and _STEP_DIR.match(folder.name[:-4]):
+        raise EvalError(f"{folder} is an incomplete checkpoint (a crashed save); use a step_XXXXXX folder")
+    if (folder / "config.json").is_file() and _has_weights(folder):
+        m = _STEP_DIR.match(folder.name)
+        if (folder / "trainer_state.pt").is_file() or m:
+            step = int(m.group(1)) if m else None
+            run_dir = folder.parent.parent if folder.parent.name == "checkpoints" else None
+            run_name = run_dir.name if run_dir is not None else folder.parent.name
+            return ModelSource(spec, "checkpoint", str(folder), f"{run_name}@{folder.name}", step,
+                               str(run_dir) if run_dir is not None else None)
+        return ModelSource(spec, "hf_folder", str(folder), folder.name)
+    for root in (folder / "checkpoints", folder):  # a train.py run folder (its config.json is not a model's)
+        ckpts = _complete_checkpoints(root)
+        if ckpts:
+            return _folder_source(spec, ckpts[-1])
+    if (folder / "checkpoints").is_dir():
+        raise EvalError(f"run folder {folder} has no complete checkpoint under checkpoints/")
+    if (folder / "config.json").is_file():
+        raise EvalError(f"model folder {folder} has config.json but no weights (*.safetensors / *.bin); "
+                        f"an incomplete checkpoint?")
+    raise EvalError(f"model path {folder} is neither an HF model folder (config.json + weights), a train.py "
+                    f"checkpoint (runs/<name>/checkpoints/step_XXXXXX) nor a train.py run folder")
+
+
+def resolve_model_source(spec: str) -> ModelSource:
+    """Resolve ``--model`` / ``model.path`` (forms in the module docstring).
+
+    Args:
+        spec: the model string.
+
+    Returns:
+        :class:`ModelSource`.
+
+    Raises:
+        EvalError: an empty string; a local path that does not exist, is a file, is an HF folder without
+            weights, an incomplete (``.tmp``) checkpoint, or a folder holding no model or checkpoint — the
+            message names the path.
+    """
+    spec = str(spec).strip()
+    if not spec:
+        raise EvalError("model path is empty; use a folder, a checkpoint, or 'embedded:smollm2'")
+    if spec.lower() in EMBEDDED_NAMES:
+        return ModelSource(spec, "embedded", EMBEDDED_NAMES[0], "smollm2-135m-instruct")
+    if spec == "tiny":
+        return ModelSource(spec, "tiny", "tiny", "tiny")
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise EvalError(f"model path {path} is a file; expected an HF model folder or a train.py checkpoint folder")
+        return _folder_source(spec, path)
+    parts = spec.split("/")
+    looks_local = (spec.startswith(("/", "./", "../", "~", ".")) or len(parts) != 2
+                   or Path(parts[0]).expanduser().is_dir())
+    if looks_local:
+        raise EvalError(f"model path {spec!r} does not exist (a local folder, a train.py checkpoint "
+                        f"runs/<name>/checkpoints/step_XXXXXX, a hub id 'org/name', or 'embedded:smollm2')")
+    return ModelSource(spec, "hub", spec, parts[1])

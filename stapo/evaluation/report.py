@@ -1,0 +1,333 @@
+"""Reports from results.json dicts: the paper's table (Markdown), a long CSV, a bar chart (PNG) and W&B.
+
+Paper layout (METHOD.md §8): one row per checkpoint/method, one column per benchmark (AIME24, AIME25, AMC23,
+MATH500, Minerva, OlympiadBench) plus their average, each cell ``first-setting (second-setting)`` —
+T=1.0 first, T=0.7 in parentheses with the default settings — in percent with two decimals. The same
+functions serve ``evaluate.py`` (one row) and ``scripts/compare.py`` (several results.json merged).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from stapo.data import BENCHMARKS
+from stapo.evaluation.errors import EvalError
+from stapo.evaluation.metrics import GRADER_STATUSES
+
+__all__ = [
+    "DISPLAY_NAMES",
+    "load_results",
+    "table_columns",
+    "table_settings",
+    "paper_table",
+    "markdown_table",
+    "detail_markdown",
+    "csv_rows",
+    "write_csv",
+    "plot_bars",
+    "write_reports",
+    "write_comparison",
+    "log_wandb",
+]
+
+DISPLAY_NAMES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500",
+                 "minerva_math": "Minerva", "olympiadbench": "OlympiadBench"}
+AVERAGE = "average"
+_MISSING = "–"
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _pct(x: Any) -> str:
+    return f"{100 * x:.2f}" if _finite(x) else _MISSING
+
+
+def _clean(x: Any) -> Any:
+    """Non-finite floats → ``None`` (results.json stays strict JSON), recursively."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def load_results(path: str | os.PathLike, label: str | None = None) -> dict[str, Any]:
+    """Read a results.json (a file, or a run directory holding one); ``label`` replaces its row name.
+
+    Raises:
+        EvalError: missing file, invalid JSON, or no ``metrics`` / ``label`` (the message names the file).
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.json"
+    if not p.is_file():
+        raise EvalError(f"results file not found: {p}")
+    try:
+        res = json.loads(p.read_text())
+    except ValueError as e:
+        raise EvalError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(res, dict) or "metrics" not in res or "label" not in res:
+        raise EvalError(f"{p}: not an evaluate.py results.json (no 'metrics' / 'label')")
+    if label:
+        res["label"] = label
+    return res
+
+
+def table_settings(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Decoding-setting names in table order: the first result's order, then new names as they appear."""
+    names: list[str] = []
+    for res in results:
+        for s in res.get("protocol", {}).get("settings", []) or [{"name": k} for k in res["metrics"]]:
+            if s["name"] not in names:
+                names.append(s["name"])
+    return names
+
+
+def table_columns(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Benchmarks present in any result, in the canonical order (:data:`stapo.data.BENCHMARKS`)."""
+    present = {b for res in results for m in res["metrics"].values() for b in m["benchmarks"]}
+    return [b for b in BENCHMARKS if b in present]
+
+
+def _value(res: dict[str, Any], setting: str, bench: str, metric: str) -> Any:
+    m = res["metrics"].get(setting)
+    if m is None:
+        return None
+    node = m["average"] if bench == AVERAGE else m["benchmarks"].get(bench)
+    return None if node is None else node.get(metric)
+
+
+def paper_table(results: Sequence[dict[str, Any]], metric: str = "avg@N") -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the paper-layout table.
+
+    Args:
+        results: results dicts (one row each, named by ``label``).
+        metric: ``"avg@N"`` (the paper's), ``"pass@N"``, ``"maj@N"`` or ``"pass@1"``.
+
+    Returns:
+        ``(header, rows)``: header ``["model", <benchmark display names>..., "Avg"]``; a cell is
+        ``"x (y)"`` with x the first setting and y the second (more settings: ``"x (y, z)"``), in percent,
+        ``–`` where a value is missing. The Avg column is the unweighted mean over that row's benchmarks.
+    """
+    settings = table_settings(results)
+    cols = table_columns(results)
+    header = ["model"] + [DISPLAY_NAMES[b] for b in cols] + ["Avg"]
+    rows = []
+    for res in results:
+        row = [str(res["label"])]
+        for bench in cols + [AVERAGE]:
+            vals = [_pct(_value(res, s, bench, metric)) for s in settings]
+            row.append(vals[0] if len(vals) == 1 else f"{vals[0]} ({', '.join(vals[1:])})")
+        rows.append(row)
+    return header, rows
+
+
+def _setting_text(res_list: Sequence[dict[str, Any]]) -> str:
+    seen: dict[str, str] = {}
+    for res in res_list:
+        for s in res.get("protocol", {}).get("settings", []):
+            seen.setdefault(s["name"], f"(T={s['temperature']}, top-p={s['top_p']})")
+    names = table_settings(res_list)
+    parts = [seen.get(n, n) for n in names]
+    if len(parts) == 1:
+        return parts[0]
+    return f"{parts[0]} first, " + "; ".join(parts[1:]) + " in parentheses"
+
+
+def markdown_table(results: Sequence[dict[str, Any]], metric: str = "avg@N", title: str | None = None) -> str:
+    """The paper-layout table as Markdown, with notes on settings, N, limits and incomplete averages."""
+    header, rows = paper_table(results, metric)
+    lines = []
+    if title:
+        lines += [f"### {title}", ""]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join(["---"] * len(header)) + "|")
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", f"{metric} in %; {_setting_text(results)}."]
+    for res in results:
+        proto = res.get("protocol", {})
+        ns = ", ".join(f"{DISPLAY_NAMES.get(b, b)} {n}" for b, n in proto.get("samples", {}).items())
+        notes = [f"N: {ns}", f"max new tokens {proto.get('max_new_tokens')}"]
+        if proto.get("limit") is not None:
+            notes.append(f"first {proto['limit']} problems per benchmark (--limit)")
+        if not res.get("complete", False):
+            n_b = len(proto.get("benchmarks", []))
+            notes.append(f"Avg over {n_b} benchmark{'s' if n_b != 1 else ''}" +
+                         (" (not the full protocol)" if proto.get("limit") is None else ""))
+        lines.append(f"- {res['label']}: " + "; ".join(notes) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def detail_markdown(res: dict[str, Any]) -> str:
+    """Per (setting, benchmark) details of one result: problems, N, avg@N, pass@1, pass@N, maj@N (percent),
+    grader verdict counts, verifier acceptances, mean response tokens and truncation rate."""
+    head = ["setting", "benchmark", "problems", "N", "avg@N", "pass@1", "pass@N", "maj@N", "maj ties",
+            "no answer", "timeouts", "errors", "verifier +", "mean tokens", "truncated"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    for setting in table_settings([res]):
+        m = res["metrics"].get(setting)
+        if m is None:
+            continue
+        for bench, s in list(m["benchmarks"].items()) + [(AVERAGE, m["average"])]:
+            g = s["grader"]
+            lines.append("| " + " | ".join([
+                setting, DISPLAY_NAMES.get(bench, "Avg"), str(s.get("problems", "")), str(s.get("N", "")),
+                _pct(s["avg@N"]), _pct(s["pass@1"]), _pct(s["pass@N"]), _pct(s["maj@N"]), str(s.get("maj_ties", "")),
+                str(g["no_answer"]), str(g["timeout"]), str(g["error"]), str(s["verifier_accepted"]),
+                f"{s['mean_response_tokens']:.1f}" if _finite(s["mean_response_tokens"]) else _MISSING,
+                _pct(s["truncation_rate"]) + ("%" if _finite(s["truncation_rate"]) else "")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def csv_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Long format, one row per (label, setting, benchmark or ``average``): metrics as fractions, grader counts,
+    mean response tokens, truncation rate, N, problems, limit, temperature, top-p."""
+    rows = []
+    for res in results:
+        proto = res.get("protocol", {})
+        params = {s["name"]: s for s in proto.get("settings", [])}
+        for setting, m in res["metrics"].items():
+            for bench, s in list(m["benchmarks"].items()) + [(AVERAGE, m["average"])]:
+                row = {"label": res["label"], "setting": setting,
+                       "temperature": params.get(setting, {}).get("temperature"),
+                       "top_p": params.get(setting, {}).get("top_p"), "benchmark": bench,
+                       "N": s.get("N"), "problems": s.get("problems"), "limit": proto.get("limit"),
+                       "avg@N": s["avg@N"], "pass@1": s["pass@1"], "pass@N": s["pass@N"], "maj@N": s["maj@N"],
+                       "samples": s["samples"], "verifier_accepted": s["verifier_accepted"],
+                       "mean_response_tokens": s["mean_response_tokens"], "truncation_rate": s["truncation_rate"]}
+                row.update({f"grader_{k}": s["grader"][k] for k in GRADER_STATUSES})
+                rows.append(row)
+    return rows
+
+
+def write_csv(path: str | os.PathLike, results: Sequence[dict[str, Any]]) -> Path:
+    """Write :func:`csv_rows` to ``path``; returns the path."""
+    rows = csv_rows(results)
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()) if rows else ["label"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def plot_bars(results: Sequence[dict[str, Any]], path: str | os.PathLike, metric: str = "avg@N") -> Path:
+    """Grouped bar chart: one panel per decoding setting, benchmarks (and Avg) on the x axis, one bar per
+    result (label); the metric in percent. Written with matplotlib's Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = table_settings(results)
+    cols = table_columns(results) + [AVERAGE]
+    names = [DISPLAY_NAMES.get(b, "Avg") for b in cols]
+    fig, axes = plt.subplots(len(settings), 1, figsize=(max(6.0, 1.3 * len(cols) + 1.5), 3.2 * len(settings)),
+                             squeeze=False)
+    width = 0.8 / max(1, len(results))
+    for ax, setting in zip(axes[:, 0], settings):
+        top = 0.0
+        for i, res in enumerate(results):
+            vals = [_value(res, setting, b, metric) for b in cols]
+            ys = [100 * v if _finite(v) else 0.0 for v in vals]
+            xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(cols))]
+            bars = ax.bar(xs, ys, width=width, label=str(res["label"]))
+            ax.bar_label(bars, labels=[f"{y:.1f}" for y in ys], fontsize="x-small", padding=1)
+            top = max([top] + ys)
+        ax.set_ylim(0, max(5.0, 1.15 * top))
+        params = next((s for r in results for s in r.get("protocol", {}).get("settings", [])
+                       if s["name"] == setting), None)
+        ax.set_title(f"{setting}" + (f" (T={params['temperature']}, top-p={params['top_p']})" if params else ""))
+        ax.set_xticks(range(len(cols)))
+        ax.set_xticklabels(names)
+        ax.set_ylabel(f"{metric} (%)")
+        ax.grid(axis="y", alpha=0.3)
+        if len(results) > 1 or ax is axes[0, 0]:
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_reports(results: dict[str, Any], run_dir: str | os.PathLike, *, plot: bool = True) -> dict[str, Path]:
+    """Write ``results.json``, ``results.md`` (paper table + pass@N / maj@N tables + details), ``results.csv``
+    and (``plot``) ``results.png`` into ``run_dir``. Returns ``{kind: path}``."""
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md", "csv": out / "results.csv"}
+    paths["json"].write_text(json.dumps(_clean(results), indent=2, default=str, allow_nan=False) + "\n")
+    md = [f"# Evaluation: {results['label']}", "", markdown_table([results], "avg@N", "avg@N (paper metric)"),
+          markdown_table([results], "pass@N", "pass@N"), markdown_table([results], "maj@N", "maj@N"),
+          "### Details", "", detail_markdown(results)]
+    run = results.get("run", {})
+    md.append(f"Model: `{results['model']['spec']}`; prompt: style {results['prompt']['style']}, system prompt "
+              f"{'set' if results['prompt']['system_prompt'] else 'none'} (from {results['prompt']['source']}); "
+              f"engine {results['protocol']['engine']}; this invocation generated {run.get('generated', 0)} "
+              f"samples ({run.get('tokens', 0)} tokens) in {run.get('seconds', 0.0):.0f} s.\n")
+    paths["md"].write_text("\n".join(md))
+    write_csv(paths["csv"], [results])
+    if plot:
+        paths["png"] = plot_bars([results], out / "results.png")
+    return paths
+
+
+def write_comparison(results: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *, name: str = "comparison",
+                     plot: bool = True) -> dict[str, Path]:
+    """Several results in one table: ``<name>.md`` (avg@N, pass@N and maj@N tables), ``<name>.csv`` and
+    ``<name>.png`` in ``out_dir``. Returns ``{kind: path}``.
+
+    Raises:
+        EvalError: no results, or two results with the same label.
+    """
+    if not results:
+        raise EvalError("nothing to compare: no results given")
+    labels = [r["label"] for r in results]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise EvalError(f"several results are labelled {dup}; name them with LABEL=PATH")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / f"{name}.md", "csv": out / f"{name}.csv"}
+    paths["md"].write_text("\n".join([markdown_table(results, m, m) for m in ("avg@N", "pass@N", "maj@N")]))
+    write_csv(paths["csv"], results)
+    if plot:
+        paths["png"] = plot_bars(results, out / f"{name}.png")
+    return paths
+
+
+def log_wandb(results: dict[str, Any], run_dir: str | os.PathLike, *, mode: str = "offline", project: str = "stapo",
+              entity: str | None = None) -> None:
+    """Log the results to W&B (through :class:`stapo.tracking.Tracker`, offline by default: no API key needed)
+    as scalars ``eval/<setting>/<benchmark>/<metric>`` and a summary table ``eval/summary`` (the paper table plus
+    the long rows). ``mode="disabled"`` still writes ``metrics.jsonl`` and ``tables.jsonl`` in ``run_dir``;
+    a rerun replaces the previous rows there."""
+    from stapo.tracking import Tracker
+
+    tracker = Tracker(run_dir, results.get("config", {}), mode=mode, project=project, entity=entity,
+                      name=f"eval-{results['label']}")
+    try:
+        tracker.truncate_after(-1)
+        flat: dict[str, float] = {}
+        for setting, m in results["metrics"].items():
+            for bench, s in list(m["benchmarks"].items()) + [(AVERAGE, m["average"])]:
+                for key in ("avg@N", "pass@1", "pass@N", "maj@N", "mean_response_tokens", "truncation_rate"):
+                    if _finite(s[key]):
+                        flat[f"eval/{setting}/{bench}/{key}"] = float(s[key])
+        tracker.log(0, flat)
+        header, rows = paper_table([results])
+        tracker.log_table(0, "eval/summary", header, rows)
+        long = csv_rows([results])
+        if long:
+            tracker.log_table(0, "eval/details", list(long[0].keys()), [list(r.values()) for r in long])
+    finally:
+        tracker.finish()

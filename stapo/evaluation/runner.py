@@ -1,0 +1,629 @@
+"""The evaluation run: problems → blocks → engine → grader (→ verifier) → JSONL → metrics → reports.
+
+:func:`run_evaluation` is what ``evaluate.py`` calls; :func:`evaluate_problems` is the engine-level core that the
+in-training validation hook (:mod:`stapo.evaluation.validation`) shares.
+
+Run directory (``output.dir``, default ``runs/eval/<label>``)::
+
+    eval_manifest.json                    what the generations were made with (checked on every rerun)
+    generations/<benchmark>__<setting>.jsonl   one line per sample (fields below)
+    results.json  results.md  results.csv  results.png   metrics and reports (stapo.evaluation.report)
+    metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.tracking.Tracker; offline by default)
+
+A JSONL record holds: ``problem_id, sample`` (0..N−1; the unique key), ``benchmark, setting, problem_index,
+block, seed, temperature, top_p, gold, response, prompt_tokens, response_tokens, finish_reason`` (``"eos"`` /
+``"length"``), ``extracted`` (the graded answer or null), ``status`` (the rule-based grader's verdict:
+correct / incorrect / no_answer / timeout / error), ``grader_error``, ``grade_seconds``, ``verifier_verdict``
+(A/B/C/null), ``verifier_accepted``, ``verifier_raw`` (its output, null when not asked) and ``correct`` (the
+final verdict: rule-based correct, or accepted by the verifier).
+
+Blocks and resumption. For each decoding setting the problems of the benchmarks that share an N are taken in
+benchmark order and cut into blocks of ``floor(samples_per_call / N)`` problems (at least one); one block is
+one ``engine.generate`` call (N samples per problem) seeded from (``generation.seed``, setting, N, the
+block's problem ids), then graded and appended to the JSONL files in one write per file. A rerun skips every
+problem whose N samples are all stored; a block some of whose samples were written before a crash is
+generated again whole (same composition and seed → the same samples; only the missing ones are written), so
+a killed and resumed run ends with exactly the generations of an uninterrupted one. Changing the model, the
+prompt, the backend, the dtype, ``max_new_tokens``, ``seed``, ``samples_per_call``, an N or a setting's
+temperature / top-p for an existing run directory is refused (:class:`~stapo.evaluation.errors.EvalError`);
+adding benchmarks, settings or raising ``--limit`` extends it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, resolve_data_root
+from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
+from stapo.evaluation.errors import EvalError
+from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
+from stapo.evaluation.model_source import ModelSource, resolve_model_source
+from stapo.evaluation.store import GenerationStore
+
+__all__ = [
+    "PromptSpec",
+    "Problem",
+    "Block",
+    "resolve_prompt",
+    "load_problems",
+    "encode_problems",
+    "plan_blocks",
+    "call_seed",
+    "evaluate_problems",
+    "summarize_run",
+    "default_run_dir",
+    "run_evaluation",
+]
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "eval_manifest.json"
+GENERATIONS_DIR = "generations"
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """How prompts are built (:func:`stapo.prompts.encode_prompt`).
+
+    Attributes:
+        style: ``"auto"`` / ``"chat"`` / ``"plain"`` (``use_chat_template``).
+        system_prompt: system message (chat template only) or ``None``.
+        source: where the values came from (for results.json).
+    """
+
+    style: str = "auto"
+    system_prompt: str | None = None
+    source: str = "default"
+
+
+@dataclass
+class Problem:
+    """One problem to sample: its benchmark, position in the benchmark file, record and prompt token ids."""
+
+    benchmark: str
+    index: int
+    record: Record
+    prompt_ids: list[int] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+
+@dataclass(frozen=True)
+class Block:
+    """One engine call's worth of problems (all with the same N).
+
+    Attributes:
+        key: ``"N<n>/b<index>-<8 hex digits of the problem ids' SHA-256>"``, stored in each record.
+        n: samples per problem.
+        problems: the problems, in plan order.
+    """
+
+    key: str
+    n: int
+    problems: tuple[Problem, ...]
+
+
+# --- prompt ---------------------------------------------------------------------------------------------
+def resolve_prompt(prompt_cfg: Any, source: ModelSource | None = None) -> PromptSpec:
+    """The prompt settings: defaults (``auto``, no system prompt) → the checkpoint's run config (when
+    ``prompt_cfg.from_checkpoint``) → ``prompt_cfg.from_train_config`` (a train.py YAML) → explicit
+    ``style`` / ``system_prompt`` (``""`` = no system prompt).
+
+    Args:
+        prompt_cfg: :class:`~stapo.evaluation.config.EvalPromptConfig`.
+        source: the resolved model (for a train.py checkpoint's run config).
+
+    Raises:
+        EvalError: ``from_train_config`` cannot be loaded (the message names the file and the problem).
+    """
+    style, system, origin = "auto", None, "default"
+    if prompt_cfg.from_checkpoint and source is not None:
+        found = source.train_prompt()
+        if found is not None:
+            style, system, origin = found["style"] or "auto", found["system_prompt"], f"{source.run_dir}/config.json"
+    if prompt_cfg.from_train_config:
+        from stapo.config import ConfigError, load_config
+
+        try:
+            train_cfg = load_config(prompt_cfg.from_train_config)
+        except ConfigError as e:
+            raise EvalError(f"prompt.from_train_config: {e}") from None
+        style, system, origin = train_cfg.data.prompt_style, train_cfg.data.system_prompt, prompt_cfg.from_train_config
+    if prompt_cfg.style is not None:
+        style, origin = prompt_cfg.style, "eval config"
+    if prompt_cfg.system_prompt is not None:
+        system, origin = (prompt_cfg.system_prompt or None), "eval config"
+    return PromptSpec(style=style, system_prompt=system, source=origin)
+
+
+# --- problems and blocks --------------------------------------------------------------------------------
+def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
+                  limit: int | None = None) -> dict[str, list[Problem]]:
+    """The first ``limit`` problems (all when ``None``) of each benchmark, without prompts yet.
+
+    Returns:
+        ``{benchmark: [Problem]}`` in the order of ``benchmarks``.
+
+    Raises:
+        EvalError: unknown benchmark name, missing data root or file, or a bad row (the message names it).
+    """
+    try:
+        data_root = resolve_data_root(root)
+    except DataError as e:
+        raise EvalError(str(e)) from None
+    out: dict[str, list[Problem]] = {}
+    for name in benchmarks:
+        if name not in BENCHMARKS:
+            raise EvalError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        try:
+            records = load_benchmark(name, data_root).records
+        except DataError as e:
+            raise EvalError(str(e)) from None
+        records = records[:limit] if limit is not None else records
+        out[name] = [Problem(name, i, rec) for i, rec in enumerate(records)]
+    return out
+
+
+def encode_problems(problems: Mapping[str, list[Problem]], tokenizer: Any, prompt: PromptSpec,
+                    max_prompt_tokens: int | None = None) -> dict[str, int]:
+    """Fill ``Problem.prompt_ids`` (the training prompt) in place; drop problems whose prompt is longer than
+    ``max_prompt_tokens`` (when set).
+
+    Returns:
+        ``{benchmark: problems dropped for a too-long prompt}``.
+
+    Raises:
+        EvalError: the prompt cannot be built (e.g. a system prompt with plain-text prompts).
+    """
+    from stapo.prompts import encode_prompt
+
+    dropped: dict[str, int] = {}
+    for name, plist in problems.items():
+        kept = []
+        for p in plist:
+            try:
+                p.prompt_ids = encode_prompt(p.record.problem, tokenizer, use_chat_template=prompt.style,
+                                             system_prompt=prompt.system_prompt)
+            except (TypeError, ValueError) as e:
+                raise EvalError(f"cannot build the prompt of {p.id}: {e}") from None
+            if max_prompt_tokens is None or len(p.prompt_ids) <= max_prompt_tokens:
+                kept.append(p)
+        dropped[name] = len(plist) - len(kept)
+        plist[:] = kept
+    return dropped
+
+
+def plan_blocks(problems: Mapping[str, Sequence[Problem]], samples: Mapping[str, int],
+                samples_per_call: int) -> list[Block]:
+    """Cut the problems into engine calls (rule in the module docstring).
+
+    Args:
+        problems: ``{benchmark: problems}`` in benchmark order.
+        samples: N per benchmark.
+        samples_per_call: target responses per call (a block holds ``max(1, samples_per_call // N)`` problems).
+
+    Returns:
+        Blocks grouped by N in order of first appearance, each group's problems in benchmark order.
+    """
+    by_n: dict[int, list[Problem]] = {}
+    for name, plist in problems.items():
+        by_n.setdefault(int(samples[name]), []).extend(plist)
+    blocks = []
+    for n, plist in by_n.items():
+        per = max(1, samples_per_call // n)
+        for b, start in enumerate(range(0, len(plist), per)):
+            chunk = tuple(plist[start:start + per])
+            digest = hashlib.sha256(json.dumps([p.id for p in chunk]).encode()).hexdigest()[:8]
+            blocks.append(Block(f"N{n}/b{b:05d}-{digest}", n, chunk))
+    return blocks
+
+
+def call_seed(base_seed: int, setting: str, n: int, problem_ids: Sequence[str]) -> int:
+    """The sampling seed of one engine call: 31 bits of SHA-256 over (seed, setting, N, problem ids)."""
+    text = json.dumps([int(base_seed), setting, int(n), list(problem_ids)])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") >> 1
+
+
+def _store_path(out_dir: Path, benchmark: str, setting: str) -> Path:
+    return out_dir / GENERATIONS_DIR / f"{benchmark}__{setting}.jsonl"
+
+
+# --- generation + grading -------------------------------------------------------------------------------
+def evaluate_problems(
+    engine: Any,
+    grader: Any,
+    problems: Mapping[str, Sequence[Problem]],
+    *,
+    samples: Mapping[str, int],
+    settings: Sequence[DecodingSetting],
+    max_new_tokens: int,
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    samples_per_call: int = 256,
+    verifier: Any = None,
+    verifier_apply_to: Sequence[str] = ("incorrect", "no_answer"),
+    progress: bool = False,
+    on_block: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Generate, grade and store every missing sample of ``problems`` under every setting; return metrics.
+
+    Args:
+        engine: a rollout engine (``generate(prompt_ids, N, SamplingParams) -> [Response]``).
+        grader: a :class:`stapo.grader.MathGrader` (``grade(responses, golds)``).
+        problems: ``{benchmark: problems with prompt_ids}``.
+        samples: N per benchmark.
+        settings: decoding settings.
+        max_new_tokens: generation limit per response (tokens).
+        out_dir: run directory (JSONL files under ``generations/``).
+        seed: base seed (see :func:`call_seed`).
+        samples_per_call: block size target (see :func:`plan_blocks`).
+        verifier: optional :class:`~stapo.evaluation.verifier.LLMVerifier` for rule-rejected samples.
+        verifier_apply_to: rule verdicts sent to the verifier.
+        progress: show a tqdm bar over the missing samples.
+        on_block: called after each block is stored with ``{"setting", "block", "written", "generated"}``.
+
+    Returns:
+        ``{"metrics": {setting: {"benchmarks": {name: summary}, "average": {...}}}, "run": {...}}`` —
+        see :func:`summarize_run`; ``run`` counts this call's blocks, samples and tokens and its seconds.
+    """
+    from stapo.rollout import SamplingParams
+
+    out = Path(out_dir)
+    blocks = plan_blocks(problems, samples, samples_per_call)
+    stores = {(b, s.name): GenerationStore(_store_path(out, b, s.name)) for b in problems for s in settings}
+    torn = sum(st.torn_bytes for st in stores.values())
+    if torn:
+        log.warning("cut %d bytes of torn last lines (an interrupted write) from %s", torn, out / GENERATIONS_DIR)
+    todo = [(s, blk) for s in settings for blk in blocks
+            if not all(stores[(p.benchmark, s.name)].complete(p.id, blk.n) for p in blk.problems)]
+    total = sum(blk.n * len(blk.problems) for _, blk in todo)
+    stats = {"blocks": 0, "generated": 0, "written": 0, "tokens": 0, "seconds": 0.0}
+    t_start = time.perf_counter()
+    bar = None
+    if progress and total:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="eval samples", dynamic_ncols=True)
+    try:
+        for setting, blk in todo:
+            own = any(r.get("block") == blk.key for p in blk.problems
+                      for r in stores[(p.benchmark, setting.name)].samples_of(p.id))
+            call = list(blk.problems) if own else [
+                p for p in blk.problems if not stores[(p.benchmark, setting.name)].complete(p.id, blk.n)]
+            seed_i = call_seed(seed, setting.name, blk.n, [p.id for p in call])
+            sampling = SamplingParams(temperature=float(setting.temperature), top_p=float(setting.top_p),
+                                      max_new_tokens=int(max_new_tokens), seed=seed_i)
+            responses = engine.generate([p.prompt_ids for p in call], blk.n, sampling)
+            if len(responses) != len(call) * blk.n:
+                raise RuntimeError(f"engine returned {len(responses)} responses for {len(call)}×{blk.n}")
+            golds = [call[r.group].record.answer for r in responses]
+            graded = grader.grade([r.text for r in responses], golds).results
+            verdicts: dict[int, Any] = {}
+            if verifier is not None:
+                ask = [i for i, g in enumerate(graded) if g.status.value in verifier_apply_to]
+                if ask:
+                    got = verifier.verify([call[responses[i].group].record.problem for i in ask],
+                                          [golds[i] for i in ask], [responses[i].text for i in ask])
+                    verdicts = dict(zip(ask, got))
+            per_bench: dict[str, list[dict[str, Any]]] = {}
+            for i, (resp, grade) in enumerate(zip(responses, graded)):
+                p = call[resp.group]
+                v = verdicts.get(i)
+                per_bench.setdefault(p.benchmark, []).append({
+                    "problem_id": p.id, "sample": int(resp.index), "benchmark": p.benchmark, "setting": setting.name,
+                    "problem_index": p.index, "block": blk.key, "seed": seed_i,
+                    "temperature": float(setting.temperature), "top_p": float(setting.top_p), "gold": golds[i],
+                    "response": resp.text, "prompt_tokens": len(resp.prompt_ids),
+                    "response_tokens": len(resp.response_ids), "finish_reason": resp.finish_reason,
+                    "extracted": grade.extracted, "status": grade.status.value, "grader_error": grade.error,
+                    "grade_seconds": round(float(grade.seconds), 4),
+                    "verifier_verdict": v.verdict if v is not None else None,
+                    "verifier_accepted": bool(v.accepted) if v is not None else False,
+                    "verifier_raw": v.raw if v is not None else None,
+                    "correct": bool(grade.correct or (v is not None and v.accepted)),
+                })
+            written = sum(stores[(b, setting.name)].append(recs) for b, recs in per_bench.items())
+            stats["blocks"] += 1
+            stats["generated"] += len(responses)
+            stats["written"] += written
+            stats["tokens"] += sum(len(r.response_ids) for r in responses)
+            if bar is not None:
+                bar.update(written)
+            if on_block is not None:
+                on_block({"setting": setting.name, "block": blk.key, "written": written, "generated": len(responses)})
+    finally:
+        if bar is not None:
+            bar.close()
+    stats["seconds"] = time.perf_counter() - t_start
+    stats["tokens_per_s"] = stats["tokens"] / stats["seconds"] if stats["tokens"] and stats["seconds"] > 0 else None
+    return {"metrics": summarize_run(problems, stores, samples, settings), "run": stats}
+
+
+def summarize_run(problems: Mapping[str, Sequence[Problem]], stores: Mapping[tuple[str, str], GenerationStore],
+                  samples: Mapping[str, int], settings: Sequence[DecodingSetting]) -> dict[str, Any]:
+    """Metrics per setting and benchmark (:func:`~stapo.evaluation.metrics.summarize_benchmark`) and their
+    average over benchmarks, from the stored samples of ``problems`` (other stored problems are ignored).
+
+    Returns:
+        ``{setting: {"benchmarks": {name: summary}, "average": {"avg@N", "pass@1", "pass@N", "maj@N"
+        (unweighted means over benchmarks), "benchmarks" (count), "samples", "grader" (summed counts),
+        "verifier_accepted", "mean_response_tokens", "truncation_rate" (sample-weighted)}}}``.
+
+    Raises:
+        EvalError: a problem lacks some of its N samples.
+    """
+    out: dict[str, Any] = {}
+    for s in settings:
+        per: dict[str, Any] = {}
+        for name, plist in problems.items():
+            n = int(samples[name])
+            store = stores[(name, s.name)]
+            rows = []
+            for p in plist:
+                recs = store.samples_of(p.id)[:n]
+                if len(recs) != n or [r["sample"] for r in recs] != list(range(n)):
+                    raise EvalError(f"{store.path}: {p.id} has {len(recs)} of its {n} samples; rerun to complete it")
+                rows.append(recs)
+            per[name] = summarize_benchmark(rows, n)
+        total = sum(v["samples"] for v in per.values())
+        grader = {k: sum(v["grader"][k] for v in per.values()) for k in GRADER_STATUSES}
+
+        def weighted(key: str) -> float:
+            vals = [(v[key], v["samples"]) for v in per.values() if v["samples"]]
+            return sum(x * w for x, w in vals) / total if total else math.nan
+
+        out[s.name] = {"benchmarks": per, "average": {
+            "avg@N": average_over_benchmarks(per, "avg@N"), "pass@1": average_over_benchmarks(per, "pass@1"),
+            "pass@N": average_over_benchmarks(per, "pass@N"), "maj@N": average_over_benchmarks(per, "maj@N"),
+            "benchmarks": len(per), "samples": total, "grader": grader,
+            "verifier_accepted": sum(v["verifier_accepted"] for v in per.values()),
+            "mean_response_tokens": weighted("mean_response_tokens"), "truncation_rate": weighted("truncation_rate"),
+        }}
+    return out
+
+
+# --- the whole run --------------------------------------------------------------------------------------
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._@-]+", "_", text).strip("_") or "model"
+
+
+def default_run_dir(cfg: EvalConfig, source: ModelSource) -> Path:
+    """``output.dir`` when set, else ``<output.root>/<label>`` (label: ``model.label`` or the source's)."""
+    if cfg.output.dir:
+        return Path(cfg.output.dir)
+    return Path(cfg.output.root) / _slug(cfg.model.label or source.label)
+
+
+def _manifest(cfg: EvalConfig, source: ModelSource, prompt: PromptSpec) -> dict[str, Any]:
+    return {
+        "model": {"kind": source.kind, "path": source.path, "step": source.step},
+        "dtype": cfg.model.dtype,
+        "backend": cfg.engine.backend,
+        "prompt": {"style": prompt.style, "system_prompt": prompt.system_prompt},
+        "max_new_tokens": cfg.generation.max_new_tokens,
+        "seed": cfg.generation.seed,
+        "samples_per_call": cfg.generation.samples_per_call,
+        "samples": {b: cfg.data.samples[b] for b in cfg.data.benchmarks},
+        "settings": {s.name: [float(s.temperature), float(s.top_p)] for s in cfg.generation.settings},
+    }
+
+
+def _check_manifest(run_dir: Path, new: dict[str, Any]) -> dict[str, Any]:
+    """Compare with the run directory's manifest; return the merged manifest to write.
+
+    Raises:
+        EvalError: a generation-relevant value differs (the message names it, old and new).
+    """
+    path = run_dir / MANIFEST
+    if not path.exists():
+        return new
+    try:
+        old = json.loads(path.read_text())
+    except ValueError as e:
+        raise EvalError(f"{path} is not valid JSON ({e}); move the run directory away") from None
+
+    def differ(what: str, a: Any, b: Any) -> EvalError:
+        return EvalError(f"{run_dir} holds generations made with {what} = {a!r}, this run asks for {b!r}; "
+                         f"choose another output directory (--output) or delete {run_dir}")
+
+    for key in ("model", "dtype", "backend", "prompt", "max_new_tokens", "seed", "samples_per_call"):
+        if old.get(key) != new[key]:
+            raise differ(key, old.get(key), new[key])
+    for kind in ("samples", "settings"):
+        for name, value in new[kind].items():
+            if name in old.get(kind, {}) and old[kind][name] != value:
+                raise differ(f"{kind}[{name}]", old[kind][name], value)
+    merged = dict(new)
+    merged["samples"] = {**old.get("samples", {}), **new["samples"]}
+    merged["settings"] = {**old.get("settings", {}), **new["settings"]}
+    return merged
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _load_tokenizer(source: ModelSource, cfg: EvalConfig):
+    from stapo.models import load_tokenizer
+
+    try:
+        return load_tokenizer("embedded:smollm2" if source.kind == "tiny" else source.path,
+                              cache_dir=cfg.model.cache_dir)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"cannot load the tokenizer of {source.spec!r}: {str(e).splitlines()[0]}") from None
+
+
+def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
+    from stapo.models import build_tiny_model, load_policy
+
+    try:
+        if source.kind == "tiny":
+            model, _ = build_tiny_model(seed=0, dtype=cfg.model.dtype, tokenizer=tokenizer)
+            return model
+        model, _ = load_policy(source.path, dtype=cfg.model.dtype,
+                               attn_implementation=cfg.model.attn_implementation, cache_dir=cfg.model.cache_dir)
+        return model
+    except (OSError, ValueError) as e:
+        raise EvalError(f"cannot load model {source.spec!r}: {str(e).splitlines()[0]}") from None
+
+
+def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: int) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    from stapo.rollout import build_rollout_engine
+
+    ec = cfg.engine
+    info: dict[str, Any] = {"backend": ec.backend}
+    if ec.backend == "hf":
+        device = "cuda" if ec.device == "auto" and torch.cuda.is_available() else ("cpu" if ec.device == "auto"
+                                                                                   else ec.device)
+        model.to(device)
+        info["device"] = device
+        return build_rollout_engine("hf", model, tokenizer, max_batch_size=ec.hf_max_batch_size), info
+    need = longest_prompt + cfg.generation.max_new_tokens
+    cap = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    max_model_len = ec.max_model_len or (min(need, int(cap)) if cap else need)
+    if max_model_len < need:
+        log.warning("max_model_len %d < longest prompt %d + max_new_tokens %d: responses of long prompts are "
+                    "capped at max_model_len - prompt length", max_model_len, longest_prompt,
+                    cfg.generation.max_new_tokens)
+    kwargs: dict[str, Any] = dict(max_model_len=max_model_len, kv_cache_gib=ec.kv_cache_gib,
+                                  gpu_memory_utilization=ec.gpu_memory_utilization, enforce_eager=ec.enforce_eager,
+                                  tensor_parallel_size=ec.tensor_parallel_size, seed=cfg.generation.seed)
+    if ec.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = ec.max_num_seqs
+    info["max_model_len"] = max_model_len
+    try:
+        return build_rollout_engine("vllm", model, tokenizer, **kwargs), info
+    except ImportError as e:
+        raise EvalError(f"{e} (or use engine.backend=hf)") from None
+
+
+def run_evaluation(
+    cfg: EvalConfig,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    grader: Any = None,
+    on_block: Callable[[dict[str, Any]], None] | None = None,
+    write_reports: bool = True,
+) -> dict[str, Any]:
+    """Evaluate ``cfg.model`` on ``cfg.data.benchmarks`` under every decoding setting (resumable).
+
+    Checks that are cheap run first (config, model path, data root, benchmark files, run-directory manifest);
+    the model and engine are loaded only when some sample is missing, so rerunning a finished run just rebuilds
+    the reports.
+
+    Args:
+        cfg: :class:`~stapo.evaluation.config.EvalConfig` (validated again here).
+        model, tokenizer: an already loaded policy to use instead of loading ``cfg.model.path`` (tests).
+        grader: a :class:`~stapo.grader.MathGrader` to share (not closed here); default: one is created and closed.
+        on_block: progress callback (see :func:`evaluate_problems`).
+        write_reports: write results.json / .md / .csv / .png and the W&B summary into the run directory.
+
+    Returns:
+        The results dict written to ``results.json``: ``label``, ``run_dir``, ``model``, ``prompt``, ``protocol``,
+        ``data`` (problems per benchmark), ``metrics`` (see :func:`summarize_run`), ``run``, ``complete``
+        (all six benchmarks in full), ``created``, ``git_commit``.
+
+    Raises:
+        EvalError: any user-facing problem (bad model path, unknown benchmark, missing data root, a run
+            directory made with different generation settings, a model or tokenizer that cannot be loaded).
+    """
+    validate_eval_config(cfg)
+    source = resolve_model_source(cfg.model.path)
+    problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit)
+    totals = {b: len(p) for b, p in problems.items()}
+    prompt = resolve_prompt(cfg.prompt, source)
+    run_dir = default_run_dir(cfg, source)
+    manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt))
+    label = cfg.model.label or source.label
+
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(source, cfg)
+    dropped = encode_problems(problems, tokenizer, prompt, cfg.data.max_prompt_tokens)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+    settings = list(cfg.generation.settings)
+    blocks = plan_blocks(problems, cfg.data.samples, cfg.generation.samples_per_call)
+    pending = any(not GenerationStore(_store_path(run_dir, p.benchmark, s.name)).complete(p.id, blk.n)
+                  for s in settings for blk in blocks for p in blk.problems)
+    engine_info: dict[str, Any] = {"backend": cfg.engine.backend}
+    engine = owned_grader = verifier = None
+    try:
+        if pending:
+            if model is None:
+                model = _load_model(source, cfg, tokenizer)
+            longest = max((len(p.prompt_ids) for plist in problems.values() for p in plist), default=1)
+            engine, engine_info = _build_engine(model, tokenizer, cfg, longest)
+            if grader is None:
+                from stapo.grader import MathGrader
+
+                grader = owned_grader = MathGrader(num_workers=cfg.grader.num_workers, timeout_s=cfg.grader.timeout_s)
+            if cfg.verifier.enabled:
+                from stapo.evaluation.verifier import build_verifier
+
+                try:
+                    verifier = build_verifier(cfg.verifier, engine_info.get("device", "cpu"))
+                except (OSError, ValueError) as e:
+                    raise EvalError(f"cannot load verifier {cfg.verifier.model!r}: {str(e).splitlines()[0]}") from None
+        result = evaluate_problems(
+            engine, grader, problems, samples=cfg.data.samples, settings=settings,
+            max_new_tokens=cfg.generation.max_new_tokens, out_dir=run_dir, seed=cfg.generation.seed,
+            samples_per_call=cfg.generation.samples_per_call, verifier=verifier,
+            verifier_apply_to=tuple(cfg.verifier.apply_to), progress=cfg.logging.progress_bar, on_block=on_block)
+    finally:
+        if owned_grader is not None:
+            owned_grader.close()
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
+
+    import stapo
+
+    complete = (set(problems) == set(BENCHMARKS) and cfg.data.limit is None and not any(dropped.values()))
+    results = {
+        "label": label,
+        "run_dir": str(run_dir),
+        "model": {"spec": source.spec, "kind": source.kind, "path": source.path, "step": source.step,
+                  "run_dir": source.run_dir, "dtype": cfg.model.dtype},
+        "prompt": asdict(prompt),
+        "protocol": {"benchmarks": list(problems), "samples": {b: cfg.data.samples[b] for b in problems},
+                     "settings": [asdict(s) for s in settings], "max_new_tokens": cfg.generation.max_new_tokens,
+                     "limit": cfg.data.limit, "seed": cfg.generation.seed,
+                     "samples_per_call": cfg.generation.samples_per_call, "engine": engine_info,
+                     "grader": asdict(cfg.grader), "verifier": cfg.verifier.model if cfg.verifier.enabled else None},
+        "data": {b: {"problems_loaded": totals[b], "problems_evaluated": len(problems[b]),
+                     "dropped_long_prompt": dropped[b]} for b in problems},
+        "metrics": result["metrics"],
+        "run": result["run"],
+        "complete": complete,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "stapo_version": stapo.__version__,
+        "git_commit": _git_commit(),
+        "config": eval_config_to_dict(cfg),
+    }
+    if write_reports:
+        from stapo.evaluation.report import log_wandb, write_reports as _write
+
+        _write(results, run_dir, plot=cfg.output.plot)
+        log_wandb(results, run_dir, mode=cfg.logging.wandb_mode, project=cfg.logging.project,
+                  entity=cfg.logging.entity)
+    return results

@@ -1,0 +1,125 @@
+"""Append-only JSONL store of graded generations, one file per (benchmark, decoding setting).
+
+Each line is one sample: ``{"problem_id", "sample", ...}`` (fields listed in :mod:`stapo.evaluation.runner`).
+The key ``(problem_id, sample)`` is unique in a file: :meth:`GenerationStore.append` skips keys already
+present, so a rerun never duplicates a generation.
+
+Crash safety: a block of samples is written with one ``write`` of whole lines, then flushed and fsync'ed. A
+process killed during that write can leave a last line without its newline; opening the store cuts such a
+torn tail off (counted in :attr:`GenerationStore.torn_bytes`) before anything is appended. A *complete* line
+that is not valid JSON is never dropped silently: it raises :class:`~stapo.evaluation.errors.EvalError`
+naming the file and line.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from stapo.evaluation.errors import EvalError
+
+__all__ = ["GenerationStore"]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class GenerationStore:
+    """The samples of one JSONL file, loaded on construction.
+
+    Args:
+        path: the JSONL file (created with its parent folders on the first append).
+
+    Attributes:
+        records: ``{(problem_id, sample): record dict}`` in file order.
+        torn_bytes: bytes of an incomplete last line that were cut off when the file was opened.
+
+    Raises:
+        EvalError: a complete line is not a JSON object with ``problem_id`` (str) and ``sample`` (int).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.records: dict[tuple[str, int], dict[str, Any]] = {}
+        self._by_problem: dict[str, dict[int, dict[str, Any]]] = {}
+        self.torn_bytes = 0
+        self.duplicates_ignored = 0
+        if self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            cut = data.rfind(b"\n") + 1  # 0 when the only line is torn
+            self.torn_bytes = len(data) - cut
+            with open(self.path, "r+b") as f:
+                f.truncate(cut)
+                f.flush()
+                os.fsync(f.fileno())
+            data = data[:cut]
+        for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                key = (rec["problem_id"], rec["sample"])
+                if not isinstance(key[0], str) or not isinstance(key[1], int):
+                    raise TypeError("problem_id must be str and sample int")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise EvalError(f"{self.path}: line {lineno} is not a valid generation record ({exc}); "
+                                f"move the file away to regenerate it") from None
+            if key in self.records:
+                self.duplicates_ignored += 1
+                continue
+            self._add(key, rec)
+
+    def _add(self, key: tuple[str, int], rec: dict[str, Any]) -> None:
+        self.records[key] = rec
+        self._by_problem.setdefault(key[0], {})[key[1]] = rec
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key in self.records
+
+    def samples_of(self, problem_id: str) -> list[dict[str, Any]]:
+        """The stored records of one problem, sorted by sample index."""
+        by_sample = self._by_problem.get(problem_id, {})
+        return [by_sample[j] for j in sorted(by_sample)]
+
+    def complete(self, problem_id: str, n: int) -> bool:
+        """Whether samples ``0..n-1`` of ``problem_id`` are all stored."""
+        by_sample = self._by_problem.get(problem_id, {})
+        return all(j in by_sample for j in range(n))
+
+    def append(self, records: Iterable[dict[str, Any]]) -> int:
+        """Append the records whose ``(problem_id, sample)`` is new, in one write, then flush and fsync.
+
+        Args:
+            records: dicts with at least ``problem_id`` (str) and ``sample`` (int); values must be JSON-serialisable
+                (non-finite floats are written as ``null``).
+
+        Returns:
+            Number of records written.
+        """
+        lines = []
+        for rec in records:
+            key = (rec["problem_id"], int(rec["sample"]))
+            if key in self.records:
+                continue
+            self._add(key, rec)
+            lines.append(json.dumps({k: _jsonable(v) for k, v in rec.items()}, ensure_ascii=False) + "\n")
+        if not lines:
+            return 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+        return len(lines)

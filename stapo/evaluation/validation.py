@@ -1,0 +1,187 @@
+"""In-training validation: the evaluation harness on a small benchmark subset, as a ``Trainer`` hook.
+
+``stapo.trainer.Trainer(cfg, validation_hook=hook)`` calls ``hook(trainer, step)`` every ``trainer.val_every``
+steps, after the new weights were synced into the rollout engine, and logs the returned dict. The hook samples
+with the trainer's own engine (``trainer.engine``), tokenizer and training prompt (``cfg.data.prompt_style``,
+``cfg.data.system_prompt``), grades with math-verify and computes the same metrics as ``evaluate.py``
+(:func:`stapo.evaluation.runner.evaluate_problems`); the generations go to
+``<run_dir>/validation/step_XXXXXX/generations/*.jsonl`` (resumable like an evaluation run) and the metrics to
+``.../metrics.json``.
+
+Returned keys: ``val/<setting>/<benchmark>/{avg@N,pass@N,maj@N}``, ``val/<setting>/average/avg@N``, and per
+setting ``val/<setting>/{mean_response_tokens,truncation_rate,no_answer_rate,grader_timeouts,grader_errors}``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from stapo.evaluation.config import PAPER_SETTINGS, DecodingSetting, canonical_benchmark
+from stapo.evaluation.errors import EvalError
+
+__all__ = ["ValidationHook", "make_validation_hook", "make_validation_hook_from_config"]
+
+
+def _settings(settings: Sequence[Any] | None) -> list[DecodingSetting]:
+    if settings is None:
+        return [DecodingSetting(PAPER_SETTINGS[0].name, PAPER_SETTINGS[0].temperature, PAPER_SETTINGS[0].top_p)]
+    out = []
+    for s in settings:
+        if isinstance(s, DecodingSetting):
+            out.append(s)
+        elif isinstance(s, str):
+            match = [p for p in PAPER_SETTINGS if p.name == s]
+            if not match:
+                raise EvalError(f"unknown decoding setting {s!r}; named settings: {[p.name for p in PAPER_SETTINGS]}")
+            out.append(DecodingSetting(match[0].name, match[0].temperature, match[0].top_p))
+        else:
+            t, p = (float(x) for x in s)
+            out.append(DecodingSetting(f"t{t}_p{p}", t, p))
+    return out
+
+
+class ValidationHook:
+    """``fn(trainer, step) -> dict[str, float]`` running the evaluation harness on a subset.
+
+    Args:
+        benchmarks: benchmark names (aliases allowed).
+        limit: first K problems of each benchmark (``None`` = all).
+        samples: N per problem — an int for every benchmark, or ``{benchmark: N}``.
+        settings: decoding settings: :class:`~stapo.evaluation.config.DecodingSetting`, a paper setting name
+            (``"t1.0_p1.0"``, ``"t0.7_p0.9"``) or a ``(temperature, top_p)`` pair; default the first paper setting.
+        max_new_tokens: generation limit; default (and at most) the trainer's ``rollout.response_length``,
+            which with ``data.max_prompt_length`` sizes the vLLM engine's context.
+        data_root: benchmark data root; default the trainer's ``cfg.data.root``.
+        samples_per_call, seed: see :func:`stapo.evaluation.runner.evaluate_problems`.
+        grader_workers, grader_timeout_s: the math-verify grader pool (created on first use, reused).
+        subdir: output folder under the trainer's run directory.
+        prefix: metric-name prefix.
+
+    Prompts longer than the trainer's ``data.max_prompt_length`` are skipped (they do not fit the engine), and
+    counted in ``<prefix>/<benchmark>/dropped_long_prompt``.
+
+    Raises:
+        EvalError: unknown benchmark or setting (at construction); missing data (at the first call).
+    """
+
+    def __init__(self, *, benchmarks: Sequence[str] = ("math500",), limit: int | None = 32,
+                 samples: int | Mapping[str, int] = 4, settings: Sequence[Any] | None = None,
+                 max_new_tokens: int | None = None, data_root: str | None = None, samples_per_call: int = 256,
+                 seed: int = 0, grader_workers: int = 1, grader_timeout_s: float = 5.0, subdir: str = "validation",
+                 prefix: str = "val") -> None:
+        self.benchmarks = [canonical_benchmark(b) for b in benchmarks]
+        if isinstance(samples, Mapping):
+            canon = {canonical_benchmark(k): int(v) for k, v in samples.items()}
+            missing = [b for b in self.benchmarks if b not in canon]
+            if missing:
+                raise EvalError(f"validation samples: no N for {missing}")
+            self.samples = {b: canon[b] for b in self.benchmarks}
+        else:
+            self.samples = {b: int(samples) for b in self.benchmarks}
+        if any(n < 1 for n in self.samples.values()):
+            raise EvalError(f"validation samples must be >= 1, got {self.samples}")
+        if limit is not None and limit < 1:
+            raise EvalError(f"validation limit must be >= 1 or None, got {limit}")
+        self.limit = limit
+        self.settings = _settings(settings)
+        self.max_new_tokens = max_new_tokens
+        self.data_root = data_root
+        self.samples_per_call = int(samples_per_call)
+        self.seed = int(seed)
+        self.grader_workers = int(grader_workers)
+        self.grader_timeout_s = float(grader_timeout_s)
+        self.subdir = subdir
+        self.prefix = prefix
+        self._grader = None
+        self._problems: dict[str, Any] | None = None
+        self._dropped: dict[str, int] = {}
+
+    def _load(self, trainer: Any) -> dict[str, Any]:
+        from stapo.evaluation.runner import PromptSpec, encode_problems, load_problems
+
+        if self._problems is None:
+            dc = trainer.cfg.data
+            problems = load_problems(self.data_root or dc.root, self.benchmarks, self.limit)
+            prompt = PromptSpec(style=dc.prompt_style, system_prompt=dc.system_prompt, source="train config")
+            self._dropped = encode_problems(problems, trainer.tokenizer, prompt, dc.max_prompt_length)
+            self._problems = problems
+        return self._problems
+
+    def __call__(self, trainer: Any, step: int) -> dict[str, float]:
+        """Validate the trainer's current policy; returns flat metrics (keys in the module docstring)."""
+        from stapo.evaluation.runner import evaluate_problems
+
+        problems = self._load(trainer)
+        if self._grader is None:
+            from stapo.grader import MathGrader
+
+            self._grader = MathGrader(num_workers=self.grader_workers, timeout_s=self.grader_timeout_s)
+        limit = int(trainer.cfg.rollout.response_length)
+        max_new = min(int(self.max_new_tokens), limit) if self.max_new_tokens else limit
+        out_dir = Path(trainer.run_dir) / self.subdir / f"step_{int(step):06d}"
+        model = getattr(trainer, "model", None)
+        was_training = bool(getattr(model, "training", False))
+        if model is not None:
+            model.eval()
+        try:
+            res = evaluate_problems(trainer.engine, self._grader, problems, samples=self.samples,
+                                    settings=self.settings, max_new_tokens=max_new, out_dir=out_dir, seed=self.seed,
+                                    samples_per_call=self.samples_per_call)
+        finally:
+            if model is not None:
+                model.train(was_training)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "metrics.json").write_text(json.dumps(
+            {"step": int(step), "metrics": res["metrics"], "run": res["run"], "dropped_long_prompt": self._dropped},
+            indent=2, default=lambda x: None))
+        return self._flatten(res["metrics"])
+
+    def _flatten(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        p = self.prefix
+        for setting, m in metrics.items():
+            for bench, s in m["benchmarks"].items():
+                for key in ("avg@N", "pass@N", "maj@N"):
+                    out[f"{p}/{setting}/{bench}/{key}"] = float(s[key])
+            avg = m["average"]
+            out[f"{p}/{setting}/average/avg@N"] = float(avg["avg@N"])
+            samples = avg["samples"]
+            out[f"{p}/{setting}/mean_response_tokens"] = float(avg["mean_response_tokens"])
+            out[f"{p}/{setting}/truncation_rate"] = float(avg["truncation_rate"])
+            out[f"{p}/{setting}/no_answer_rate"] = avg["grader"]["no_answer"] / samples if samples else math.nan
+            out[f"{p}/{setting}/grader_timeouts"] = float(avg["grader"]["timeout"])
+            out[f"{p}/{setting}/grader_errors"] = float(avg["grader"]["error"])
+        for bench, n in self._dropped.items():
+            out[f"{p}/{bench}/dropped_long_prompt"] = float(n)
+        return out
+
+    def close(self) -> None:
+        """Stop the grader pool (also stopped at interpreter exit)."""
+        if self._grader is not None:
+            self._grader.close()
+            self._grader = None
+
+
+def make_validation_hook(**kwargs: Any) -> ValidationHook:
+    """A :class:`ValidationHook` (keyword arguments as its constructor) for
+    ``Trainer(cfg, validation_hook=make_validation_hook(...))``."""
+    return ValidationHook(**kwargs)
+
+
+def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
+    """The hook described by a train config, or ``None`` when ``trainer.val_every == 0``.
+
+    Reads ``cfg.validation`` when the schema has it (fields ``benchmarks``, ``limit``, ``samples``,
+    ``temperature``, ``top_p``, ``max_new_tokens``, ``seed``); otherwise uses the :class:`ValidationHook`
+    defaults (MATH500, first 32 problems, N = 4, T = 1.0, top-p = 1.0).
+    """
+    if not getattr(cfg.trainer, "val_every", 0):
+        return None
+    vc = getattr(cfg, "validation", None)
+    if vc is None:
+        return ValidationHook()
+    return ValidationHook(benchmarks=list(vc.benchmarks), limit=vc.limit, samples=int(vc.samples),
+                          settings=[(float(vc.temperature), float(vc.top_p))], max_new_tokens=vc.max_new_tokens,
+                          seed=int(vc.seed))
