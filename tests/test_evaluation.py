@@ -295,9 +295,13 @@ def test_prompt_resolution_order(tmp_path):
     train_yaml = tmp_path / "train.yaml"
     train_yaml.write_text("data:\n  prompt_style: chat\n  system_prompt: FROM_TRAIN\n")
     p = resolve_prompt(EvalPromptConfig(from_train_config=str(train_yaml)), src)
+    assert (p.style, p.system_prompt) == ("chat", "SYS")  # the checkpoint's own run config wins
+    p = resolve_prompt(EvalPromptConfig(from_train_config=str(train_yaml), from_checkpoint=False), src)
     assert (p.style, p.system_prompt) == ("chat", "FROM_TRAIN")
-    p = resolve_prompt(EvalPromptConfig(from_train_config=str(train_yaml), system_prompt=""), src)
-    assert (p.style, p.system_prompt) == ("chat", None)  # "" forces no system prompt
+    p = resolve_prompt(EvalPromptConfig(from_train_config=str(train_yaml)), resolve_model_source("embedded:smollm2"))
+    assert (p.style, p.system_prompt) == ("chat", "FROM_TRAIN")  # no run config: the train YAML
+    p = resolve_prompt(EvalPromptConfig(from_train_config=str(train_yaml), system_prompt="", style="plain"), src)
+    assert (p.style, p.system_prompt) == ("plain", None)  # explicit values win; "" forces no system prompt
     p = resolve_prompt(EvalPromptConfig(from_checkpoint=False), src)
     assert (p.style, p.system_prompt) == ("auto", None)
     with pytest.raises(EvalError, match="prompt.from_train_config"):
@@ -327,6 +331,11 @@ def test_validation_hook_on_a_trainer_like_object(shared_data_root, tmp_path, to
     cfg = load_config(REPO / "configs" / "tiny_test.yaml",
                       [f"data.root={shared_data_root}", "data.max_prompt_length=512"])
     assert make_validation_hook_from_config(cfg) is None  # trainer.val_every = 0
+    future = SimpleNamespace(trainer=SimpleNamespace(val_every=2), validation=SimpleNamespace(
+        benchmarks=["minerva"], limit=4, samples=2, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=1))
+    h = make_validation_hook_from_config(future)  # the fields proposed for TrainConfig.validation
+    assert (h.benchmarks, h.samples, h.limit, h.max_new_tokens) == (["minerva_math"], {"minerva_math": 2}, 4, 16)
+    assert [(s.name, s.temperature, s.top_p) for s in h.settings] == [("t0.7_p0.9", 0.7, 0.9)]
     model = copy.deepcopy(tiny).train()
     trainer = SimpleNamespace(cfg=cfg, model=model, tokenizer=tok, engine=build_rollout_engine("hf", model, tok),
                               run_dir=tmp_path / "run")

@@ -85,7 +85,7 @@ class EvalModelConfig:
 @dataclass
 class EvalPromptConfig:
     # The boxed prompt of training (stapo.prompts). Resolution, later wins: "auto" and no system prompt →
-    # the run config of a train.py checkpoint (from_checkpoint) → from_train_config → style / system_prompt.
+    # from_train_config → the run config of a train.py checkpoint (from_checkpoint) → style / system_prompt.
     style: Optional[Literal["auto", "chat", "plain"]] = None
     system_prompt: Optional[str] = None  # "" forces no system prompt
     from_train_config: Optional[str] = None  # a train.py YAML: take its data.prompt_style / data.system_prompt

@@ -117,9 +117,10 @@ class Block:
 
 # --- prompt ---------------------------------------------------------------------------------------------
 def resolve_prompt(prompt_cfg: Any, source: ModelSource | None = None) -> PromptSpec:
-    """The prompt settings: defaults (``auto``, no system prompt) → the checkpoint's run config (when
-    ``prompt_cfg.from_checkpoint``) → ``prompt_cfg.from_train_config`` (a train.py YAML) → explicit
-    ``style`` / ``system_prompt`` (``""`` = no system prompt).
+    """The prompt settings: defaults (``auto``, no system prompt) → ``prompt_cfg.from_train_config`` (a train.py
+    YAML, for a model without a run config, e.g. the base model of a CPU recipe) → the run config of a train.py
+    checkpoint (when ``prompt_cfg.from_checkpoint``; what the checkpoint was actually trained with) → explicit
+    ``style`` / ``system_prompt`` (``""`` = no system prompt). Later wins.
 
     Args:
         prompt_cfg: :class:`~stapo.evaluation.config.EvalPromptConfig`.
@@ -129,10 +130,6 @@ def resolve_prompt(prompt_cfg: Any, source: ModelSource | None = None) -> Prompt
         EvalError: ``from_train_config`` cannot be loaded (the message names the file and the problem).
     """
     style, system, origin = "auto", None, "default"
-    if prompt_cfg.from_checkpoint and source is not None:
-        found = source.train_prompt()
-        if found is not None:
-            style, system, origin = found["style"] or "auto", found["system_prompt"], f"{source.run_dir}/config.json"
     if prompt_cfg.from_train_config:
         from stapo.config import ConfigError, load_config
 
@@ -141,6 +138,10 @@ def resolve_prompt(prompt_cfg: Any, source: ModelSource | None = None) -> Prompt
         except ConfigError as e:
             raise EvalError(f"prompt.from_train_config: {e}") from None
         style, system, origin = train_cfg.data.prompt_style, train_cfg.data.system_prompt, prompt_cfg.from_train_config
+    if prompt_cfg.from_checkpoint and source is not None:
+        found = source.train_prompt()
+        if found is not None:
+            style, system, origin = found["style"] or "auto", found["system_prompt"], f"{source.run_dir}/config.json"
     if prompt_cfg.style is not None:
         style, origin = prompt_cfg.style, "eval config"
     if prompt_cfg.system_prompt is not None:
@@ -283,9 +284,6 @@ def evaluate_problems(
     out = Path(out_dir)
     blocks = plan_blocks(problems, samples, samples_per_call)
     stores = {(b, s.name): GenerationStore(_store_path(out, b, s.name)) for b in problems for s in settings}
-    torn = sum(st.torn_bytes for st in stores.values())
-    if torn:
-        log.warning("cut %d bytes of torn last lines (an interrupted write) from %s", torn, out / GENERATIONS_DIR)
     todo = [(s, blk) for s in settings for blk in blocks
             if not all(stores[(p.benchmark, s.name)].complete(p.id, blk.n) for p in blk.problems)]
     total = sum(blk.n * len(blk.problems) for _, blk in todo)
@@ -500,6 +498,9 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
     need = longest_prompt + cfg.generation.max_new_tokens
     cap = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_model_len = ec.max_model_len or (min(need, int(cap)) if cap else need)
+    if max_model_len <= longest_prompt:
+        raise EvalError(f"max_model_len {max_model_len} leaves no room after the longest prompt ({longest_prompt} "
+                        f"tokens); raise engine.max_model_len or skip long prompts with data.max_prompt_tokens")
     if max_model_len < need:
         log.warning("max_model_len %d < longest prompt %d + max_new_tokens %d: responses of long prompts are "
                     "capped at max_model_len - prompt length", max_model_len, longest_prompt,
@@ -563,8 +564,10 @@ def run_evaluation(
 
     settings = list(cfg.generation.settings)
     blocks = plan_blocks(problems, cfg.data.samples, cfg.generation.samples_per_call)
-    pending = any(not GenerationStore(_store_path(run_dir, p.benchmark, s.name)).complete(p.id, blk.n)
+    stores = {(b, s.name): GenerationStore(_store_path(run_dir, b, s.name)) for b in problems for s in settings}
+    pending = any(not stores[(p.benchmark, s.name)].complete(p.id, blk.n)
                   for s in settings for blk in blocks for p in blk.problems)
+    del stores  # evaluate_problems reopens them
     engine_info: dict[str, Any] = {"backend": cfg.engine.backend}
     engine = owned_grader = verifier = None
     try:

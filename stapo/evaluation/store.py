@@ -13,6 +13,7 @@ naming the file and line.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any, Iterable
 from stapo.evaluation.errors import EvalError
 
 __all__ = ["GenerationStore"]
+
+log = logging.getLogger(__name__)
 
 
 def _jsonable(value: Any) -> Any:
@@ -62,6 +65,7 @@ class GenerationStore:
                 f.flush()
                 os.fsync(f.fileno())
             data = data[:cut]
+            log.warning("%s: cut %d bytes of a torn last line (an interrupted write)", self.path, self.torn_bytes)
         for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
             if not line.strip():
                 continue
