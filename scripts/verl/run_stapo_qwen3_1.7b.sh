@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# STAPO on verl (cluster scale): the paper's recipe (METHOD.md §6, identical to JustRL's script) for
+# Qwen3-1.7B-Base on DAPO-Math-17k, with the S2T mask of stapo.integrations.verl.
+#
+# Written for verl==0.9.1 (python -m verl.trainer.main_ppo, hydra overrides). NOT run by this repository's CI
+# or on its CPU machines: the plugin's loss and hook are tested on CPU (tests/test_verl_plugin.py), this
+# launch line is not. Check the first step's log for `actor/s2t/masked_frac` (expected < 1e-3 of tokens).
+#
+# Setup, on EVERY node (a shared filesystem is simplest):
+#   pip install "verl[vllm]==0.9.1"              # verl's own GPU environment (torch/vllm/flash-attn as verl pins)
+#   pip install --no-deps -e /path/to/stapo      # our package; its objectives/masks/rewards need only torch
+#                                                # (+ math-verify==0.9.0 for REWARD=math_verify)
+#   python scripts/verl/prepare_verl_data.py --data-root /path/to/data --out "$DATA_DIR"
+# Multi-node: start Ray first (`ray start --head` on node 0, `ray start --address=<head>:6379` on the others),
+# then run this script on the head node with NNODES/GPUS_PER_NODE set. One node: just run it.
+#
+# How the plugin is loaded (see stapo/integrations/verl.py):
+#   actor_rollout_ref.model.external_lib=stapo.integrations.verl  -> imported in every actor worker
+#       (HFModelConfig.__post_init__), which registers `stapo`/`entropy20` in verl's POLICY_LOSS_REGISTRY and
+#       hooks TrainingWorker.train_batch (extra no-grad forward per mini-batch for the current-policy
+#       log p / entropy, all-gathered S2T quantile and kept-token count over the data-parallel ranks).
+#   actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig
+#       -> lets hydra accept the S2T parameters τ_p, q and the quantile scope below.
+#   reward.custom_reward_function.path=pkg://stapo.integrations.verl_reward -> JustRL's strict-box ±1 reward.
+#
+# Every setting can be changed by environment variable; extra hydra overrides go after the script name:
+#   LOSS_MODE=entropy20 NNODES=8 bash scripts/verl/run_stapo_qwen3_1.7b.sh trainer.logger='[console]'
+# Dry run (no GPU, no data needed; run it in the verl environment before a launch): DRY_RUN=1 composes the
+# overrides with hydra, instantiates the actor config and runs verl's own validate_config
+# (scripts/verl/check_launch_config.py), then exits.
+set -euo pipefail
+
+LOSS_MODE=${LOSS_MODE:-stapo}            # stapo | entropy20 | vanilla (= the JustRL baseline)
+MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-1.7B-Base}
+DATA_DIR=${DATA_DIR:-data/verl}          # written by scripts/verl/prepare_verl_data.py
+NNODES=${NNODES:-1}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}        # the paper: 64 GPUs (NNODES=8)
+TOTAL_STEPS=${TOTAL_STEPS:-1000}         # the paper reports curves to ~1000+ steps
+# S2T (METHOD.md §4): τ_p absolute probability, q quantile over the candidates (v4). v1 text: SCOPE=all, Q=0.80.
+TAU_P=${TAU_P:-0.002}
+Q=${Q:-0.75}
+SCOPE=${SCOPE:-candidates}
+TOP_ENTROPY_RATIO=${TOP_ENTROPY_RATIO:-0.2}   # entropy20 only
+REWARD=${REWARD:-dapo_strict_box}        # or math_verify
+# in-training validation (JustRL's script: 32 samples at T=0.7, top-p 0.9 on AIME24/25, AMC23)
+VAL_N=${VAL_N:-32}
+VAL_TEMPERATURE=${VAL_TEMPERATURE:-0.7}
+VAL_TOP_P=${VAL_TOP_P:-0.9}
+PROJECT=${PROJECT:-stapo}
+EXPERIMENT=${EXPERIMENT:-${LOSS_MODE}-qwen3-1.7b-base}
+CKPT_DIR=${CKPT_DIR:-checkpoints/${PROJECT}/${EXPERIMENT}}
+
+ARGS=(
+  # GRPO advantages, (R − mean) / (std + 1e-6) over the 8 responses of a prompt (METHOD §2); no KL anywhere
+  algorithm.adv_estimator=grpo
+  algorithm.norm_adv_by_std_in_grpo=True
+  algorithm.use_kl_in_reward=False
+  # 256 prompts × 8 responses per step, prompt ≤ 1024, response ≤ 15,360 tokens (METHOD §6)
+  data.train_files="$DATA_DIR/train.parquet"
+  "data.val_files=['$DATA_DIR/aime24.parquet','$DATA_DIR/aime25.parquet','$DATA_DIR/amc23.parquet']"
+  data.train_batch_size=256
+  data.max_prompt_length=1024
+  data.max_response_length=15360
+  data.filter_overlong_prompts=True
+  data.truncation=error
+  # the plugin is imported in every actor worker through verl's external_lib mechanism
+  actor_rollout_ref.model.path="$MODEL_PATH"
+  actor_rollout_ref.model.external_lib=stapo.integrations.verl
+  actor_rollout_ref.model.use_remove_padding=True
+  actor_rollout_ref.model.enable_gradient_checkpointing=True
+  # AdamW, constant LR 1e-6, 10 warm-up steps, weight decay 0.1, grad-norm clip 1.0 (METHOD §6)
+  actor_rollout_ref.actor.strategy=fsdp2
+  actor_rollout_ref.actor.optim.lr=1e-6
+  actor_rollout_ref.actor.optim.lr_warmup_steps=10
+  actor_rollout_ref.actor.optim.lr_scheduler_type=constant
+  actor_rollout_ref.actor.optim.weight_decay=0.1
+  actor_rollout_ref.actor.optim.clip_grad=1.0
+  # mini-batch 64 prompts (× n = 512 responses): 4 optimizer updates per step; dynamic micro-batches
+  actor_rollout_ref.actor.ppo_mini_batch_size=64
+  actor_rollout_ref.actor.ppo_epochs=1
+  actor_rollout_ref.actor.use_dynamic_bsz=True
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768
+  # JustRL objective: clip-higher 0.2 / 0.28, dual clip c = 10, token-mean, no KL, no entropy bonus (METHOD §3)
+  actor_rollout_ref.actor.clip_ratio_low=0.2
+  actor_rollout_ref.actor.clip_ratio_high=0.28
+  actor_rollout_ref.actor.clip_ratio_c=10.0
+  actor_rollout_ref.actor.loss_agg_mode=token-mean
+  actor_rollout_ref.actor.entropy_coeff=0
+  actor_rollout_ref.actor.use_kl_loss=False
+  # the objective: stapo (S2T, METHOD §4) | entropy20 (METHOD §5) | vanilla (JustRL), and the mask parameters
+  actor_rollout_ref.actor.policy_loss.loss_mode="$LOSS_MODE"
+  actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig
+  +actor_rollout_ref.actor.policy_loss.s2t_prob_threshold="$TAU_P"
+  +actor_rollout_ref.actor.policy_loss.s2t_entropy_quantile="$Q"
+  +actor_rollout_ref.actor.policy_loss.s2t_quantile_scope="$SCOPE"
+  +actor_rollout_ref.actor.policy_loss.top_entropy_ratio="$TOP_ENTROPY_RATIO"
+  # vLLM rollouts at T = 1.0, top-p = 1.0 (METHOD §6); in-training validation as JustRL's script
+  actor_rollout_ref.rollout.name=vllm
+  actor_rollout_ref.rollout.n=8
+  actor_rollout_ref.rollout.temperature=1.0
+  actor_rollout_ref.rollout.top_p=1.0
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.7
+  actor_rollout_ref.rollout.max_num_batched_tokens=32768
+  actor_rollout_ref.rollout.val_kwargs.do_sample=True
+  actor_rollout_ref.rollout.val_kwargs.n="$VAL_N"
+  actor_rollout_ref.rollout.val_kwargs.temperature="$VAL_TEMPERATURE"
+  actor_rollout_ref.rollout.val_kwargs.top_p="$VAL_TOP_P"
+  # JustRL's strict-box ±1 reward through our grader (stapo/integrations/verl_reward.py)
+  reward.custom_reward_function.path=pkg://stapo.integrations.verl_reward
+  reward.custom_reward_function.name=compute_score
+  +reward.custom_reward_function.reward_kwargs.reward="$REWARD"
+  # validation and checkpoints every 20 steps (METHOD §6)
+  trainer.nnodes="$NNODES"
+  trainer.n_gpus_per_node="$GPUS_PER_NODE"
+  trainer.total_training_steps="$TOTAL_STEPS"
+  trainer.total_epochs=1000
+  trainer.test_freq=20
+  trainer.save_freq=20
+  trainer.val_before_train=True
+  "trainer.logger=['console','wandb']"
+  trainer.project_name="$PROJECT"
+  trainer.experiment_name="$EXPERIMENT"
+  trainer.default_local_dir="$CKPT_DIR"
+  "$@"
+)
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  exec python3 "$(dirname "$0")/check_launch_config.py" "${ARGS[@]}"
+fi
+python3 -c "import stapo.integrations.verl, stapo.integrations.verl_reward" \
+  || { echo "stapo or verl is not importable here: pip install --no-deps -e <stapo checkout>" >&2; exit 1; }
+for f in train aime24 aime25 amc23; do
+  [[ -f "$DATA_DIR/$f.parquet" ]] || { echo "missing $DATA_DIR/$f.parquet: run scripts/verl/prepare_verl_data.py" >&2; exit 1; }
+done
+
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HYDRA_FULL_ERROR=1
+python3 -m verl.trainer.main_ppo "${ARGS[@]}"
