@@ -97,7 +97,7 @@ Configuration (hydra overrides of ``python -m verl.trainer.main_ppo``)
   importance weights (``algorithm.rollout_correction``) are not supported (``NotImplementedError``).
 
 Supported engines: those whose ``infer_batch`` returns the model outputs on every data-parallel rank — verl's
-FSDP / FSDP2 engine (the paper's setup). Megatron with pipeline parallelism raises ``NotImplementedError``.
+FSDP / FSDP2 engine (the paper's setup). The Megatron and MindSpeed engines raise ``NotImplementedError``.
 Not run on GPUs in this repository: the registered function and the hook's mask/denominator logic are tested
 on CPU against verl 0.9.1's real registry, ``ppo_loss`` and padding utilities (tests/test_verl_plugin.py).
 """
@@ -464,6 +464,11 @@ def _minibatch_keep_for_worker(worker: Any, data: Any, loss_mode: str, config: A
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
+    engine_module = type(worker.engine).__module__
+    if "megatron" in engine_module or "mindspeed" in engine_module:  # same answer on every rank: no hang
+        raise NotImplementedError(
+            f"verl loss {loss_mode!r}: the stapo mini-batch hook supports the FSDP/FSDP2 engine, not "
+            f"{type(worker.engine).__name__} (model outputs exist only on the last pipeline stage)")
     # the engineering keys TrainingWorker.train_batch sets when absent (engine_workers.py:350-360)
     model_config = getattr(worker, "model_config", None)
     engine_config = getattr(worker, "engine_config", None)
