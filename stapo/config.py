@@ -120,6 +120,11 @@ class ActorConfig:
     ppo_mini_batch_size: int = 64  # prompts per optimizer step
     ppo_micro_batch_size: int = 8  # responses per forward/backward
     sort_by_length: bool = True  # group micro-batches by length (restored afterwards)
+    # Compute each prompt once per micro-batch and let its G responses attend to that KV cache (same values and
+    # gradients as the plain forward; worth it when prompts are a large share of the tokens, as on CPU).
+    # Micro-batches then hold whole groups in rollout order (not length-sorted); needs use_cache, so it is not
+    # combined with gradient checkpointing.
+    share_prompt: bool = False
 
 
 @dataclass
@@ -138,6 +143,20 @@ class TrainerConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """In-training validation (every ``trainer.val_every`` steps; stapo.evaluation.make_validation_hook_from_config):
+    the evaluation harness on a subset of the benchmarks under ``data.root``."""
+
+    benchmarks: list[str] = field(default_factory=lambda: ["math500"])
+    limit: Optional[int] = 32  # first K problems of each benchmark (None: all)
+    samples: int = 4  # N responses per problem (avg@N)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None  # default (and at most): rollout.response_length
+    seed: int = 0
+
+
+@dataclass
 class LoggingConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     project: str = "stapo"
@@ -152,6 +171,7 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -255,6 +275,8 @@ def validate(cfg: TrainConfig) -> None:
          "must be two numbers in [0, 1)")
     need(cfg.actor.warmup_steps >= 0, "actor.warmup_steps", "must be ≥ 0")
     need(cfg.actor.grad_clip > 0, "actor.grad_clip", "must be > 0")
+    need(not (cfg.actor.share_prompt and cfg.model.gradient_checkpointing), "actor.share_prompt",
+         "cannot be combined with model.gradient_checkpointing (the shared prompt needs a KV cache)")
     s2t = cfg.algorithm.s2t
     need(0 < s2t.entropy_quantile < 1, "algorithm.s2t.entropy_quantile", "q must be in (0, 1)")
     need(0 < s2t.prob_threshold <= 1, "algorithm.s2t.prob_threshold", "τ_p must be in (0, 1]")
@@ -272,6 +294,10 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.trainer.keep_last >= 1, "trainer.keep_last", "must be ≥ 1")
     need(cfg.trainer.val_every >= 0, "trainer.val_every", "must be ≥ 0")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
+    need(cfg.validation.samples >= 1, "validation.samples", "must be ≥ 1")
+    need(cfg.validation.limit is None or cfg.validation.limit >= 1, "validation.limit", "must be ≥ 1 or null")
+    need(cfg.validation.temperature > 0, "validation.temperature", "must be > 0")
+    need(0 < cfg.validation.top_p <= 1, "validation.top_p", "must be in (0, 1]")
 
 
 def _get(cfg: Any, dotted: str) -> Any:

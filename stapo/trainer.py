@@ -177,6 +177,7 @@ class Trainer:
 
         self.step = 0
         self.tracker: Tracker | None = None
+        self._phase_bar: Any = None  # the inner progress bar of the current step (rollout / old log-probs / update)
 
     # ------------------------------------------------------------------------------------------------
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -257,9 +258,10 @@ class Trainer:
         finally:
             bar.close()
             self.tracker.finish()
-            close = getattr(self.reward_fn, "close", None)
-            if callable(close):
-                close()
+            for owner in (self.reward_fn, self.validation_hook):  # grader process pools
+                close = getattr(owner, "close", None)
+                if callable(close):
+                    close()
         return history
 
     def _maybe_resume(self) -> None:
@@ -293,6 +295,8 @@ class Trainer:
         cfg, G = self.cfg, self.cfg.rollout.n
         timing: dict[str, float] = {}
         t_step = time.perf_counter()
+        self._phase_bar = tqdm(total=None, desc="rollout", unit="mb", position=1, leave=False, dynamic_ncols=True,
+                               disable=not cfg.trainer.progress_bar)
 
         # 1. rollout: G responses per prompt, sampled from π_old at temperature T
         t0 = time.perf_counter()
@@ -303,6 +307,8 @@ class Trainer:
         self.model.eval()
         responses = self.engine.generate([p[0] for p in prompts], G, sampling)
         timing["timing_s/rollout"] = time.perf_counter() - t0
+        self._phase_bar.reset(total=self._num_micro_batches(len(responses)))
+        self._phase_bar.set_description("old_log_prob")
 
         # 2. rewards (score the response text only, never the prompt)
         t0 = time.perf_counter()
@@ -323,6 +329,7 @@ class Trainer:
         t0 = time.perf_counter()
         if cfg.rollout.sleep_during_update:
             self.engine.sleep()
+        self._phase_bar.set_description("update")
         self.model.train()
         update_metrics = self._update(sb)
         timing["timing_s/update"] = time.perf_counter() - t0
@@ -334,6 +341,8 @@ class Trainer:
             self.engine.wake_up()
         self.engine.sync_weights(self.model)
         timing["timing_s/sync"] = time.perf_counter() - t0
+
+        self._phase_bar.close()
 
         # 7. metrics
         timing["timing_s/step"] = time.perf_counter() - t_step
@@ -364,16 +373,37 @@ class Trainer:
         out = [torch.zeros(B, R) for _ in range(3)]  # [B, R] fp32 each
         for idx in self._micro_batches(batch, rows):
             mb = batch.select(idx).trim()
-            st = policy_token_stats(model, mb.to(self.device), self.cfg.rollout.temperature)
+            st = policy_token_stats(model, mb.to(self.device), self.cfg.rollout.temperature,
+                                    share_prompt=self.cfg.actor.share_prompt)
             r = st.logprobs.shape[1]
             for buf, t in zip(out, (st.logprobs, st.entropy, st.collision)):
                 buf[idx, :r] = t.float().cpu()  # scatter back through the same permutation
+            self._tick()
         return out
 
+    def _num_micro_batches(self, B: int) -> int:
+        """Forward passes of one step over ``B`` responses: old (+ reference) pass, current-policy statistics
+        of later mini-batches (S2T / 20-Entropy with ``stats_source=current``), and the update."""
+        micro, rows_per_mini = self.cfg.actor.ppo_micro_batch_size, self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n
+        n_all = math.ceil(B / micro)
+        n_mini = math.ceil(B / rows_per_mini)
+        per_mini = math.ceil(min(rows_per_mini, B) / micro)
+        extra_stats = (self.objective.token_mask != "none" and self.cfg.algorithm.s2t.stats_source == "current")
+        return (n_all * (2 if self.ref_model is not None else 1) + n_mini * per_mini
+                + (n_mini - 1) * per_mini * int(extra_stats))
+
+    def _tick(self, **postfix: str) -> None:
+        """Advance the step's inner progress bar by one micro-batch."""
+        if self._phase_bar is not None:
+            self._phase_bar.update(1)
+            if postfix:
+                self._phase_bar.set_postfix(postfix, refresh=False)
+
     def _micro_batches(self, batch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Split ``rows`` into micro-batches of ``actor.ppo_micro_batch_size`` rows, sorted by length if asked."""
+        """Split ``rows`` into micro-batches of ``actor.ppo_micro_batch_size`` rows, sorted by length if asked
+        (not with ``actor.share_prompt``: a group's rows stay together, in rollout order)."""
         size = self.cfg.actor.ppo_micro_batch_size
-        if self.cfg.actor.sort_by_length:
+        if self.cfg.actor.sort_by_length and not self.cfg.actor.share_prompt:
             lengths = batch.attention_mask[rows].sum(dim=1)  # [n] prompt + response tokens
             rows = rows[torch.argsort(lengths, descending=True, stable=True)]
         return [rows[i:i + size] for i in range(0, len(rows), size)]
@@ -409,7 +439,8 @@ class Trainer:
             for idx in self._micro_batches(sb.batch, rows):  # idx: [b] batch rows (possibly length-sorted)
                 mb = sb.batch.select(idx).trim()
                 r = mb.response_ids.shape[1]
-                st = policy_token_stats(self.model, mb.to(self.device), cfg.rollout.temperature)  # [b, r], grad
+                st = policy_token_stats(self.model, mb.to(self.device), cfg.rollout.temperature,
+                                        share_prompt=cfg.actor.share_prompt)  # [b, r], grad
                 keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :r]  # [b, r], same permutation
                 loss, m = policy_loss(
                     obj, st.logprobs, sb.old_logprobs[idx, :r].to(self.device), sb.advantages[idx].to(self.device),
@@ -421,6 +452,7 @@ class Trainer:
                         minibatch_loss[k] = minibatch_loss.get(k, 0.0) + m[k]
                 for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):  # per kept token
                     acc.add_mean(k, m[k], weight=m["actor/num_kept_tokens"])
+                self._tick(loss=f"{m['actor/pg_loss']:.4f}")
             for k, v in minibatch_loss.items():
                 acc.add_mean(k, v)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.grad_clip)

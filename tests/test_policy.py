@@ -153,3 +153,36 @@ def test_rolloutbatch_is_a_dataclass_with_the_trainer_fields():
 
     names = [f.name for f in dataclasses.fields(RolloutBatch)]
     assert names == ["input_ids", "attention_mask", "position_ids", "response_ids", "response_mask"]
+
+
+def test_shared_prompt_forward_matches_each_sequence_alone_and_the_plain_gradient(tok):
+    """share_prompt=True: 2 distinct prompts × 3 responses (one of length 1) give each row's stand-alone
+    log-probs/entropies, and Σ log p has the plain forward's gradient (the prompt's gradient sums over its rows)."""
+    model, _ = build_tiny_model(init_std=0.3, tokenizer=tok)
+    g = torch.Generator().manual_seed(1)
+    responses = []
+    for grp, plen in enumerate([4, 7]):
+        prompt = torch.randint(3, N, (plen,), generator=g).tolist()
+        for rlen in (1, 5, 3):
+            responses.append(_resp(grp, prompt, torch.randint(3, N, (rlen,), generator=g).tolist()))
+    batch = collate_responses(responses, pad_token_id=tok.pad_token_id)
+    shared = policy_token_stats(model, batch, temperature=0.7, backend="eager", share_prompt=True)
+    for i, r in enumerate(responses):
+        logp, ent, _ = _reference_stats(model, r.prompt_ids, r.response_ids, 0.7)
+        n = len(r.response_ids)
+        torch.testing.assert_close(shared.logprobs[i, :n].double(), logp, atol=1e-4, rtol=0)
+        torch.testing.assert_close(shared.entropy[i, :n].double(), ent, atol=1e-4, rtol=0)
+        assert torch.all(shared.logprobs[i, n:] == 0)
+    shared.logprobs.sum().backward()
+    g_shared = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    policy_token_stats(model, batch, temperature=0.7, backend="eager").logprobs.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(g_shared[n], p.grad, atol=1e-4, rtol=1e-3, msg=n)
+    # every response of length 1 (R = 1: the prompt pass alone) and rows with distinct prompts (nothing shared)
+    ones = collate_responses([responses[0], responses[3]], pad_token_id=tok.pad_token_id)
+    st1 = policy_token_stats(model, ones, temperature=0.7, backend="eager", share_prompt=True)
+    torch.testing.assert_close(st1.logprobs[:, 0], shared.logprobs[[0, 3], 0], atol=1e-5, rtol=0)
+    distinct = collate_responses([responses[1], responses[4]], pad_token_id=tok.pad_token_id)
+    st2 = policy_token_stats(model, distinct, temperature=0.7, backend="eager", share_prompt=True)
+    torch.testing.assert_close(st2.logprobs[0, :5], shared.logprobs[1, :5], atol=1e-5, rtol=0)

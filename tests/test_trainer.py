@@ -130,3 +130,25 @@ def test_train_py_reports_bad_config_and_exits_2(tmp_path):
     assert out.returncode == 2
     assert "unknown config key 'actor.lrr'; did you mean 'actor.lr'?" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_validation_hook_from_the_config_runs_every_val_every_steps(tmp_path, shared_data_root):
+    """train.py's wiring: cfg.validation → stapo.evaluation hook; 2 steps, val_every=2 → one validation row."""
+    from stapo.config import load_config
+    from stapo.evaluation import make_validation_hook_from_config
+    from stapo.trainer import Trainer
+    from toy_run import toy_reward
+
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=val", "trainer.save_every=0", "trainer.val_every=2",
+        f"data.root={shared_data_root}", "validation.benchmarks=[math500]", "validation.limit=1",
+        "validation.samples=2"])
+    hook = make_validation_hook_from_config(cfg)
+    assert hook is not None
+    history = Trainer(cfg, validation_hook=hook, reward_fn=toy_reward).train()
+    val_keys = [k for k in history[1] if k.startswith("val") and k.endswith("avg@N")]
+    assert val_keys and not any(k.startswith("val") for k in history[0])  # step 2 only
+    # the random tiny model never answers a MATH500 problem: avg@N = 0 over 1 problem × 2 samples
+    assert all(history[1][k] == 0.0 for k in val_keys)
+    assert (tmp_path / "val").is_dir()
+    assert make_validation_hook_from_config(load_config(REPO / "configs" / "tiny_test.yaml")) is None
