@@ -25,10 +25,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: {e}", file=sys.stderr)
         return 2
 
-    from stapo.evaluation import make_validation_hook_from_config
+    from stapo.data import DataError
+    from stapo.evaluation import EvalError, make_validation_hook_from_config
     from stapo.trainer import Trainer
 
-    trainer = Trainer(cfg, validation_hook=make_validation_hook_from_config(cfg))  # None when trainer.val_every=0
+    try:  # bad paths / data / run directory: one line naming the problem, exit code 2
+        hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
+        trainer = Trainer(cfg, validation_hook=hook)
+    except (DataError, EvalError, FileNotFoundError, FileExistsError) as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 2
     trainer.train()
     print(f"run directory: {trainer.run_dir}")
     return 0

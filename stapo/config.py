@@ -115,7 +115,7 @@ class ActorConfig:
     lr: float = 1e-6
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 10  # optimizer steps of linear warm-up, then constant
+    warmup_steps: int = 10  # training steps of linear warm-up (verl: lr_warmup_steps), then constant
     grad_clip: float = 1.0
     ppo_mini_batch_size: int = 64  # prompts per optimizer step
     ppo_micro_batch_size: int = 8  # responses per forward/backward

@@ -136,6 +136,9 @@ class Trainer:
         self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
         self.run_dir = Path(tc.output_dir) / self.run_name
         self.ckpt_root = self.run_dir / "checkpoints"
+        if tc.resume != "auto" and latest_checkpoint(self.ckpt_root) is not None:  # before loading anything
+            raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
+                                  f"(trainer.resume=auto) or choose another trainer.run_name")
         self._seed_everything(tc.seed)
 
         # --- policy, reference, optimizer -------------------------------------------------------------
@@ -238,6 +241,7 @@ class Trainer:
                                project=self.cfg.logging.project, entity=self.cfg.logging.entity,
                                name=self.run_name)
         self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
+        self._drop_stale_validation()
         history: list[dict[str, float]] = []
         bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not tc.progress_bar,
                    dynamic_ncols=True)
@@ -263,6 +267,23 @@ class Trainer:
                 if callable(close):
                     close()
         return history
+
+    def _drop_stale_validation(self) -> None:
+        """Remove validation outputs of steps after ``self.step`` (a crashed or earlier run's), so the
+        evaluation store never resumes generations of other weights."""
+        import shutil
+
+        subdir = getattr(self.validation_hook, "subdir", "validation")
+        root = self.run_dir / subdir if subdir else None
+        if root is None or not root.is_dir():
+            return
+        for d in root.glob("step_*"):
+            try:
+                step = int(d.name.split("_", 1)[1])
+            except ValueError:
+                continue
+            if step > self.step:
+                shutil.rmtree(d, ignore_errors=True)
 
     def _maybe_resume(self) -> None:
         ckpt = latest_checkpoint(self.ckpt_root)
@@ -461,9 +482,11 @@ class Trainer:
                 self.optimizer.step()
             else:  # skip the step rather than write NaN into the weights; counted
                 acc.add_sum("actor/nonfinite_grad_steps", 1.0)
-            self.scheduler.step()
         out = acc.result()
-        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]  # the learning rate this step used
+        # One scheduler step per TRAINING step (as verl's update_actor): warm-up counts training steps, whatever
+        # the number of mini-batches (optimizer steps) per training step.
+        self.scheduler.step()
         out["actor/num_kept_tokens"] = float(self._last_keep.sum())
         return out
 

@@ -142,13 +142,44 @@ def test_validation_hook_from_the_config_runs_every_val_every_steps(tmp_path, sh
     cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
         f"trainer.output_dir={tmp_path}", "trainer.run_name=val", "trainer.save_every=0", "trainer.val_every=2",
         f"data.root={shared_data_root}", "validation.benchmarks=[math500]", "validation.limit=1",
-        "validation.samples=2"])
+        "validation.samples=2", "data.max_prompt_length=512"])  # MATH500's first prompt is longer than 64
     hook = make_validation_hook_from_config(cfg)
     assert hook is not None
     history = Trainer(cfg, validation_hook=hook, reward_fn=toy_reward).train()
     val_keys = [k for k in history[1] if k.startswith("val") and k.endswith("avg@N")]
     assert val_keys and not any(k.startswith("val") for k in history[0])  # step 2 only
     # the random tiny model never answers a MATH500 problem: avg@N = 0 over 1 problem × 2 samples
-    assert all(history[1][k] == 0.0 for k in val_keys)
+    assert all(history[1][k] == 0.0 for k in val_keys), {k: history[1][k] for k in val_keys}
+    assert history[1]["val/math500/dropped_long_prompt"] == 0.0
     assert (tmp_path / "val").is_dir()
     assert make_validation_hook_from_config(load_config(REPO / "configs" / "tiny_test.yaml")) is None
+
+
+@pytest.mark.parametrize("case", ["bad_validation_root", "existing_run_dir", "missing_model"])
+def test_train_py_start_up_errors_are_one_line_and_exit_2(tmp_path, case):
+    args = [f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]
+    if case == "bad_validation_root":
+        args += ["trainer.val_every=1", f"data.root={tmp_path / 'nowhere'}"]
+        expect = "nowhere"
+    elif case == "existing_run_dir":
+        (tmp_path / "r" / "checkpoints" / "step_000001").mkdir(parents=True)
+        (tmp_path / "r" / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"")
+        expect = "already holds checkpoints"
+    else:
+        args += [f"model.path={tmp_path / 'no_model'}"]
+        expect = "no_model"
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
+                          *args], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert expect in out.stderr and "Traceback" not in out.stderr
+
+
+def test_warm_up_counts_training_steps_and_logs_the_lr_used(tmp_path):
+    # tiny_test: 2 prompts per step, ppo_mini_batch_size=1 → 2 optimizer steps per training step.
+    # warmup_steps=2 training steps at lr 1e-3: step 1 uses 1e-3·1/2 = 5e-4 (both mini-batches), step 2 uses 1e-3.
+    trainer = make_trainer(str(tmp_path), ["trainer.save_every=0", "actor.warmup_steps=2"])
+    stale = trainer.run_dir / "validation" / "step_000007"  # a previous run's validation output
+    stale.mkdir(parents=True)
+    history = trainer.train()
+    assert [m["actor/lr"] for m in history] == pytest.approx([5e-4, 1e-3])
+    assert not stale.exists()  # outputs of steps after the start step are removed, never resumed

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -97,15 +98,24 @@ class ValidationHook:
         self._grader = None
         self._problems: dict[str, Any] | None = None
         self._dropped: dict[str, int] = {}
+        if data_root is not None:  # fail before training starts, not after val_every steps
+            from stapo.evaluation.runner import load_problems
+
+            self._raw_problems = load_problems(data_root, self.benchmarks, self.limit)
 
     def _load(self, trainer: Any) -> dict[str, Any]:
         from stapo.evaluation.runner import PromptSpec, encode_problems, load_problems
 
         if self._problems is None:
             dc = trainer.cfg.data
-            problems = load_problems(self.data_root or dc.root, self.benchmarks, self.limit)
+            problems = getattr(self, "_raw_problems", None) or load_problems(self.data_root or dc.root,
+                                                                             self.benchmarks, self.limit)
             prompt = PromptSpec(style=dc.prompt_style, system_prompt=dc.system_prompt, source="train config")
             self._dropped = encode_problems(problems, trainer.tokenizer, prompt, dc.max_prompt_length)
+            for bench, n in self._dropped.items():
+                if n:
+                    warnings.warn(f"validation: {n} {bench} prompt(s) longer than data.max_prompt_length="
+                                  f"{dc.max_prompt_length} tokens are skipped", stacklevel=2)
             self._problems = problems
         return self._problems
 
@@ -184,4 +194,4 @@ def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
         return ValidationHook()
     return ValidationHook(benchmarks=list(vc.benchmarks), limit=vc.limit, samples=int(vc.samples),
                           settings=[(float(vc.temperature), float(vc.top_p))], max_new_tokens=vc.max_new_tokens,
-                          seed=int(vc.seed))
+                          seed=int(vc.seed), data_root=str(cfg.data.root))
