@@ -194,4 +194,4 @@ def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
         return ValidationHook()
     return ValidationHook(benchmarks=list(vc.benchmarks), limit=vc.limit, samples=int(vc.samples),
                           settings=[(float(vc.temperature), float(vc.top_p))], max_new_tokens=vc.max_new_tokens,
-                          seed=int(vc.seed), data_root=str(cfg.data.root))
+                          seed=int(vc.seed), data_root=getattr(getattr(cfg, "data", None), "root", None))
