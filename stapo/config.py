@@ -231,7 +231,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         ConfigError: missing/unparsable file, unknown key (with the closest valid key), wrong type,
             or an impossible value (see :func:`validate`).
     """
-    schema = OmegaConf.structured(TrainConfig)
+    obj = merge_config(TrainConfig, path, overrides)
+    validate(obj)
+    return obj
+
+
+def merge_config(schema_cls: type, path: str | Path | None, overrides: list[str] | None) -> Any:
+    """The ``schema_cls`` dataclass built from its defaults, a YAML file (with ``defaults`` parents) and dotted
+    overrides, in that order; shared by the train and evaluation configs.
+
+    Raises:
+        ConfigError: missing/unparsable file, unknown key (with the closest valid key), wrong type.
+    """
+    schema = OmegaConf.structured(schema_cls)
     layers: list[tuple[str, DictConfig]] = _read_yaml(Path(path)) if path is not None else []
     for ov in overrides or []:
         if "=" not in ov:
@@ -248,8 +260,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             msg = str(e).splitlines()[0]
             raise ConfigError(f"{source}: invalid value for '{e.full_key}': {msg}") from None
     obj = OmegaConf.to_object(cfg)
-    assert isinstance(obj, TrainConfig)
-    validate(obj)
+    assert isinstance(obj, schema_cls)
     return obj
 
 

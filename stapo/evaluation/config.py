@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from stapo.config import ConfigError
+from stapo.config import ConfigError, merge_config
 from stapo.data import BENCHMARKS
 from stapo.evaluation.errors import EvalError
 
@@ -187,42 +186,6 @@ def canonical_benchmark(name: str) -> str:
 
 
 # --- loading ------------------------------------------------------------------------------------------
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictConfig]]:
-    path = path.resolve()
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    if path in seen:
-        raise ConfigError(f"config file {path} includes itself through 'defaults'")
-    try:
-        raw = OmegaConf.load(path)
-    except Exception as e:  # YAML syntax errors
-        raise ConfigError(f"cannot parse config file {path}: {str(e).splitlines()[0]}") from None
-    if not isinstance(raw, DictConfig):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    parents = raw.pop("defaults", None) or []
-    out: list[tuple[str, DictConfig]] = []
-    for p in parents:
-        out += _read_yaml(path.parent / str(p), seen + (path,))
-    out.append((str(path), raw))
-    return out
-
-
-def _closest_key_error(schema: DictConfig, full_key: str, source: str) -> ConfigError:
-    parent, _, leaf = full_key.rpartition(".")
-    node: Any = schema
-    try:
-        for part in [p for p in parent.split(".") if p]:
-            node = node[part]
-        valid = list(node.keys()) if isinstance(node, DictConfig) else []
-    except Exception:
-        valid = []
-    close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean '{(parent + '.' if parent else '') + close[0]}'?" if close else ""
-    where = f"'{parent}'" if parent else "the top level"
-    return ConfigError(f"{source}: unknown config key '{full_key}'{hint} (valid keys under {where}: "
-                       f"{', '.join(valid)})")
-
-
 def load_eval_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EvalConfig:
     """Build a validated :class:`EvalConfig` from a YAML file (with ``defaults`` parents) and overrides.
 
@@ -238,24 +201,7 @@ def load_eval_config(path: str | Path | None = None, overrides: list[str] | None
         ConfigError: missing / unparsable file, unknown key (with the closest valid key), wrong type.
         EvalError: an impossible value (see :func:`validate_eval_config`).
     """
-    schema = OmegaConf.structured(EvalConfig)
-    layers = _read_yaml(Path(path)) if path is not None else []
-    for ov in overrides or []:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r} is not of the form key=value")
-    if overrides:
-        layers.append(("command-line override", OmegaConf.from_dotlist(list(overrides))))
-    cfg = schema
-    for source, layer in layers:
-        try:
-            cfg = OmegaConf.merge(cfg, layer)
-        except ConfigKeyError as e:
-            raise _closest_key_error(schema, str(e.full_key), source) from None
-        except OmegaConfBaseException as e:
-            msg = str(e).splitlines()[0]
-            raise ConfigError(f"{source}: invalid value for '{e.full_key}': {msg}") from None
-    obj = OmegaConf.to_object(cfg)
-    assert isinstance(obj, EvalConfig)
+    obj = merge_config(EvalConfig, path, overrides)
     validate_eval_config(obj)
     return obj
 
