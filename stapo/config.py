@@ -125,6 +125,13 @@ class ActorConfig:
     # Micro-batches then hold whole groups in rollout order (not length-sorted); needs use_cache, so it is not
     # combined with gradient checkpointing.
     share_prompt: bool = False
+    # Take the statistics a mini-batch's mask needs from the update's own forward instead of a separate no-grad
+    # pass: every micro-batch of the mini-batch is forwarded WITH grad first, its graph kept, the mask built from
+    # the detached p and H, then the backwards run. For the first mini-batch π_θ = π_old, so its old-policy pass
+    # is skipped too (old log-probs = the update's log-probs, detached; ratio 1); with one mini-batch per step
+    # the old-policy pass disappears. Same masks, loss and update as the separate passes (tested); memory ≈ the
+    # activations of a whole mini-batch, so it is for small mini-batches (the CPU configs), not the paper scale.
+    fused_forward: bool = False
 
 
 @dataclass

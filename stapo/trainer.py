@@ -380,7 +380,10 @@ class Trainer:
 
         batch = collate_responses(responses, self.tokenizer.pad_token_id)
         B, R = batch.response_mask.shape
-        old = self._forward_all(self.model, batch, B, R)
+        # With actor.fused_forward the first mini-batch's old-policy statistics come from its update forward
+        # (π_θ = π_old there; filled in by _update), so only the later mini-batches' rows are computed here.
+        first = self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n if self.cfg.actor.fused_forward else 0
+        old = self._forward_all(self.model, batch, B, R, rows=torch.arange(min(first, B), B))
         ref = self._forward_all(self.ref_model, batch, B, R)[0] if self.ref_model is not None else None
         return StepBatch(batch=batch, responses=responses, rewards=rewards, advantages=advantages,
                          old_logprobs=old[0], old_entropy=old[1], old_collision=old[2], ref_logprobs=ref)
@@ -409,6 +412,9 @@ class Trainer:
         n_all = math.ceil(B / micro)
         n_mini = math.ceil(B / rows_per_mini)
         per_mini = math.ceil(min(rows_per_mini, B) / micro)
+        if self.cfg.actor.fused_forward:  # no old pass over the first mini-batch, no separate current-stats pass
+            return (math.ceil(max(B - rows_per_mini, 0) / micro) + n_all * int(self.ref_model is not None)
+                    + 2 * n_mini * per_mini)  # forward (graphs kept), then backward, of each micro-batch
         extra_stats = (self.objective.token_mask != "none" and self.cfg.algorithm.s2t.stats_source == "current")
         return (n_all * (2 if self.ref_model is not None else 1) + n_mini * per_mini
                 + (n_mini - 1) * per_mini * int(extra_stats))
@@ -441,9 +447,16 @@ class Trainer:
         self._last_keep = torch.zeros(B, R, dtype=torch.bool)  # [B, R] kept tokens, for the examples table
         for mb_i, start in enumerate(range(0, B, rows_per_mini)):
             rows = torch.arange(start, min(start + rows_per_mini, B))  # [n] this mini-batch's responses
+            micro_rows = self._micro_batches(sb.batch, rows)  # list of [b] batch rows (possibly length-sorted)
+            # actor.fused_forward: forward every micro-batch WITH grad now, keep the graphs, and take the mask's
+            # statistics (and, for the first mini-batch, the old-policy ones: π_θ = π_old) from them, detached.
+            pending = self._forward_with_grad(sb, micro_rows, first=mb_i == 0) if cfg.actor.fused_forward else None
             # Token mask over the WHOLE mini-batch. S2T statistics come from the current policy (Algorithm 1);
             # for the first mini-batch π_θ = π_old, so the old-policy pass is reused.
-            if obj.token_mask == "none" or cfg.algorithm.s2t.stats_source == "old" or mb_i == 0:
+            if pending is not None and cfg.algorithm.s2t.stats_source == "current":
+                stat_logp, stat_ent = self._fused_stats  # [B, R] each, filled for this mini-batch's rows
+                stat_logp, stat_ent = stat_logp[rows], stat_ent[rows]  # [n, R]
+            elif obj.token_mask == "none" or cfg.algorithm.s2t.stats_source == "old" or mb_i == 0:
                 stat_logp, stat_ent = sb.old_logprobs[rows], sb.old_entropy[rows]  # [n, R]
             else:
                 cur = self._forward_all(self.model, sb.batch, B, R, rows=rows)
@@ -457,11 +470,14 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
             minibatch_loss: dict[str, float] = {}
-            for idx in self._micro_batches(sb.batch, rows):  # idx: [b] batch rows (possibly length-sorted)
-                mb = sb.batch.select(idx).trim()
-                r = mb.response_ids.shape[1]
-                st = policy_token_stats(self.model, mb.to(self.device), cfg.rollout.temperature,
-                                        share_prompt=cfg.actor.share_prompt)  # [b, r], grad
+            for k_mb, idx in enumerate(micro_rows):  # idx: [b] batch rows (possibly length-sorted)
+                if pending is not None:
+                    st = pending[k_mb]  # [b, r], grad (forwarded above)
+                    pending[k_mb] = None  # its graph is freed by this backward
+                else:
+                    st = policy_token_stats(self.model, sb.batch.select(idx).trim().to(self.device),
+                                            cfg.rollout.temperature, share_prompt=cfg.actor.share_prompt)  # [b, r]
+                r = st.logprobs.shape[1]
                 keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :r]  # [b, r], same permutation
                 loss, m = policy_loss(
                     obj, st.logprobs, sb.old_logprobs[idx, :r].to(self.device), sb.advantages[idx].to(self.device),
@@ -488,6 +504,36 @@ class Trainer:
         # the number of mini-batches (optimizer steps) per training step.
         self.scheduler.step()
         out["actor/num_kept_tokens"] = float(self._last_keep.sum())
+        return out
+
+    def _forward_with_grad(self, sb: StepBatch, micro_rows: list[torch.Tensor], first: bool) -> list:
+        """actor.fused_forward: the update forward of every micro-batch of a mini-batch, graphs kept.
+
+        Writes the detached statistics into ``self._fused_stats`` (log-probs, entropy: [B, R] fp32, this
+        mini-batch's rows) and, for the first mini-batch (``first``: π_θ = π_old), into ``sb.old_logprobs`` /
+        ``old_entropy`` / ``old_collision`` (which :meth:`_prepare_batch` left at 0 for these rows).
+
+        Returns:
+            one :class:`stapo.token_stats.TokenStats` per micro-batch ([b, r] fp32, log-probs carrying grad).
+        """
+        from stapo.policy import policy_token_stats
+
+        B, R = sb.batch.response_mask.shape
+        if first or getattr(self, "_fused_stats", None) is None or self._fused_stats[0].shape != (B, R):
+            self._fused_stats = (torch.zeros(B, R), torch.zeros(B, R))  # [B, R] fp32 each
+        out = []
+        for idx in micro_rows:
+            mb = sb.batch.select(idx).trim()
+            st = policy_token_stats(self.model, mb.to(self.device), self.cfg.rollout.temperature,
+                                    share_prompt=self.cfg.actor.share_prompt)  # [b, r], grad
+            r = st.logprobs.shape[1]
+            logp, ent = st.logprobs.detach().float().cpu(), st.entropy.detach().float().cpu()  # [b, r]
+            self._fused_stats[0][idx, :r], self._fused_stats[1][idx, :r] = logp, ent
+            if first:
+                sb.old_logprobs[idx, :r], sb.old_entropy[idx, :r] = logp, ent
+                sb.old_collision[idx, :r] = st.collision.detach().float().cpu()
+            out.append(st)
+            self._tick()
         return out
 
     def _step_metrics(self, sb: StepBatch, reward_out, adv_metrics: dict[str, float],

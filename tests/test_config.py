@@ -45,7 +45,7 @@ def test_overrides_apply_last():
     ("algorithm.objective=stapoo", "invalid value for 'algorithm.objective'"),
     ("rollout.n=1", "invalid value for 'rollout.n' (1): the group size G must be ≥ 2"),
     ("algorithm.s2t.entropy_quantile=1.0", "invalid value for 'algorithm.s2t.entropy_quantile'"),
-    ("actor.ppo_mini_batch_size=3", "'actor.ppo_mini_batch_size' (3): must divide data.train_batch_size (4)"),
+    ("actor.ppo_mini_batch_size=2", "'actor.ppo_mini_batch_size' (2): must divide data.train_batch_size (3)"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:

@@ -183,3 +183,25 @@ def test_warm_up_counts_training_steps_and_logs_the_lr_used(tmp_path):
     history = trainer.train()
     assert [m["actor/lr"] for m in history] == pytest.approx([5e-4, 1e-3])
     assert not stale.exists()  # outputs of steps after the start step are removed, never resumed
+
+
+@pytest.mark.parametrize("objective,mini", [("stapo", 1), ("stapo", 2), ("grpo", 2), ("entropy20", 1)])
+def test_fused_forward_gives_the_same_masks_loss_and_update(tmp_path, objective, mini):
+    """actor.fused_forward takes the mask statistics (and the first mini-batch's old log-probs) from the update's
+    own forward instead of separate no-grad passes: the masks, losses and weights must not change.
+    mini=1: two mini-batches per step (the second needs the old pass and current-policy statistics);
+    mini=2: one mini-batch per step (no old-policy pass at all)."""
+    common = [f"algorithm.objective={objective}", f"actor.ppo_mini_batch_size={mini}", "trainer.save_every=0"]
+    runs = {}
+    for fused in (False, True):
+        trainer = make_trainer(str(tmp_path / str(fused)), [*common, f"actor.fused_forward={fused}"])
+        history = trainer.train()
+        runs[fused] = (_comparable(history), {k: v.detach().clone() for k, v in trainer.model.named_parameters()})
+    (h0, p0), (h1, p1) = runs[False], runs[True]
+    assert h0[0].get("s2t/num_masked", 1) > 0 or objective != "stapo"  # the mask is exercised
+    for m0, m1 in zip(h0, h1):
+        assert m0.keys() == m1.keys()
+        for k in m0:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
+    for k in p0:
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-6)
