@@ -8,8 +8,10 @@ Workload (issue 5): the CPU SmolLM2 config (configs/cpu_smollm2_stapo.yaml: embe
 the one-shot chat prompt, math-verify reward, STAPO) at 8 prompts × G = 8, ≤ 128 new tokens, T = 1, top-p = 1,
 one optimizer step per training step over micro-batches of 16 responses.
 
-* **ours**: :class:`stapo.trainer.Trainer` (vLLM-CPU rollouts, no-grad old-policy pass for the S2T statistics,
-  shared-prompt forward, compiled token statistics), with its per-stage timings ``timing_s/*``.
+* **ours**: :class:`stapo.trainer.Trainer` (vLLM-CPU rollouts; ``actor.fused_forward`` as in the CPU config: one
+  mini-batch per step, so the S2T statistics and the old log-probs come from the update's own forward and there
+  is no separate old-policy pass; shared-prompt forward, compiled token statistics), with its per-stage timings
+  ``timing_s/*``. ``--ours-overrides actor.fused_forward=false`` measures the variant with the no-grad pass.
 * **TRL**: ``trl.GRPOTrainer`` (HF ``generate`` rollouts — TRL's vLLM modes need a CUDA server or colocated
   CUDA engine), ``loss_type="dapo"``, ``beta=0`` (so no reference pass; with one optimizer step per generation
   TRL also skips the old-policy pass), per-device batch 16 × gradient accumulation 4 = 64 responses, the same
@@ -66,13 +68,13 @@ def _prompt_batches(cfg, tokenizer, n_steps: int) -> list[list[tuple[str, str]]]
     return [[(tokenizer.decode(ids), gold) for ids, gold, _ in loader.next_batch()] for _ in range(n_steps)]
 
 
-def run_ours(steps: int) -> dict:
+def run_ours(steps: int, overrides: list[str] = ()) -> dict:
     from stapo.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as tmp:
         cfg = _load_cfg([f"trainer.output_dir={tmp}", "trainer.run_name=bench", "logging.wandb_mode=disabled",
                          "trainer.progress_bar=false", "trainer.save_every=0", "trainer.log_examples_every=0",
-                         f"trainer.total_steps={steps + 1}"])
+                         f"trainer.total_steps={steps + 1}", *overrides])
         trainer = Trainer(cfg)
         trainer.save = lambda: None  # no checkpoint writes inside the timing
         history = trainer.train()
@@ -152,9 +154,12 @@ def run_trl(steps: int) -> dict:
     return {"method": "trl", "steps": rows}
 
 
-def _worker(method: str, steps: int, out: str) -> None:
+def _worker(method: str, steps: int, out: str, ours_overrides: list[str]) -> None:
+    import resource
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    res = run_ours(steps) if method == "ours" else run_trl(steps)
+    res = run_ours(steps, ours_overrides) if method == "ours" else run_trl(steps)
+    res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux → GiB
     Path(out).write_text(json.dumps(res))
 
 
@@ -168,10 +173,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1, help="timed steps per run (after one warm-up step)")
     ap.add_argument("--methods", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
     ap.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "train_step.md"))
+    ap.add_argument("--ours-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra config overrides for our trainer (e.g. actor.fused_forward=false)")
     ap.add_argument("--worker", nargs=2, metavar=("METHOD", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        _worker(args.worker[0], args.steps, args.worker[1])
+        _worker(args.worker[0], args.steps, args.worker[1], args.ours_overrides)
         return
 
     load_before = _load()
@@ -181,12 +188,13 @@ def main() -> None:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 out = f.name
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--worker", method, out],
-                                  cwd=REPO)
+            proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--worker", method, out,
+                                   "--ours-overrides", *args.ours_overrides], cwd=REPO)
             if proc.returncode != 0:
                 sys.exit(f"bench_train_step: the {method} worker failed (exit {proc.returncode})")
-            rows = json.loads(Path(out).read_text())["steps"]
+            res = json.loads(Path(out).read_text())
             os.unlink(out)
+            rows = [{**r, "peak_rss_gib": res["peak_rss_gib"]} for r in res["steps"]]
             results[method].extend(rows)
             for r in rows:
                 print(f"round {rnd + 1} {method:4s}: {r['step_s']:.1f} s/step, {r['tokens']:.0f} response tokens, "
@@ -204,7 +212,8 @@ def main() -> None:
         summary[m] = {"tok_s": statistics.median(r["tokens"] / r["step_s"] for r in rows),
                       "step_s": med(rows, "step_s"), "tokens": med(rows, "tokens"),
                       "rollout_s": med(rows, "rollout_s"), "old_log_prob_s": med(rows, "old_log_prob_s"),
-                      "update_s": med(rows, "update_s"), "sync_s": med(rows, "sync_s"), "n": len(rows)}
+                      "update_s": med(rows, "update_s"), "sync_s": med(rows, "sync_s"), "n": len(rows),
+                      "rss": max(r["peak_rss_gib"] for r in rows)}
     base = summary.get("trl", {}).get("tok_s")
     lines = [
         "# Training-step benchmark: stapo trainer vs TRL GRPOTrainer",
@@ -215,15 +224,16 @@ def main() -> None:
         "loss_type=dapo, beta=0, HF generate. Each run in a fresh process: one warm-up step, then timed steps;",
         "runs alternate ours / TRL. Throughput = response tokens / step wall time (median over timed steps).",
         "",
-        f"- Command: `python scripts/bench_train_step.py --rounds {args.rounds} --steps {args.steps}`",
+        f"- Command: `python scripts/bench_train_step.py --rounds {args.rounds} --steps {args.steps}"
+        + (f" --ours-overrides {' '.join(args.ours_overrides)}" if args.ours_overrides else "") + "`",
         f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- Machine: {platform.processor() or platform.machine()}, nproc = {os.cpu_count()}, torch {torch.__version__}"
         + (f", trl {__import__('trl').__version__}" if "trl" in results else ""),
         f"- Load average (1/5/15 min) before / after: {load_before} / {load_after}",
         "",
         "| method | timed steps | response tokens / step | s / step | rollout s | old log-prob s | update s | "
-        "sync s | tokens / s | ratio to TRL |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "sync s | tokens / s | ratio to TRL | peak RSS GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x):
@@ -233,14 +243,18 @@ def main() -> None:
         ratio = f"{s['tok_s'] / base:.2f}×" if base else "—"
         name = "stapo Trainer (vLLM-CPU rollouts)" if m == "ours" else "TRL GRPOTrainer (HF generate)"
         lines.append(f"| {name} | {s['n']} | {s['tokens']:.0f} | {f(s['step_s'])} | {f(s['rollout_s'])} | "
-                     f"{f(s['old_log_prob_s'])} | {f(s['update_s'])} | {f(s['sync_s'])} | {s['tok_s']:.1f} | {ratio} |")
+                     f"{f(s['old_log_prob_s'])} | {f(s['update_s'])} | {f(s['sync_s'])} | {s['tok_s']:.1f} | {ratio} | "
+                     f"{s['rss']:.1f} |")
     lines += ["", "Per-step rows:", "", "| method | s / step | response tokens | tokens / s |", "|---|---|---|---|"]
     for m, rows in results.items():
         for r in rows:
             lines.append(f"| {m} | {r['step_s']:.1f} | {r['tokens']:.0f} | {r['tokens'] / r['step_s']:.1f} |")
     lines += ["", "TRL's rollout column is `_generate_and_score_completions` (generation, reward, advantages); its",
-              "update column is the rest of the step. TRL computes no old-policy pass here (one optimizer step per",
-              "generation), ours does (the S2T mask needs the current policy's p and H before the update)."]
+              "update column is the rest of the step. Neither computes a separate old-policy pass here (one optimizer",
+              "step per generation): TRL uses the update's log-probs, detached; ours (actor.fused_forward) forwards the",
+              "whole mini-batch with grad, builds the S2T mask from the detached p and H, then runs the backwards.",
+              "Peak RSS: the worker process's maximum resident memory (model, optimizer, activations; for ours also",
+              "the in-process vLLM engine with its 1 GiB KV cache)."]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -126,11 +126,13 @@ class ActorConfig:
     # combined with gradient checkpointing.
     share_prompt: bool = False
     # Take the statistics a mini-batch's mask needs from the update's own forward instead of a separate no-grad
-    # pass: every micro-batch of the mini-batch is forwarded WITH grad first, its graph kept, the mask built from
-    # the detached p and H, then the backwards run. For the first mini-batch π_θ = π_old, so its old-policy pass
-    # is skipped too (old log-probs = the update's log-probs, detached; ratio 1); with one mini-batch per step
-    # the old-policy pass disappears. Same masks, loss and update as the separate passes (tested); memory ≈ the
-    # activations of a whole mini-batch, so it is for small mini-batches (the CPU configs), not the paper scale.
+    # pass (Trainer._backward_fused): rows whose mask may depend on them (S2T: Â > 0; 20-Entropy: all) are
+    # forwarded WITH grad and their graphs kept, the others are backwarded at once; the mask is built from the
+    # detached p and H, then the kept graphs are backwarded. For the first mini-batch π_θ = π_old, so its
+    # old-policy pass is skipped too (old log-probs = the update's, detached; ratio 1): with one mini-batch per
+    # step there is no old-policy pass at all. Same masks, loss and update as the separate passes (tested);
+    # memory ≈ the activations of the kept rows, so it suits small mini-batches (the CPU configs), not the
+    # paper's 512-response, 16k-token mini-batches.
     fused_forward: bool = False
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "top_entropy_mask",
     "TOKEN_MASKS",
     "get_token_mask",
+    "maskable_rows",
 ]
 
 QuantileScope = Literal["candidates", "all"]
@@ -246,3 +247,36 @@ def get_token_mask(name: str) -> TokenMaskFn:
         return TOKEN_MASKS[name]
     except KeyError:
         raise KeyError(f"unknown token mask {name!r}; valid names: {sorted(TOKEN_MASKS)}") from None
+
+
+def maskable_rows(name: str, advantages: torch.Tensor) -> torch.Tensor:
+    """Rows whose keep-mask may differ from their response mask, whatever the token statistics turn out to be.
+
+    - ``"none"``: no row.
+    - ``"s2t"``: rows with Â > 0 — S2T silences only candidates, and candidates need Â > 0 (METHOD.md §4);
+      rows with Â ≤ 0 keep every response token for any p, H and τ_h.
+    - ``"top_entropy"``: every row (all tokens compete for the top 20 %).
+
+    The trainer's ``actor.fused_forward`` uses this to run the backward of the other rows before the
+    mini-batch's statistics are complete.
+
+    Args:
+        name: a registered mask name.
+        advantages: [B] per-response advantages (fp32).
+
+    Returns:
+        [B] bool.
+
+    Raises:
+        KeyError: unknown mask name.
+
+    Example: ``maskable_rows("s2t", torch.tensor([0.5, 0.0, -0.5]))`` → ``[True, False, False]``.
+    """
+    get_token_mask(name)  # validates the name
+    if advantages.dim() != 1:
+        raise ValueError(f"advantages must be [B] per-response values, got shape {tuple(advantages.shape)}")
+    if name == "none":
+        return torch.zeros_like(advantages, dtype=torch.bool)
+    if name == "s2t":
+        return advantages > 0
+    return torch.ones_like(advantages, dtype=torch.bool)

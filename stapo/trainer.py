@@ -414,7 +414,7 @@ class Trainer:
         per_mini = math.ceil(min(rows_per_mini, B) / micro)
         if self.cfg.actor.fused_forward:  # no old pass over the first mini-batch, no separate current-stats pass
             return (math.ceil(max(B - rows_per_mini, 0) / micro) + n_all * int(self.ref_model is not None)
-                    + 2 * n_mini * per_mini)  # forward (graphs kept), then backward, of each micro-batch
+                    + n_mini * per_mini)
         extra_stats = (self.objective.token_mask != "none" and self.cfg.algorithm.s2t.stats_source == "current")
         return (n_all * (2 if self.ref_model is not None else 1) + n_mini * per_mini
                 + (n_mini - 1) * per_mini * int(extra_stats))
@@ -437,61 +437,23 @@ class Trainer:
 
     def _update(self, sb: StepBatch) -> dict[str, float]:
         """All mini-batches of the step: mask → denominator → micro-batch forward/backward → clip → step."""
-        from stapo.policy import policy_token_stats
-
         cfg, obj, G = self.cfg, self.objective, self.cfg.rollout.n
         B, R = sb.batch.response_mask.shape
-        response_mask = sb.batch.response_mask.bool()  # [B, R]
         rows_per_mini = cfg.actor.ppo_mini_batch_size * G  # responses per optimizer step (whole groups)
         acc = _MetricAccumulator()
         self._last_keep = torch.zeros(B, R, dtype=torch.bool)  # [B, R] kept tokens, for the examples table
         for mb_i, start in enumerate(range(0, B, rows_per_mini)):
             rows = torch.arange(start, min(start + rows_per_mini, B))  # [n] this mini-batch's responses
-            micro_rows = self._micro_batches(sb.batch, rows)  # list of [b] batch rows (possibly length-sorted)
-            # actor.fused_forward: forward every micro-batch WITH grad now, keep the graphs, and take the mask's
-            # statistics (and, for the first mini-batch, the old-policy ones: π_θ = π_old) from them, detached.
-            pending = self._forward_with_grad(sb, micro_rows, first=mb_i == 0) if cfg.actor.fused_forward else None
-            # Token mask over the WHOLE mini-batch. S2T statistics come from the current policy (Algorithm 1);
-            # for the first mini-batch π_θ = π_old, so the old-policy pass is reused.
-            if pending is not None and cfg.algorithm.s2t.stats_source == "current":
-                stat_logp, stat_ent = self._fused_stats  # [B, R] each, filled for this mini-batch's rows
-                stat_logp, stat_ent = stat_logp[rows], stat_ent[rows]  # [n, R]
-            elif obj.token_mask == "none" or cfg.algorithm.s2t.stats_source == "old" or mb_i == 0:
-                stat_logp, stat_ent = sb.old_logprobs[rows], sb.old_entropy[rows]  # [n, R]
-            else:
-                cur = self._forward_all(self.model, sb.batch, B, R, rows=rows)
-                stat_logp, stat_ent = cur[0][rows], cur[1][rows]  # [n, R]
-            tm = compute_token_mask(obj, stat_logp, stat_ent, sb.advantages[rows], response_mask[rows])
+            self.optimizer.zero_grad(set_to_none=True)
+            # actor.fused_forward: the statistics come from this mini-batch's own update forward — always for
+            # the first mini-batch (its old-policy pass was skipped), and for later ones when the mask uses the
+            # current policy's statistics.
+            fused = cfg.actor.fused_forward and (mb_i == 0 or (obj.token_mask != "none"
+                                                               and cfg.algorithm.s2t.stats_source == "current"))
+            tm = (self._backward_fused(sb, rows, first=mb_i == 0, acc=acc) if fused
+                  else self._backward_minibatch(sb, rows, first=mb_i == 0, acc=acc))
             self._last_keep[rows] = tm.keep
             acc.add_mask_stats(tm.stats)
-            # The loss denominator of the whole mini-batch, computed once, before the micro-batch loop.
-            denom = loss_denominator(tm.keep, obj.loss_agg_mode, max_response_length=cfg.rollout.response_length)
-
-            self.optimizer.zero_grad(set_to_none=True)
-            position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
-            minibatch_loss: dict[str, float] = {}
-            for k_mb, idx in enumerate(micro_rows):  # idx: [b] batch rows (possibly length-sorted)
-                if pending is not None:
-                    st = pending[k_mb]  # [b, r], grad (forwarded above)
-                    pending[k_mb] = None  # its graph is freed by this backward
-                else:
-                    st = policy_token_stats(self.model, sb.batch.select(idx).trim().to(self.device),
-                                            cfg.rollout.temperature, share_prompt=cfg.actor.share_prompt)  # [b, r]
-                r = st.logprobs.shape[1]
-                keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :r]  # [b, r], same permutation
-                loss, m = policy_loss(
-                    obj, st.logprobs, sb.old_logprobs[idx, :r].to(self.device), sb.advantages[idx].to(self.device),
-                    keep.to(self.device), denom,
-                    ref_logprobs=None if sb.ref_logprobs is None else sb.ref_logprobs[idx, :r].to(self.device))
-                loss.backward()
-                for k in ("actor/pg_loss", "actor/kl_loss"):  # shares of the mini-batch loss: add up
-                    if k in m:
-                        minibatch_loss[k] = minibatch_loss.get(k, 0.0) + m[k]
-                for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):  # per kept token
-                    acc.add_mean(k, m[k], weight=m["actor/num_kept_tokens"])
-                self._tick(loss=f"{m['actor/pg_loss']:.4f}")
-            for k, v in minibatch_loss.items():
-                acc.add_mean(k, v)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.grad_clip)
             acc.add_mean("actor/grad_norm", float(grad_norm))
             if torch.isfinite(grad_norm):
@@ -506,35 +468,107 @@ class Trainer:
         out["actor/num_kept_tokens"] = float(self._last_keep.sum())
         return out
 
-    def _forward_with_grad(self, sb: StepBatch, micro_rows: list[torch.Tensor], first: bool) -> list:
-        """actor.fused_forward: the update forward of every micro-batch of a mini-batch, graphs kept.
-
-        Writes the detached statistics into ``self._fused_stats`` (log-probs, entropy: [B, R] fp32, this
-        mini-batch's rows) and, for the first mini-batch (``first``: π_θ = π_old), into ``sb.old_logprobs`` /
-        ``old_entropy`` / ``old_collision`` (which :meth:`_prepare_batch` left at 0 for these rows).
-
-        Returns:
-            one :class:`stapo.token_stats.TokenStats` per micro-batch ([b, r] fp32, log-probs carrying grad).
-        """
-        from stapo.policy import policy_token_stats
-
+    def _backward_minibatch(self, sb: StepBatch, rows: torch.Tensor, first: bool, acc: "_MetricAccumulator"):
+        """One mini-batch, the paper's order: token mask from statistics computed beforehand → denominator of the
+        whole mini-batch → micro-batch forward/backward. Returns the mini-batch's :class:`TokenMask`."""
+        cfg, obj = self.cfg, self.objective
         B, R = sb.batch.response_mask.shape
-        if first or getattr(self, "_fused_stats", None) is None or self._fused_stats[0].shape != (B, R):
-            self._fused_stats = (torch.zeros(B, R), torch.zeros(B, R))  # [B, R] fp32 each
-        out = []
-        for idx in micro_rows:
-            mb = sb.batch.select(idx).trim()
-            st = policy_token_stats(self.model, mb.to(self.device), self.cfg.rollout.temperature,
-                                    share_prompt=self.cfg.actor.share_prompt)  # [b, r], grad
+        response_mask = sb.batch.response_mask.bool()  # [B, R]
+        # Token mask over the WHOLE mini-batch. S2T statistics come from the current policy (Algorithm 1);
+        # for the first mini-batch π_θ = π_old, so the old-policy pass is reused.
+        if obj.token_mask == "none" or cfg.algorithm.s2t.stats_source == "old" or first:
+            stat_logp, stat_ent = sb.old_logprobs[rows], sb.old_entropy[rows]  # [n, R]
+        else:
+            cur = self._forward_all(self.model, sb.batch, B, R, rows=rows)
+            stat_logp, stat_ent = cur[0][rows], cur[1][rows]  # [n, R]
+        tm = compute_token_mask(obj, stat_logp, stat_ent, sb.advantages[rows], response_mask[rows])
+        # The loss denominator of the whole mini-batch, computed once, before the micro-batch loop.
+        denom = loss_denominator(tm.keep, obj.loss_agg_mode, max_response_length=cfg.rollout.response_length)
+        position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
+        loss_sums: dict[str, float] = {}
+        for idx in self._micro_batches(sb.batch, rows):  # idx: [b] batch rows (possibly length-sorted)
+            st = self._policy_forward(sb, idx)  # [b, r], grad
+            keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :st.logprobs.shape[1]]  # [b, r]
+            self._backward_micro(sb, idx, st, keep, denom, sb.old_logprobs[idx, :st.logprobs.shape[1]], acc, loss_sums)
+        for k, v in loss_sums.items():
+            acc.add_mean(k, v)
+        return tm
+
+    def _backward_fused(self, sb: StepBatch, rows: torch.Tensor, first: bool, acc: "_MetricAccumulator"):
+        """One mini-batch with ``actor.fused_forward``: the mask's statistics come from the update's own forward.
+
+        1. Rows whose mask may depend on the statistics (:func:`stapo.masks.maskable_rows`: Â > 0 for S2T, all
+           rows for 20-Entropy, none without a mask) are forwarded WITH grad and their graphs kept.
+        2. The other rows are forwarded and backwarded at once: their keep-mask is their response mask.
+        3. The mask is built from the detached statistics of the whole mini-batch; the kept rows' backwards run.
+        4. The micro-batch losses were sums (denominator 1), so the gradient is divided by the mini-batch
+           denominator once it is known — the same gradient as the loss divided by it (linearity).
+
+        For the first mini-batch π_θ = π_old: the old log-probs are the forward's log-probs, detached (ratio 1),
+        and its statistics fill ``sb.old_logprobs / old_entropy / old_collision``. Memory ≈ the activations of
+        the kept micro-batches. Returns the mini-batch's :class:`TokenMask`.
+        """
+        from stapo.masks import maskable_rows
+
+        cfg, obj = self.cfg, self.objective
+        B, R = sb.batch.response_mask.shape
+        response_mask = sb.batch.response_mask.bool()  # [B, R]
+        deferred = maskable_rows(obj.token_mask, sb.advantages[rows])  # [n] bool
+        plan = ([(idx, True) for idx in self._micro_batches(sb.batch, rows[deferred])]
+                + [(idx, False) for idx in self._micro_batches(sb.batch, rows[~deferred])])
+        stat_logp, stat_ent = torch.zeros(B, R), torch.zeros(B, R)  # [B, R] fp32, this mini-batch's rows filled
+        pending, loss_sums = [], {}
+        for idx, is_deferred in plan:  # idx: [b] batch rows
+            st = self._policy_forward(sb, idx)  # [b, r], grad
             r = st.logprobs.shape[1]
             logp, ent = st.logprobs.detach().float().cpu(), st.entropy.detach().float().cpu()  # [b, r]
-            self._fused_stats[0][idx, :r], self._fused_stats[1][idx, :r] = logp, ent
-            if first:
+            stat_logp[idx, :r], stat_ent[idx, :r] = logp, ent
+            if first:  # π_θ = π_old: these are the old-policy statistics
                 sb.old_logprobs[idx, :r], sb.old_entropy[idx, :r] = logp, ent
                 sb.old_collision[idx, :r] = st.collision.detach().float().cpu()
-            out.append(st)
-            self._tick()
-        return out
+            old = sb.old_logprobs[idx, :r]  # [b, r]
+            if is_deferred:
+                pending.append((idx, st, old))
+            else:
+                self._backward_micro(sb, idx, st, response_mask[idx, :r], 1.0, old, acc, loss_sums)
+        tm = compute_token_mask(obj, stat_logp[rows], stat_ent[rows], sb.advantages[rows], response_mask[rows])
+        if not torch.equal(tm.keep[~deferred], response_mask[rows][~deferred]):  # maskable_rows broken
+            raise RuntimeError(f"the {obj.token_mask!r} mask silenced tokens of rows maskable_rows() excluded")
+        position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
+        for k, (idx, st, old) in enumerate(pending):
+            pending[k] = None  # the backward frees this graph
+            keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :st.logprobs.shape[1]]  # [b, r]
+            self._backward_micro(sb, idx, st, keep, 1.0, old, acc, loss_sums)
+        denom = loss_denominator(tm.keep, obj.loss_agg_mode, max_response_length=cfg.rollout.response_length)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(denom)
+        for k, v in loss_sums.items():
+            acc.add_mean(k, v / denom)
+        return tm
+
+    def _policy_forward(self, sb: StepBatch, idx: torch.Tensor):
+        """Forward of batch rows ``idx`` ([b]) with grad → :class:`TokenStats`, each [b, r] fp32 (r ≤ R)."""
+        from stapo.policy import policy_token_stats
+
+        return policy_token_stats(self.model, sb.batch.select(idx).trim().to(self.device),
+                                  self.cfg.rollout.temperature, share_prompt=self.cfg.actor.share_prompt)
+
+    def _backward_micro(self, sb: StepBatch, idx: torch.Tensor, st, keep: torch.Tensor, denom: float,
+                        old_logprobs: torch.Tensor, acc: "_MetricAccumulator", loss_sums: dict[str, float]) -> None:
+        """Loss of one micro-batch (rows ``idx`` [b]; ``keep``, ``old_logprobs`` [b, r]) and its backward."""
+        r = st.logprobs.shape[1]
+        loss, m = policy_loss(
+            self.objective, st.logprobs, old_logprobs.to(self.device), sb.advantages[idx].to(self.device),
+            keep.to(self.device), denom,
+            ref_logprobs=None if sb.ref_logprobs is None else sb.ref_logprobs[idx, :r].to(self.device))
+        loss.backward()
+        for k in ("actor/pg_loss", "actor/kl_loss"):  # shares of the mini-batch loss: add up
+            if k in m:
+                loss_sums[k] = loss_sums.get(k, 0.0) + m[k]
+        for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):  # per kept token
+            acc.add_mean(k, m[k], weight=m["actor/num_kept_tokens"])
+        self._tick(loss=f"{m['actor/pg_loss']:.4f}")
 
     def _step_metrics(self, sb: StepBatch, reward_out, adv_metrics: dict[str, float],
                       update_metrics: dict[str, float]) -> dict[str, float]:

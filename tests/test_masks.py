@@ -222,3 +222,14 @@ def test_nan_entropy_is_an_error_not_a_silent_no_op():
     # NaN on a padding position is ignored
     out = s2t_mask(logp, h, torch.ones(1), torch.tensor([[True, False, True, True]]))
     assert out.stats["num_candidates"] == 3
+
+
+def test_maskable_rows_by_mask():
+    from stapo.masks import maskable_rows
+
+    adv = torch.tensor([0.5, 0.0, -0.5])  # S2T silences only Â > 0 tokens (METHOD §4): row 0 only
+    assert maskable_rows("s2t", adv).tolist() == [True, False, False]
+    assert maskable_rows("none", adv).tolist() == [False, False, False]
+    assert maskable_rows("top_entropy", adv).tolist() == [True, True, True]
+    with pytest.raises(KeyError, match="unknown token mask"):
+        maskable_rows("s2tt", adv)

@@ -203,5 +203,7 @@ def test_fused_forward_gives_the_same_masks_loss_and_update(tmp_path, objective,
         assert m0.keys() == m1.keys()
         for k in m0:
             assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
+    # Adam divides by sqrt(v): a gradient near 0 turns rounding-level differences (another summation order) into
+    # update differences up to ~lr; 2 steps at lr 1e-3 move weights by ≤ 2e-3, so 1e-5 is 1 % of that.
     for k in p0:
-        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-5)
