@@ -52,6 +52,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     *,
     keep_last: int = 2,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``<checkpoint_root>/step_<step>`` atomically and prune old checkpoints.
 
@@ -62,6 +63,8 @@ def save_checkpoint(
         tokenizer: its tokenizer (saved beside it), or None.
         trainer_state: picklable dict (optimizer/scheduler state dicts, RNG, data-loader position...).
         keep_last: number of most recent checkpoints to keep (≥ 1).
+        state_dict: the weights to write instead of ``model.state_dict()`` (a full state dict gathered from an
+            FSDP2-sharded model, :func:`stapo.distributed.full_model_state_dict`); HF names, CPU tensors.
 
     Returns:
         The final checkpoint folder.
@@ -73,7 +76,7 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save({**trainer_state, "step": step}, tmp / "trainer_state.pt")

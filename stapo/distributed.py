@@ -115,9 +115,9 @@ def init_distributed(device: str = "auto", strategy: str = "auto", timeout_min: 
     return DistContext(world=world, rank=rank, local_rank=local_rank, device=dev, strategy=chosen)
 
 
-def teardown(ctx: DistContext) -> None:
-    """Destroy the default process group if :func:`init_distributed` created one (W > 1)."""
-    if ctx.enabled and torch.distributed.is_initialized():
+def teardown() -> None:
+    """Destroy the default process group if one is initialised (end of a torchrun process)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
@@ -141,6 +141,13 @@ def check_dp_config(cfg: Any, ctx: DistContext) -> None:
     if not ctx.enabled:
         return
     world = ctx.world
+    if cfg.rollout.backend == "vllm" and cfg.rollout.tensor_parallel_size != 1:
+        raise ConfigError(f"invalid value for 'rollout.tensor_parallel_size' ({cfg.rollout.tensor_parallel_size}): "
+                          "must be 1 under torchrun (one colocated vLLM engine per rank, each with its own prompts)")
+    if ctx.strategy == "fsdp2" and cfg.rollout.backend == "hf" and cfg.trainer.val_every:
+        raise ConfigError(f"invalid value for 'trainer.val_every' ({cfg.trainer.val_every}): validation runs on "
+                          "rank 0 alone, which the HF backend cannot do with an FSDP2-sharded policy; set 0 or "
+                          "use rollout.backend=vllm")
     if ctx.strategy == "fsdp2" and cfg.actor.share_prompt:
         raise ConfigError("invalid value for 'actor.share_prompt' (True): not supported with "
                           "trainer.data_parallel=fsdp2 (data-dependent number of forward calls per micro-batch); "

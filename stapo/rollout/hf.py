@@ -207,11 +207,12 @@ class HFRolloutEngine:
         per_row = not greedy and row_seeds is not None  # seeded: our per-row sampler, then HF's greedy pick
         if per_row:
             processors.append(_RowSampler(row_seeds))
+        do_sample = not greedy and not per_row
+        warpers_off = dict(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0) if do_sample else {}
         gen_config = GenerationConfig(
-            do_sample=not greedy and not per_row, max_new_tokens=int(sampling.max_new_tokens), min_new_tokens=0,
-            temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0,
-            eos_token_id=list(self.stop_ids), pad_token_id=self.pad_id, use_cache=True,
-            num_beams=1, num_return_sequences=1)
+            do_sample=do_sample, max_new_tokens=int(sampling.max_new_tokens), min_new_tokens=0,
+            repetition_penalty=1.0, eos_token_id=list(self.stop_ids), pad_token_id=self.pad_id, use_cache=True,
+            num_beams=1, num_return_sequences=1, **warpers_off)
         sequences = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
             generation_config=gen_config, logits_processor=LogitsProcessorList(processors))
