@@ -126,9 +126,12 @@ def latest_checkpoint(checkpoint_root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_trainer_state(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """Load ``trainer_state.pt`` of a checkpoint. Raises ``FileNotFoundError`` naming the path."""
+def load_trainer_state(checkpoint_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """Load ``trainer_state.pt`` of a checkpoint. Raises ``FileNotFoundError`` naming the path.
+
+    ``mmap=True`` maps the tensors (optimizer state) from the file instead of reading them into memory, so the
+    data-parallel ranks of one node share one copy through the page cache."""
     path = Path(checkpoint_dir) / "trainer_state.pt"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {checkpoint_dir} is not a complete train.py checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)

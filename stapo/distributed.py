@@ -383,17 +383,22 @@ def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opt
 
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict[str, torch.Tensor],
                     optim_sd: dict[str, Any], ctx: DistContext) -> None:
-    """Load a full model state dict and the checkpointed optimizer state on every rank (FSDP2: each rank keeps
-    its shard, via ``set_model_state_dict`` / ``set_optimizer_state_dict`` with ``full_state_dict=True``)."""
+    """Load a checkpoint's full model state dict and optimizer state into this rank's policy and optimizer.
+
+    Replicate / W = 1: ``load_state_dict`` on every rank. FSDP2 (collective): the model state dict is needed on
+    rank 0 only (the others pass ``{}``) and its shards are broadcast (``set_model_state_dict`` with
+    ``full_state_dict=True, broadcast_from_rank0=True``), so one full copy of the weights is in host memory;
+    every rank passes the full optimizer state (memory-mapped from the checkpoint) to
+    ``set_optimizer_state_dict(full_state_dict=True)``, which keeps this rank's shard.
+    """
     if ctx.strategy != "fsdp2":
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    opts = _sd_options(full_state_dict=True)
-    set_model_state_dict(model, model_sd, options=opts)
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd, options=opts)
+    set_model_state_dict(model, model_sd, options=_sd_options(full_state_dict=True, broadcast_from_rank0=True))
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd, options=_sd_options(full_state_dict=True))
 
 
 def iter_full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -311,11 +311,15 @@ class Trainer:
             return
         from stapo.models import load_policy
 
-        state = load_trainer_state(ckpt)  # every rank reads the checkpoint
-        model, _ = load_policy(str(ckpt), dtype=self.cfg.model.dtype,
-                               attn_implementation=self.cfg.model.attn_implementation)
-        dist.load_full_state(self.model, self.optimizer, model.state_dict(), state["optimizer"], self.dist)
-        del model
+        state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: memory-mapped)
+        model_sd: dict[str, torch.Tensor] = {}
+        if self.dist.is_main or self.dist.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast
+            model, _ = load_policy(str(ckpt), dtype=self.cfg.model.dtype,
+                                   attn_implementation=self.cfg.model.attn_implementation)
+            model_sd = model.state_dict()
+            del model
+        dist.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"], self.dist)
+        del model_sd
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         per_rank = state.get("rng_per_rank")

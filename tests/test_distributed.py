@@ -67,7 +67,9 @@ def _assert_same_metrics(got: list[dict], ref: list[dict], rel: float = 1e-4, ab
         keys = {k for k in r if not k.startswith(_NOISY)}
         assert keys == {k for k in g if not k.startswith(_NOISY)}
         for k in keys:
-            if k.startswith(("s2t/num_", "actor/num_kept")) or k.endswith("/count"):
+            if r[k] is None or g[k] is None:  # NaN (e.g. a mean over an empty quadrant) is logged as null
+                assert g[k] is None and r[k] is None, (r["step"], k, g[k], r[k])
+            elif k.startswith(("s2t/num_", "actor/num_kept")) or k.endswith("/count"):
                 assert g[k] == r[k], (r["step"], k, g[k], r[k])  # token counts: exactly the same mask
             else:
                 assert g[k] == pytest.approx(r[k], rel=rel, abs=abs_, nan_ok=True), (r["step"], k, g[k], r[k])
