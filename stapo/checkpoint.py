@@ -76,7 +76,8 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
+    extra = {"state_dict": state_dict} if state_dict is not None else {}
+    model.save_pretrained(tmp, safe_serialization=True, **extra)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save({**trainer_state, "step": step}, tmp / "trainer_state.pt")

@@ -10,7 +10,9 @@ computed over the WHOLE mini-batch (:func:`stapo.integrations.dp_mask.minibatch_
 Policy wrapping (``trainer.data_parallel``):
 
 * ``fsdp2`` (default on CUDA): ``torch.distributed.fsdp.fully_shard`` on every decoder layer and on the root;
-  parameters, gradients and AdamW state are sharded; the gradient reduce-scatter AVERAGES over ranks.
+  parameters, gradients and AdamW state are sharded; the gradient reduce-scatter AVERAGES over ranks and runs
+  after every micro-batch's backward (gradients stay sharded; no unsharded accumulation). Runs on CPU/gloo too
+  (torch 2.13; tested). Checkpoints: the full state dict is gathered to rank 0 (``full_model_state_dict``).
 * ``replicate`` (default on CPU/gloo): every rank holds the whole model and optimizer; after the last backward
   of a mini-batch the gradients are all-reduced and AVERAGED explicitly (:func:`average_gradients`). We do not
   use ``DistributedDataParallel``: its reducer is armed by the last forward with grad and fires on the next
@@ -21,6 +23,22 @@ Policy wrapping (``trainer.data_parallel``):
 Loss-scaling convention (both strategies average gradients over the W ranks): each rank back-propagates
 ``Σ_{its kept tokens} ℓ / (N / W)`` where N is the mini-batch-global denominator, so the averaged gradient is
 ``Σ_{all kept tokens} ∇ℓ / N`` — the single-process gradient. (Same convention as the verl plugin.)
+
+Metrics: the update's mask statistics are mini-batch-global already; loss shares, kept-token counts and the
+per-kept-token means (clip fractions, KL) are summed over ranks (sums, then ratios); the grad norm is that of the
+averaged gradient; the step metrics (rewards, lengths, entropy, advantages, quadrant summary with its median,
+train/inference log-prob gap) are computed by the one-process code on the all-gathered rows of the whole batch
+(:func:`all_gather_rows`), reward / grader counts are summed (:func:`merge_stats`). Timings are rank 0's; the
+silenced-token examples table shows rank 0's rows; validation runs on rank 0 while the others wait.
+
+Rollouts with vLLM (GPU; NOT run here — no GPU): one colocated in-process engine per rank, created with
+``distributed_executor_backend="external_launcher"`` (as TRL's ``vllm_mode="colocate"`` and verl), so it joins
+torchrun's process group instead of spawning workers; ``rollout.tensor_parallel_size`` must be 1. Each engine
+sleeps during the update as in one process; the weights are pushed from the sharded policy one tensor at a time
+(:func:`iter_full_state_dict`), never the whole model at once.
+
+Rollout seeds: prompt i of the step's global batch is sampled with the seed of its GLOBAL index
+(``SamplingParams.prompt_indices``), so N ranks sample what one process would (HF: one generator per row).
 
 Rank r's prompts (:func:`shard_prompt_indices`): its contiguous slice of EVERY mini-batch of the step, so the
 optimizer's mini-batch i is the same set of prompts as in a one-process run (for one mini-batch per step this

@@ -139,8 +139,8 @@ class Trainer:
         # data parallelism (torchrun, WORLD_SIZE > 1); W = 1: nothing is initialised and nothing below changes
         self.dist = dist.init_distributed(tc.device, tc.data_parallel)
         dist.check_dp_config(cfg, self.dist)  # ConfigError naming the key (train.py: exit 2)
-        self.device = self.dist.device if self.dist.enabled else torch.device(
-            "cuda" if tc.device == "auto" and torch.cuda.is_available() else ("cpu" if tc.device == "auto" else tc.device))
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = self.dist.device if self.dist.enabled else torch.device(auto if tc.device == "auto" else tc.device)
         self._mini_rows = cfg.actor.ppo_mini_batch_size // self.dist.world * cfg.rollout.n  # this rank's rows
         model_tag = cfg.model.path.rstrip("/").split("/")[-1].replace(":", "-")
         self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
@@ -589,7 +589,8 @@ class Trainer:
     def _dp_token_mask(self, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
                        response_mask: torch.Tensor):
         """The objective's token mask of the whole mini-batch: [n, R] inputs (this rank's rows) → ``.keep``
-        [n, R] bool and ``.stats`` (mini-batch-global; W > 1: :func:`~stapo.integrations.dp_mask.minibatch_token_mask`)."""
+        [n, R] bool and ``.stats``, mini-batch-global (W > 1:
+        :func:`~stapo.integrations.dp_mask.minibatch_token_mask`, an all-gather of 12 bytes per response token)."""
         if not self.dist.enabled:
             return compute_token_mask(self.objective, logprobs, entropy, advantages, response_mask)
         from stapo.integrations.dp_mask import minibatch_token_mask
@@ -605,7 +606,8 @@ class Trainer:
         obj, L = self.objective, self.cfg.rollout.response_length
         if not self.dist.enabled:
             return loss_denominator(keep, obj.loss_agg_mode, max_response_length=L)
-        return dist.minibatch_loss_denominator(keep, obj.loss_agg_mode, self.dist, max_response_length=L) / self.dist.world
+        total = dist.minibatch_loss_denominator(keep, obj.loss_agg_mode, self.dist, max_response_length=L)
+        return total / self.dist.world
 
     def _dp_sum_loss_shares(self, shares: dict[str, float]) -> dict[str, float]:
         """The mini-batch loss from every rank's share (each computed with denominator N / W): Σ_ranks / W."""
@@ -641,7 +643,8 @@ class Trainer:
         out.engine_logprobs = torch.where(out.mask, toks["engine_logprobs"], torch.tensor(float("nan")))
         return out
 
-    def _step_metrics(self, v: SimpleNamespace, reward_stats: Any, update_metrics: dict[str, float]) -> dict[str, float]:
+    def _step_metrics(self, v: SimpleNamespace, reward_stats: Any,
+                      update_metrics: dict[str, float]) -> dict[str, float]:
         """The step's metrics from :meth:`_gather_metric_rows` (the whole batch), the reward counts and the
         update's (already rank-reduced) metrics."""
         mask = v.mask  # [B, R]
@@ -660,7 +663,8 @@ class Trainer:
             "response_length/total_tokens": lengths.sum().item(),
         }
         alg = self.cfg.algorithm  # advantage metrics of the whole batch (groups are whole on every rank)
-        m.update(grpo_advantages(v.rewards, self.cfg.rollout.n, eps=alg.adv_eps, norm_by_std=alg.norm_adv_by_std).metrics)
+        m.update(grpo_advantages(v.rewards, self.cfg.rollout.n, eps=alg.adv_eps,
+                                 norm_by_std=alg.norm_adv_by_std).metrics)
         m.update(reward_stats.as_dict() if reward_stats else {})
         m.update(update_metrics)
         m.update(self.prompt_stats)
