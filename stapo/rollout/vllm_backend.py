@@ -240,8 +240,8 @@ class VLLMRolloutEngine:
 
         Tensors are copied and cast to the engine dtype one at a time (peak extra memory: one tensor), with
         HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...). A policy sharded with FSDP2 is
-        all-gathered one tensor at a time (:func:`stapo.distributed.iter_full_state_dict`; a collective: every data-parallel
-        rank syncs its own engine at the same time). A sleeping engine is woken first.
+        all-gathered one tensor at a time (:func:`stapo.distributed.iter_full_state_dict`; a collective: every
+        data-parallel rank syncs its own engine at the same time). A sleeping engine is woken first.
 
         Raises:
             RuntimeError: from vLLM when a name or shape does not match the engine's model.
