@@ -47,7 +47,8 @@ def _free_port() -> int:
 def _torchrun(out: Path, *overrides: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            str(REPO / "tests" / "toy_run.py"), str(out), "--uneven-reward", *COMMON, *overrides]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    # ~20 s on 2 idle cores; generous for a loaded machine (a collective hang would otherwise never end)
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
 
 
