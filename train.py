@@ -1,6 +1,7 @@
 """Train a policy with STAPO or a baseline.
 
     python train.py --config configs/cpu_smollm2_stapo.yaml [dotted.key=value ...] [--resume]
+    torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/distributed.py)
 
 The config schema and its checks live in stapo/config.py; the training loop in stapo/trainer.py.
 """
@@ -26,18 +27,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from stapo.data import DataError
+    from stapo.distributed import teardown
     from stapo.evaluation import EvalError, make_validation_hook_from_config
     from stapo.trainer import Trainer
 
-    try:  # bad paths / data / run directory: one line naming the problem, exit code 2
-        hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
-        trainer = Trainer(cfg, validation_hook=hook)
-    except (DataError, EvalError, FileNotFoundError, FileExistsError) as e:
-        print(f"train.py: {e}", file=sys.stderr)
-        return 2
-    trainer.train()
-    print(f"run directory: {trainer.run_dir}")
-    return 0
+    try:  # under torchrun: every rank runs this; torch.distributed is set up by the Trainer (stapo/distributed.py)
+        try:  # bad paths / data / run directory / batch sizes vs ranks: one line naming the problem, exit code 2
+            hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
+            trainer = Trainer(cfg, validation_hook=hook)
+        except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError) as e:
+            print(f"train.py: {e}", file=sys.stderr)
+            return 2
+        trainer.train()
+        if trainer.dist.is_main:
+            print(f"run directory: {trainer.run_dir}")
+        return 0
+    finally:
+        teardown()
 
 
 if __name__ == "__main__":

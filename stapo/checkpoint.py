@@ -52,6 +52,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     *,
     keep_last: int = 2,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``<checkpoint_root>/step_<step>`` atomically and prune old checkpoints.
 
@@ -62,6 +63,8 @@ def save_checkpoint(
         tokenizer: its tokenizer (saved beside it), or None.
         trainer_state: picklable dict (optimizer/scheduler state dicts, RNG, data-loader position...).
         keep_last: number of most recent checkpoints to keep (≥ 1).
+        state_dict: the weights to write instead of ``model.state_dict()`` (a full state dict gathered from an
+            FSDP2-sharded model, :func:`stapo.distributed.full_model_state_dict`); HF names, CPU tensors.
 
     Returns:
         The final checkpoint folder.
@@ -73,7 +76,8 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    extra = {"state_dict": state_dict} if state_dict is not None else {}
+    model.save_pretrained(tmp, safe_serialization=True, **extra)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save({**trainer_state, "step": step}, tmp / "trainer_state.pt")
@@ -123,9 +127,12 @@ def latest_checkpoint(checkpoint_root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_trainer_state(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """Load ``trainer_state.pt`` of a checkpoint. Raises ``FileNotFoundError`` naming the path."""
+def load_trainer_state(checkpoint_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """Load ``trainer_state.pt`` of a checkpoint. Raises ``FileNotFoundError`` naming the path.
+
+    ``mmap=True`` maps the tensors (optimizer state) from the file instead of reading them into memory, so the
+    data-parallel ranks of one node share one copy through the page cache."""
     path = Path(checkpoint_dir) / "trainer_state.pt"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {checkpoint_dir} is not a complete train.py checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)

@@ -149,6 +149,10 @@ class TrainerConfig:
     val_every: int = 0  # 0 disables in-training validation
     log_examples_every: int = 5  # table of silenced-token examples every N steps (0 disables)
     progress_bar: bool = True
+    # Under torchrun with more than one rank (stapo/distributed.py): "fsdp2" shards parameters, gradients and
+    # optimizer state (fully_shard); "replicate" keeps a full copy per rank and all-reduces gradients;
+    # "auto" = fsdp2 on CUDA, replicate on CPU. Ignored in a single process.
+    data_parallel: Literal["auto", "replicate", "fsdp2"] = "auto"
 
 
 @dataclass

@@ -7,6 +7,10 @@ One training step, top to bottom in :meth:`Trainer.train_step`:
     policy, Algorithm 1) → kept-token denominator of the whole mini-batch → micro-batch forward/backward →
     grad-norm clip → AdamW step (warm-up) → sync weights to the rollout engine → metrics → validation hook
     → checkpoint.
+
+Under ``torchrun`` with W > 1 ranks (:mod:`stapo.distributed`) each rank does this for its share of the prompts;
+the mask, the denominator and the metrics are mini-batch / step-global (the ``_dp_*`` helpers and
+:meth:`Trainer._gather_metric_rows`), only rank 0 logs and writes checkpoints.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -26,6 +31,7 @@ from stapo.advantages import grpo_advantages
 from stapo.analysis import entropy_change_estimate, logit_grad_norm, quadrant_summary
 from stapo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from stapo.config import TrainConfig, to_dict
+from stapo import distributed as dist
 from stapo.objectives import Objective, compute_token_mask, get_objective, loss_denominator, policy_loss
 from stapo.tensor_utils import masked_mean
 from stapo.tracking import Tracker
@@ -130,8 +136,12 @@ class Trainer:
         self.objective = build_objective(cfg)
         self.validation_hook = validation_hook
         tc = cfg.trainer
-        self.device = torch.device("cuda" if tc.device == "auto" and torch.cuda.is_available() else
-                                   ("cpu" if tc.device == "auto" else tc.device))
+        # data parallelism (torchrun, WORLD_SIZE > 1); W = 1: nothing is initialised and nothing below changes
+        self.dist = dist.init_distributed(tc.device, tc.data_parallel)
+        dist.check_dp_config(cfg, self.dist)  # ConfigError naming the key (train.py: exit 2)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = self.dist.device if self.dist.enabled else torch.device(auto if tc.device == "auto" else tc.device)
+        self._mini_rows = cfg.actor.ppo_mini_batch_size // self.dist.world * cfg.rollout.n  # this rank's rows
         model_tag = cfg.model.path.rstrip("/").split("/")[-1].replace(":", "-")
         self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
         self.run_dir = Path(tc.output_dir) / self.run_name
@@ -158,7 +168,8 @@ class Trainer:
         if self.objective.kl_coef > 0:
             import copy
 
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)  # replicated on every rank
+        self.model = dist.wrap_policy(self.model, self.dist)  # FSDP2: sharded in place; before the optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
             betas=tuple(cfg.actor.betas))
@@ -187,7 +198,10 @@ class Trainer:
         rc = self.cfg.rollout
         if rc.backend == "hf":
             return {}
-        return {
+        extra: dict[str, Any] = {}
+        if self.dist.enabled:  # one colocated engine per rank, inside torchrun's processes (as TRL / verl)
+            extra["distributed_executor_backend"] = "external_launcher"
+        return {**extra,
             "max_model_len": self.cfg.data.max_prompt_length + rc.response_length,
             "gpu_memory_utilization": rc.gpu_memory_utilization,
             "kv_cache_gib": rc.kv_cache_gib,
@@ -235,23 +249,28 @@ class Trainer:
         elif latest_checkpoint(self.ckpt_root) is not None:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
                                   f"(trainer.resume=auto) or choose another trainer.run_name")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
-        self.tracker = Tracker(self.run_dir, to_dict(self.cfg), mode=self.cfg.logging.wandb_mode,
-                               project=self.cfg.logging.project, entity=self.cfg.logging.entity,
-                               name=self.run_name)
-        self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
-        self._drop_stale_validation()
+        main = self.dist.is_main  # only rank 0 writes the run directory, logs and shows progress bars
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+            self.tracker = Tracker(self.run_dir, to_dict(self.cfg), mode=self.cfg.logging.wandb_mode,
+                                   project=self.cfg.logging.project, entity=self.cfg.logging.entity,
+                                   name=self.run_name)
+            self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
+            self._drop_stale_validation()
         history: list[dict[str, float]] = []
-        bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not tc.progress_bar,
+        bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
                    dynamic_ncols=True)
         try:
             while self.step < tc.total_steps:
                 metrics = self.train_step()
                 self.step += 1
                 if self.validation_hook is not None and tc.val_every and self.step % tc.val_every == 0:
-                    metrics.update(self.validation_hook(self, self.step))
-                self.tracker.log(self.step, metrics)
+                    if main:  # rank 0 validates with its engine; the others wait
+                        metrics.update(self.validation_hook(self, self.step))
+                    dist.barrier(self.dist)
+                if self.tracker is not None:
+                    self.tracker.log(self.step, metrics)
                 history.append(metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
@@ -261,7 +280,8 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
-            self.tracker.finish()
+            if self.tracker is not None:
+                self.tracker.finish()
             for owner in (self.reward_fn, self.validation_hook):  # grader process pools
                 close = getattr(owner, "close", None)
                 if callable(close):
@@ -291,24 +311,40 @@ class Trainer:
             return
         from stapo.models import load_policy
 
-        state = load_trainer_state(ckpt)
-        model, _ = load_policy(str(ckpt), dtype=self.cfg.model.dtype,
-                               attn_implementation=self.cfg.model.attn_implementation)
-        self.model.load_state_dict(model.state_dict())
-        del model
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: memory-mapped)
+        model_sd: dict[str, torch.Tensor] = {}
+        if self.dist.is_main or self.dist.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast
+            model, _ = load_policy(str(ckpt), dtype=self.cfg.model.dtype,
+                                   attn_implementation=self.cfg.model.attn_implementation)
+            model_sd = model.state_dict()
+            del model
+        dist.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"], self.dist)
+        del model_sd
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
+        per_rank = state.get("rng_per_rank")
+        set_rng_state(per_rank[self.dist.rank] if per_rank and len(per_rank) == self.dist.world else state["rng"])
         self.step = int(state["step"])
         self.engine.sync_weights(self.model)
-        tqdm.write(f"resumed from {ckpt} at step {self.step}")
+        if self.dist.is_main:
+            tqdm.write(f"resumed from {ckpt} at step {self.step}")
 
     def save(self) -> Path:
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "loader": self.loader.state_dict(), "rng": rng_state(), "config": to_dict(self.cfg)}
-        return save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer, state,
-                               keep_last=self.cfg.trainer.keep_last)
+        """Write the step's checkpoint (rank 0; under FSDP2 every rank first joins the full state-dict gathers).
+        Every rank returns the checkpoint folder after it is complete."""
+        model_sd = dist.full_model_state_dict(self.model, self.dist)  # None: save the module itself
+        optim_sd = dist.full_optimizer_state_dict(self.model, self.optimizer, self.dist)
+        rngs = dist.gather_objects(rng_state(), self.dist)
+        final = self.ckpt_root / f"step_{self.step:06d}"
+        if self.dist.is_main:
+            state = {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
+                     "loader": self.loader.state_dict(), "rng": rngs[0], "config": to_dict(self.cfg)}
+            if self.dist.enabled:
+                state["rng_per_rank"] = rngs
+            final = save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer, state,
+                                    keep_last=self.cfg.trainer.keep_last, state_dict=model_sd)
+        dist.barrier(self.dist)
+        return final
 
     # ------------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -317,14 +353,14 @@ class Trainer:
         timing: dict[str, float] = {}
         t_step = time.perf_counter()
         self._phase_bar = tqdm(total=None, desc="rollout", unit="mb", position=1, leave=False, dynamic_ncols=True,
-                               disable=not cfg.trainer.progress_bar)
+                               disable=not (cfg.trainer.progress_bar and self.dist.is_main))
 
         # 1. rollout: G responses per prompt, sampled from π_old at temperature T
         t0 = time.perf_counter()
-        prompts = self.loader.next_batch()
+        prompts, prompt_indices = self._dp_prompts(self.loader.next_batch())  # this rank's share (all when W = 1)
         sampling = self._sampling_cls(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                       max_new_tokens=cfg.rollout.response_length,
-                                      seed=cfg.trainer.seed * 1_000_003 + self.step)
+                                      seed=cfg.trainer.seed * 1_000_003 + self.step, prompt_indices=prompt_indices)
         self.model.eval()
         responses = self.engine.generate([p[0] for p in prompts], G, sampling)
         timing["timing_s/rollout"] = time.perf_counter() - t0
@@ -367,10 +403,12 @@ class Trainer:
 
         # 7. metrics
         timing["timing_s/step"] = time.perf_counter() - t_step
-        metrics = self._step_metrics(sb, reward_out, adv_out.metrics, update_metrics)
-        metrics.update(timing)
+        metrics = self._step_metrics(self._gather_metric_rows(sb), self._dp_reward_stats(reward_out),
+                                     update_metrics)
+        metrics.update(timing)  # rank 0's wall-clock times
         metrics["perf/tokens_per_s"] = metrics["response_length/total_tokens"] / timing["timing_s/step"]
-        if cfg.trainer.log_examples_every and (self.step + 1) % cfg.trainer.log_examples_every == 0:
+        if (cfg.trainer.log_examples_every and (self.step + 1) % cfg.trainer.log_examples_every == 0
+                and self.tracker is not None):  # rank 0's rows only
             self._log_silenced_examples(sb)
         return metrics
 
@@ -382,7 +420,7 @@ class Trainer:
         B, R = batch.response_mask.shape
         # With actor.fused_forward the first mini-batch's old-policy statistics come from its update forward
         # (π_θ = π_old there; filled in by _update), so only the later mini-batches' rows are computed here.
-        first = self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n if self.cfg.actor.fused_forward else 0
+        first = self._mini_rows if self.cfg.actor.fused_forward else 0
         old = self._forward_all(self.model, batch, B, R, rows=torch.arange(min(first, B), B))
         ref = self._forward_all(self.ref_model, batch, B, R)[0] if self.ref_model is not None else None
         return StepBatch(batch=batch, responses=responses, rewards=rewards, advantages=advantages,
@@ -408,7 +446,7 @@ class Trainer:
     def _num_micro_batches(self, B: int) -> int:
         """Forward passes of one step over ``B`` responses: old (+ reference) pass, current-policy statistics
         of later mini-batches (S2T / 20-Entropy with ``stats_source=current``), and the update."""
-        micro, rows_per_mini = self.cfg.actor.ppo_micro_batch_size, self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n
+        micro, rows_per_mini = self.cfg.actor.ppo_micro_batch_size, self._mini_rows
         n_all = math.ceil(B / micro)
         n_mini = math.ceil(B / rows_per_mini)
         per_mini = math.ceil(min(rows_per_mini, B) / micro)
@@ -439,7 +477,7 @@ class Trainer:
         """All mini-batches of the step: mask → denominator → micro-batch forward/backward → clip → step."""
         cfg, obj, G = self.cfg, self.objective, self.cfg.rollout.n
         B, R = sb.batch.response_mask.shape
-        rows_per_mini = cfg.actor.ppo_mini_batch_size * G  # responses per optimizer step (whole groups)
+        rows_per_mini = self._mini_rows  # this rank's responses per optimizer step (whole groups)
         acc = _MetricAccumulator()
         self._last_keep = torch.zeros(B, R, dtype=torch.bool)  # [B, R] kept tokens, for the examples table
         for mb_i, start in enumerate(range(0, B, rows_per_mini)):
@@ -454,18 +492,21 @@ class Trainer:
                   else self._backward_minibatch(sb, rows, first=mb_i == 0, acc=acc))
             self._last_keep[rows] = tm.keep
             acc.add_mask_stats(tm.stats)
+            dist.average_gradients(self.model, self.dist)  # replicate: all-reduce; FSDP2 reduce-scattered already
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.grad_clip)
-            acc.add_mean("actor/grad_norm", float(grad_norm))
+            acc.add_mean("actor/grad_norm", dist.grad_norm_value(grad_norm))
             if torch.isfinite(grad_norm):
                 self.optimizer.step()
             else:  # skip the step rather than write NaN into the weights; counted
                 acc.add_sum("actor/nonfinite_grad_steps", 1.0)
+        if self.dist.enabled:  # per-kept-token means over every rank's micro-batches
+            acc.all_reduce(("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"), self.dist)
         out = acc.result()
         out["actor/lr"] = self.scheduler.get_last_lr()[0]  # the learning rate this step used
         # One scheduler step per TRAINING step (as verl's update_actor): warm-up counts training steps, whatever
         # the number of mini-batches (optimizer steps) per training step.
         self.scheduler.step()
-        out["actor/num_kept_tokens"] = float(self._last_keep.sum())
+        out["actor/num_kept_tokens"] = dist.all_reduce({"n": float(self._last_keep.sum())}, self.dist)["n"]
         return out
 
     def _backward_minibatch(self, sb: StepBatch, rows: torch.Tensor, first: bool, acc: "_MetricAccumulator"):
@@ -481,16 +522,16 @@ class Trainer:
         else:
             cur = self._forward_all(self.model, sb.batch, B, R, rows=rows)
             stat_logp, stat_ent = cur[0][rows], cur[1][rows]  # [n, R]
-        tm = compute_token_mask(obj, stat_logp, stat_ent, sb.advantages[rows], response_mask[rows])
-        # The loss denominator of the whole mini-batch, computed once, before the micro-batch loop.
-        denom = loss_denominator(tm.keep, obj.loss_agg_mode, max_response_length=cfg.rollout.response_length)
+        tm = self._dp_token_mask(stat_logp, stat_ent, sb.advantages[rows], response_mask[rows])
+        # The loss denominator of the whole mini-batch (all ranks), computed once, before the micro-batch loop.
+        denom = self._dp_loss_denominator(tm.keep)
         position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
         loss_sums: dict[str, float] = {}
         for idx in self._micro_batches(sb.batch, rows):  # idx: [b] batch rows (possibly length-sorted)
             st = self._policy_forward(sb, idx)  # [b, r], grad
             keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :st.logprobs.shape[1]]  # [b, r]
             self._backward_micro(sb, idx, st, keep, denom, sb.old_logprobs[idx, :st.logprobs.shape[1]], acc, loss_sums)
-        for k, v in loss_sums.items():
+        for k, v in self._dp_sum_loss_shares(loss_sums).items():
             acc.add_mean(k, v)
         return tm
 
@@ -514,6 +555,8 @@ class Trainer:
         B, R = sb.batch.response_mask.shape
         response_mask = sb.batch.response_mask.bool()  # [B, R]
         deferred = maskable_rows(obj.token_mask, sb.advantages[rows])  # [n] bool
+        if self.dist.strategy == "fsdp2":  # FSDP2's forwards/backwards are collectives: the same sequence on
+            deferred[:] = True             # every rank, so no data-dependent split (all graphs kept)
         plan = ([(idx, True) for idx in self._micro_batches(sb.batch, rows[deferred])]
                 + [(idx, False) for idx in self._micro_batches(sb.batch, rows[~deferred])])
         stat_logp, stat_ent = torch.zeros(B, R), torch.zeros(B, R)  # [B, R] fp32, this mini-batch's rows filled
@@ -531,7 +574,7 @@ class Trainer:
                 pending.append((idx, st, old))
             else:
                 self._backward_micro(sb, idx, st, response_mask[idx, :r], 1.0, old, acc, loss_sums)
-        tm = compute_token_mask(obj, stat_logp[rows], stat_ent[rows], sb.advantages[rows], response_mask[rows])
+        tm = self._dp_token_mask(stat_logp[rows], stat_ent[rows], sb.advantages[rows], response_mask[rows])
         if not torch.equal(tm.keep[~deferred], response_mask[rows][~deferred]):  # maskable_rows broken
             raise RuntimeError(f"the {obj.token_mask!r} mask silenced tokens of rows maskable_rows() excluded")
         position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
@@ -539,12 +582,12 @@ class Trainer:
             pending[k] = None  # the backward frees this graph
             keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :st.logprobs.shape[1]]  # [b, r]
             self._backward_micro(sb, idx, st, keep, 1.0, old, acc, loss_sums)
-        denom = loss_denominator(tm.keep, obj.loss_agg_mode, max_response_length=cfg.rollout.response_length)
+        denom = self._dp_loss_denominator(tm.keep)  # N / W under torchrun (see there)
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.div_(denom)
-        for k, v in loss_sums.items():
-            acc.add_mean(k, v / denom)
+        for k, v in self._dp_sum_loss_shares({k: v / denom for k, v in loss_sums.items()}).items():
+            acc.add_mean(k, v)
         return tm
 
     def _policy_forward(self, sb: StepBatch, idx: torch.Tensor):
@@ -570,46 +613,110 @@ class Trainer:
             acc.add_mean(k, m[k], weight=m["actor/num_kept_tokens"])
         self._tick(loss=f"{m['actor/pg_loss']:.4f}")
 
-    def _step_metrics(self, sb: StepBatch, reward_out, adv_metrics: dict[str, float],
-                      update_metrics: dict[str, float]) -> dict[str, float]:
+    # --- data-parallel helpers (each is the plain one-process computation when W = 1) --------------------------
+    def _dp_prompts(self, prompts: list) -> tuple[list, list[int] | None]:
+        """This rank's prompts of the step's global batch and their global indices (None when W = 1)."""
+        if not self.dist.enabled:
+            return prompts, None
+        idx = dist.shard_prompt_indices(len(prompts), self.cfg.actor.ppo_mini_batch_size, self.dist.world,
+                                        self.dist.rank)
+        return [prompts[i] for i in idx], idx
+
+    def _dp_token_mask(self, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+                       response_mask: torch.Tensor):
+        """The objective's token mask of the whole mini-batch: [n, R] inputs (this rank's rows) → ``.keep``
+        [n, R] bool and ``.stats``, mini-batch-global (W > 1:
+        :func:`~stapo.integrations.dp_mask.minibatch_token_mask`, an all-gather of 12 bytes per response token)."""
+        if not self.dist.enabled:
+            return compute_token_mask(self.objective, logprobs, entropy, advantages, response_mask)
+        from stapo.integrations.dp_mask import minibatch_token_mask
+
+        dev = self.dist.comm_device
+        tm = minibatch_token_mask(self.objective, logprobs.to(dev), entropy.to(dev), advantages.to(dev),
+                                  response_mask.to(dev))
+        return SimpleNamespace(keep=tm.keep.cpu(), stats=tm.stats)
+
+    def _dp_loss_denominator(self, keep: torch.Tensor) -> float:
+        """The denominator each rank divides its loss share by: N / W (N of the whole mini-batch). Ranks' gradients
+        are averaged (FSDP2 / :func:`stapo.distributed.average_gradients`), so the update is Σ ∇ℓ / N."""
+        obj, L = self.objective, self.cfg.rollout.response_length
+        if not self.dist.enabled:
+            return loss_denominator(keep, obj.loss_agg_mode, max_response_length=L)
+        total = dist.minibatch_loss_denominator(keep, obj.loss_agg_mode, self.dist, max_response_length=L)
+        return total / self.dist.world
+
+    def _dp_sum_loss_shares(self, shares: dict[str, float]) -> dict[str, float]:
+        """The mini-batch loss from every rank's share (each computed with denominator N / W): Σ_ranks / W."""
+        if not self.dist.enabled:
+            return shares
+        return {k: v / self.dist.world for k, v in dist.all_reduce(shares, self.dist).items()}
+
+    def _dp_reward_stats(self, reward_out) -> Any:
+        """The reward function's counts (``reward_out.stats``, or None) summed over ranks."""
+        stats = getattr(reward_out, "stats", None)
+        return dist.merge_stats(dist.gather_objects(stats, self.dist)) if self.dist.enabled else stats
+
+    def _gather_metric_rows(self, sb: StepBatch) -> SimpleNamespace:
+        """What the step metrics need, for the step's WHOLE batch (rank-major rows when W > 1).
+
+        Returns a namespace with ``mask`` [B, R] bool; ``rewards``, ``advantages``, ``truncated`` [B] fp32;
+        ``old_logprobs``, ``old_entropy``, ``old_collision``, ``engine_logprobs`` [B, R] fp32 (engine log-probs NaN
+        where the engine reported none). Communication (W > 1): one all-gather of 4 · (3 + 5R) bytes per row.
+        """
         mask = sb.batch.response_mask.bool()  # [B, R]
-        lengths = mask.sum(dim=1).float()  # [B] response tokens
+        engine = torch.full(mask.shape, float("nan"))  # [B, R]
+        for i, r in enumerate(sb.responses):
+            if r.engine_logprobs:
+                n = min(len(r.engine_logprobs), int(mask[i].sum()))
+                engine[i, :n] = torch.tensor(r.engine_logprobs[:n], dtype=torch.float32)
         truncated = torch.tensor([r.finish_reason == "length" for r in sb.responses], dtype=torch.float32)
-        adv_tok = sb.advantages[:, None].expand_as(mask)  # [B, R]
+        per_row = {"rewards": sb.rewards, "advantages": sb.advantages, "truncated": truncated}
+        per_tok = {"mask": mask.float(), "old_logprobs": sb.old_logprobs, "old_entropy": sb.old_entropy,
+                   "old_collision": sb.old_collision, "engine_logprobs": engine}
+        rows, toks = dist.all_gather_rows(per_row, per_tok, self.dist)
+        out = SimpleNamespace(**rows, **toks)
+        out.mask = toks["mask"] > 0.5
+        out.engine_logprobs = torch.where(out.mask, toks["engine_logprobs"], torch.tensor(float("nan")))
+        return out
+
+    def _step_metrics(self, v: SimpleNamespace, reward_stats: Any,
+                      update_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics from :meth:`_gather_metric_rows` (the whole batch), the reward counts and the
+        update's (already rank-reduced) metrics."""
+        mask = v.mask  # [B, R]
+        lengths = mask.sum(dim=1).float()  # [B] response tokens
+        adv_tok = v.advantages[:, None].expand_as(mask)  # [B, R]
         m: dict[str, float] = {
-            "critic/score/mean": sb.rewards.mean().item(),
-            "critic/score/max": sb.rewards.max().item(),
-            "critic/score/min": sb.rewards.min().item(),
-            "critic/rewards/mean": sb.rewards.mean().item(),
-            "actor/entropy": masked_mean(sb.old_entropy, mask).item(),
+            "critic/score/mean": v.rewards.mean().item(),
+            "critic/score/max": v.rewards.max().item(),
+            "critic/score/min": v.rewards.min().item(),
+            "critic/rewards/mean": v.rewards.mean().item(),
+            "actor/entropy": masked_mean(v.old_entropy, mask).item(),
             "response_length/mean": lengths.mean().item(),
             "response_length/max": lengths.max().item(),
             "response_length/min": lengths.min().item(),
-            "response_length/clip_ratio": truncated.mean().item(),
+            "response_length/clip_ratio": v.truncated.mean().item(),
             "response_length/total_tokens": lengths.sum().item(),
         }
-        m.update(adv_metrics)
-        m.update(getattr(reward_out, "stats", None).as_dict() if getattr(reward_out, "stats", None) else {})
+        alg = self.cfg.algorithm  # advantage metrics of the whole batch (groups are whole on every rank)
+        m.update(grpo_advantages(v.rewards, self.cfg.rollout.n, eps=alg.adv_eps,
+                                 norm_by_std=alg.norm_adv_by_std).metrics)
+        m.update(reward_stats.as_dict() if reward_stats else {})
         m.update(update_metrics)
         m.update(self.prompt_stats)
         m["data/epoch"] = float(self.loader.epoch)
         # train/inference mismatch: engine log-probs vs the trainer's recomputation (old policy)
-        diffs = []
-        for i, r in enumerate(sb.responses):
-            if r.engine_logprobs:
-                n = min(len(r.engine_logprobs), int(lengths[i]))
-                e = torch.tensor(r.engine_logprobs[:n], dtype=torch.float32)
-                diffs.append((e - sb.old_logprobs[i, :n]).abs())
-        if diffs:
-            d = torch.cat(diffs)
+        reported = ~torch.isnan(v.engine_logprobs)  # [B, R]
+        if bool(reported.any()):
+            d = (v.engine_logprobs - v.old_logprobs)[reported].abs()  # row-major, as the per-response loop was
             m["rollout/logprob_diff_mean"] = d.mean().item()
             m["rollout/logprob_diff_max"] = d.max().item()
         # §9 analysis at the old policy (ρ = 1 → w = Â): quadrant summary of Â > 0 tokens
-        gnorm = logit_grad_norm(sb.old_logprobs, sb.old_collision, adv_tok, temperature=self.cfg.rollout.temperature)
-        dh = entropy_change_estimate(sb.old_logprobs, sb.old_entropy, adv_tok)
-        q = quadrant_summary(sb.old_logprobs, sb.old_entropy, adv_tok, mask, grad_norm=gnorm, entropy_change=dh,
+        gnorm = logit_grad_norm(v.old_logprobs, v.old_collision, adv_tok, temperature=self.cfg.rollout.temperature)
+        dh = entropy_change_estimate(v.old_logprobs, v.old_entropy, adv_tok)
+        q = quadrant_summary(v.old_logprobs, v.old_entropy, adv_tok, mask, grad_norm=gnorm, entropy_change=dh,
                              prob_threshold=self.cfg.algorithm.s2t.prob_threshold)
-        m.update({f"s2t/{k}": v for k, v in q.items()})
+        m.update({f"s2t/{k}": val for k, val in q.items()})
         return m
 
     def _log_silenced_examples(self, sb: StepBatch, max_rows: int = 20, context: int = 6) -> None:
@@ -665,6 +772,15 @@ class _MetricAccumulator:
                 self.add_sum(k, v)
             elif leaf not in ("masked_frac", "kept_frac"):
                 self.add_mean(k, v)
+
+    def all_reduce(self, keys: tuple[str, ...], ctx: "dist.DistContext") -> None:
+        """Sum the weighted sums and weights of ``keys`` over the data-parallel ranks (collective; every rank
+        passes the same keys, absent ones count 0), so their means are over every rank's contributions."""
+        flat = {f"{k}\0{part}": (self._sum if part == "s" else self._weight).get(k, 0.0) for k in keys for part in "sw"}
+        red = dist.all_reduce(flat, ctx)
+        for k in keys:
+            if red[f"{k}\0w"] > 0:
+                self._sum[k], self._weight[k] = red[f"{k}\0s"], red[f"{k}\0w"]
 
     def result(self) -> dict[str, float]:
         out = {k: self._sum[k] / self._weight[k] for k in self._sum if self._weight[k] > 0}

@@ -179,3 +179,17 @@ def test_sync_weights_from_another_module(tok):
     engine.sync_weights(other)
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_seeded_responses_do_not_depend_on_the_other_prompts_of_the_call(tok):
+    """Each response is drawn with its own generator seeded from its prompt's GLOBAL index, so a data-parallel
+    rank that samples only some prompts (SamplingParams.prompt_indices) gets the one-process responses."""
+    model, _ = build_tiny_model(init_std=0.5, tokenizer=tok)
+    engine = build_rollout_engine("hf", model, tok)
+    sp = dict(temperature=1.0, max_new_tokens=6, seed=3)
+    whole = engine.generate(PROMPTS, 2, SamplingParams(**sp))
+    part = engine.generate(PROMPTS[2:] + PROMPTS[:1], 2, SamplingParams(**sp, prompt_indices=[2, 0]))
+    chunked = HFRolloutEngine(model, tok, max_batch_size=1).generate(PROMPTS, 2, SamplingParams(**sp))
+    assert [r.response_ids for r in part] == [r.response_ids for r in whole[4:6] + whole[0:2]]
+    assert [r.response_ids for r in chunked] == [r.response_ids for r in whole]
+    assert len({tuple(r.response_ids) for r in whole}) > 1  # actually sampled

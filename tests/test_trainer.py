@@ -204,6 +204,7 @@ def test_fused_forward_gives_the_same_masks_loss_and_update(tmp_path, objective,
         for k in m0:
             assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
     # Adam divides by sqrt(v): a gradient near 0 turns rounding-level differences (another summation order) into
-    # update differences up to ~lr; 2 steps at lr 1e-3 move weights by ≤ 2e-3, so 1e-5 is 1 % of that.
+    # update differences up to ~lr; 2 steps at lr 1e-3 move weights by up to 2e-3, so 5e-5 is 2.5 % of that (seen:
+    # ≤ 1.4e-5 on one weight of 2048; a wrong mask or denominator moves most weights by ~lr).
     for k in p0:
-        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)

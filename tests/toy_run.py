@@ -1,10 +1,12 @@
 """Run the trainer on the tiny model with a toy reward (used by tests/test_trainer.py in a subprocess).
 
-    python tests/toy_run.py OUTPUT_DIR [key=value ...]
+    python tests/toy_run.py OUTPUT_DIR [--uneven-reward] [key=value ...]
+    torchrun --nproc_per_node=2 tests/toy_run.py OUTPUT_DIR ...      # data-parallel (tests/test_distributed.py)
 
 The toy reward gives +1 to responses whose decoded text has an even number of characters and −1 otherwise,
 so groups of the random tiny model get varied rewards and non-zero advantages (the strict-box reward would
-be −1 everywhere).
+be −1 everywhere). ``--uneven-reward``: the same, except that global prompt 1 of every step gets −1 for all
+its responses (Â = 0: no S2T candidates), see :func:`uneven_reward_for`.
 """
 import sys
 from pathlib import Path
@@ -22,11 +24,39 @@ def toy_reward(responses, golds):
     return SimpleNamespace(rewards=[1.0 if len(t) % 2 == 0 else -1.0 for t in responses], stats=None)
 
 
-def make_trainer(output_dir: str, overrides: list[str]) -> Trainer:
+def uneven_reward_for(cfg):
+    """:func:`toy_reward`, but −1 for every response of the step's global prompt 1.
+
+    With data.train_batch_size=4, actor.ppo_mini_batch_size=2 and 2 ranks, global prompt 1 is rank 1's half of
+    the first mini-batch, so that mini-batch's S2T candidates all sit on rank 0. The global index of a response's
+    prompt is recovered from this rank's share (:func:`stapo.distributed.shard_prompt_indices`).
+    """
+    from stapo.distributed import shard_prompt_indices
+    from stapo.integrations.dp_mask import dist_world
+
+    G = cfg.rollout.n
+
+    def reward(responses, golds):
+        world, rank = dist_world()
+        share = shard_prompt_indices(cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, world, rank)
+        base = toy_reward(responses, golds).rewards
+        return SimpleNamespace(rewards=[-1.0 if share[i // G] == 1 else r for i, r in enumerate(base)], stats=None)
+
+    return reward
+
+
+def make_trainer(output_dir: str, overrides: list[str], uneven_reward: bool = False) -> Trainer:
     cfg = load_config(REPO / "configs" / "tiny_test.yaml",
                       [f"trainer.output_dir={output_dir}", "trainer.run_name=toy", *overrides])
-    return Trainer(cfg, reward_fn=toy_reward)
+    return Trainer(cfg, reward_fn=uneven_reward_for(cfg) if uneven_reward else toy_reward)
 
 
 if __name__ == "__main__":
-    make_trainer(sys.argv[1], sys.argv[2:]).train()
+    from stapo.distributed import teardown
+
+    args = sys.argv[2:]
+    uneven = "--uneven-reward" in args
+    try:
+        make_trainer(sys.argv[1], [a for a in args if a != "--uneven-reward"], uneven_reward=uneven).train()
+    finally:
+        teardown()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 __all__ = ["Response", "RolloutEngine", "SamplingParams", "check_prompts", "finish_reason_of",
-           "group_seeds", "resolve_stop_token_ids"]
+           "group_seeds", "prompt_seeds", "resolve_stop_token_ids"]
 
 
 @dataclass
@@ -33,12 +33,30 @@ class SamplingParams:
         max_new_tokens: the most tokens a response may have (the EOS token included).
         seed: makes sampling reproducible (same prompts, G, params and weights → same responses);
             ``None`` draws from the engine's own random state.
+        prompt_indices: with ``seed``: the index of each prompt in the GLOBAL batch, which selects its seed
+            (:func:`prompt_seeds`); ``None`` = 0 … n−1. A data-parallel rank passes the global indices of its
+            share, so a prompt gets the same samples however the batch is split over ranks.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int | None = None
+    prompt_indices: Sequence[int] | None = None
+
+    def seeds(self, num_prompts: int) -> list[int] | None:
+        """The per-prompt seeds of a call with ``num_prompts`` prompts (None without ``seed``).
+
+        Raises:
+            ValueError: ``prompt_indices`` does not have ``num_prompts`` entries.
+        """
+        if self.seed is None:
+            return None
+        if self.prompt_indices is None:
+            return group_seeds(self.seed, num_prompts)
+        if len(self.prompt_indices) != num_prompts:
+            raise ValueError(f"prompt_indices has {len(self.prompt_indices)} entries for {num_prompts} prompts")
+        return prompt_seeds(self.seed, self.prompt_indices)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
@@ -50,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
         if self.seed is not None and (int(self.seed) != self.seed or self.seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {self.seed}")
+        if self.prompt_indices is not None and any(int(i) != i or i < 0 for i in self.prompt_indices):
+            raise ValueError(f"prompt_indices must be integers >= 0, got {list(self.prompt_indices)}")
 
 
 @dataclass
@@ -146,5 +166,13 @@ def group_seeds(seed: int, num_prompts: int) -> list[int]:
     Independent streams for every (call seed, prompt index); vLLM derives the G samples' seeds of a request
     from its seed (``seed + j``), so neighbouring prompts must not get neighbouring seeds.
     """
-    return [int(np.random.SeedSequence([int(seed), i]).generate_state(1, np.uint32)[0] >> 1)
-            for i in range(num_prompts)]
+    return prompt_seeds(seed, range(num_prompts))
+
+
+def prompt_seeds(seed: int, indices: Sequence[int]) -> list[int]:
+    """The seeds of the prompts with global indices ``indices``: ``prompt_seeds(s, range(n)) == group_seeds(s, n)``.
+
+    Seed of prompt i = ``SeedSequence([seed, i]).generate_state(1, uint32)[0] >> 1`` (31-bit).
+    """
+    return [int(np.random.SeedSequence([int(seed), int(i)]).generate_state(1, np.uint32)[0] >> 1)
+            for i in indices]

@@ -60,6 +60,30 @@ class _LogprobRecorder:
         return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(len(last_tokens), 0)
 
 
+class _RowSampler:
+    """Last logits processor of a seeded call: draw each row's next token from softmax(scores) with the row's
+    own ``torch.Generator`` and return scores that are −inf except at the drawn id, so that greedy decoding
+    (``do_sample=False``) emits it. A row's samples then depend only on its seed, not on which other rows share
+    the batch (data-parallel ranks, ``max_batch_size`` chunks).
+
+    ``__call__(input_ids [N, L], scores [N, V]) -> [N, V]`` (a new tensor; the recorder before it keeps the
+    processed log-probs).
+    """
+
+    def __init__(self, seeds: Sequence[int]) -> None:
+        self.seeds = [int(s) for s in seeds]
+        self.gens: list[torch.Generator] | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.gens is None:
+            self.gens = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        probs = torch.softmax(scores.float(), dim=-1)  # [N, V] fp32
+        picks = torch.stack([torch.multinomial(probs[i], 1, generator=g)
+                             for i, g in enumerate(self.gens)])  # [N, 1] int64
+        out = torch.full_like(scores, float("-inf"))  # [N, V]
+        return out.scatter_(1, picks, 0.0)
+
+
 @contextlib.contextmanager
 def _generation_mode(model: torch.nn.Module):
     """eval() + a clean generation_config for the call; restores training mode and the config afterwards."""
@@ -108,9 +132,12 @@ class HFRolloutEngine:
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> list[Response]:
         """Sample ``group_size`` responses per prompt; see :class:`~stapo.rollout.base.RolloutEngine`.
 
-        Reproducible for a given ``sampling.seed`` (and the same prompts, group size, batch size and weights):
-        the global torch RNG is forked, seeded and restored, so the caller's RNG state is untouched. With
-        ``seed=None`` the global RNG is used (and advanced).
+        Reproducible for a given ``sampling.seed``: response j of prompt i is drawn with its own
+        ``torch.Generator`` seeded ``seed_i + j``, where ``seed_i`` is the prompt's seed
+        (:meth:`~stapo.rollout.base.SamplingParams.seeds`: its global index in ``sampling.prompt_indices``,
+        default i) — vLLM's convention. A response therefore does not depend on the other prompts of the call
+        or on ``max_batch_size`` (up to float rounding of the batched forward), and the caller's global RNG state
+        is untouched. With ``seed=None`` HF's own sampling draws from the global RNG (and advances it).
 
         Returns:
             ``len(prompts) * group_size`` :class:`Response` objects, prompt ``i``'s at ``[i*G:(i+1)*G]``.
@@ -121,6 +148,8 @@ class HFRolloutEngine:
         sampling.validate()
         check_prompts(prompts, group_size, self.vocab_rows)
         rows = [(g, j) for g in range(len(prompts)) for j in range(group_size)]
+        prompt_seeds = sampling.seeds(len(prompts))
+        row_seeds = None if prompt_seeds is None else [prompt_seeds[g] + j for g, j in rows]
         size = self.max_batch_size or max(len(rows), 1)
         device = next(self.model.parameters()).device
         fork_devices = [device] if device.type == "cuda" else []
@@ -133,7 +162,8 @@ class HFRolloutEngine:
             stack.enter_context(torch.no_grad())
             for start in range(0, len(rows), size):
                 chunk = rows[start:start + size]
-                out.extend(self._generate_rows([prompts[g] for g, _ in chunk], chunk, sampling, device))
+                out.extend(self._generate_rows([prompts[g] for g, _ in chunk], chunk, sampling, device,
+                                               None if row_seeds is None else row_seeds[start:start + size]))
         return out
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -155,7 +185,7 @@ class HFRolloutEngine:
 
     # -- internals ------------------------------------------------------------------------------------------
     def _generate_rows(self, row_prompts: list[list[int]], keys: list[tuple[int, int]], sampling: SamplingParams,
-                       device: torch.device) -> list[Response]:
+                       device: torch.device, row_seeds: list[int] | None = None) -> list[Response]:
         from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
         n, plen = len(row_prompts), max(len(p) for p in row_prompts)
@@ -174,11 +204,15 @@ class HFRolloutEngine:
             processors.append(TopPLogitsWarper(top_p=float(sampling.top_p), min_tokens_to_keep=1))
         recorder = _LogprobRecorder()
         processors.append(recorder)
+        per_row = not greedy and row_seeds is not None  # seeded: our per-row sampler, then HF's greedy pick
+        if per_row:
+            processors.append(_RowSampler(row_seeds))
+        do_sample = not greedy and not per_row
+        warpers_off = dict(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0) if do_sample else {}
         gen_config = GenerationConfig(
-            do_sample=not greedy, max_new_tokens=int(sampling.max_new_tokens), min_new_tokens=0,
-            temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0,
-            eos_token_id=list(self.stop_ids), pad_token_id=self.pad_id, use_cache=True,
-            num_beams=1, num_return_sequences=1)
+            do_sample=do_sample, max_new_tokens=int(sampling.max_new_tokens), min_new_tokens=0,
+            repetition_penalty=1.0, eos_token_id=list(self.stop_ids), pad_token_id=self.pad_id, use_cache=True,
+            num_beams=1, num_return_sequences=1, **warpers_off)
         sequences = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
             generation_config=gen_config, logits_processor=LogitsProcessorList(processors))

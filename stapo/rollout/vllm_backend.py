@@ -42,7 +42,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from stapo.rollout.base import (Response, SamplingParams, check_prompts, finish_reason_of, group_seeds,
+from stapo.rollout.base import (Response, SamplingParams, check_prompts, finish_reason_of,
                                 resolve_stop_token_ids)
 
 __all__ = ["VLLMRolloutEngine", "vllm_available"]
@@ -78,7 +78,7 @@ def _write_engine_folder(model: torch.nn.Module, tokenizer: Any, folder: Path, v
     path = folder / "config.json"
     config = json.loads(path.read_text())
     if not config.get("architectures"):
-        config["architectures"] = [type(model).__name__]
+        config["architectures"] = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the class
     config.pop("stapo_vocab_size", None)
     if vocab_limit is not None:
         config["stapo_vocab_size"] = int(vocab_limit)
@@ -186,8 +186,9 @@ class VLLMRolloutEngine:
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> list[Response]:
         """Sample ``group_size`` responses per prompt; see :class:`~stapo.rollout.base.RolloutEngine`.
 
-        With ``sampling.seed`` set, prompt ``i`` gets its own seed (:func:`~stapo.rollout.base.group_seeds`)
-        and vLLM seeds its j-th sample with ``seed_i + j``: the same call gives the same responses
+        With ``sampling.seed`` set, prompt ``i`` gets its own seed (:func:`~stapo.rollout.base.prompt_seeds` of
+        ``sampling.prompt_indices[i]``, default ``i``: :func:`~stapo.rollout.base.group_seeds`) and vLLM seeds
+        its j-th sample with ``seed_i + j``: the same call gives the same responses
         (same weights, prompts, G and params), independent of how vLLM batches the requests.
 
         Returns:
@@ -208,7 +209,7 @@ class VLLMRolloutEngine:
         for i, p in enumerate(prompts):
             if len(p) + 1 > self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len={self.max_model_len} leaves no room")
-        seeds = group_seeds(sampling.seed, len(prompts)) if sampling.seed is not None else [None] * len(prompts)
+        seeds = sampling.seeds(len(prompts)) or [None] * len(prompts)
         params = [VSamplingParams(
             n=group_size, temperature=float(sampling.temperature), top_p=float(sampling.top_p), top_k=0,
             min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
@@ -238,7 +239,9 @@ class VLLMRolloutEngine:
         """Push ``model``'s current weights into the engine in place (no disk), then reset the prefix cache.
 
         Tensors are copied and cast to the engine dtype one at a time (peak extra memory: one tensor), with
-        HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...). A sleeping engine is woken first.
+        HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...). A policy sharded with FSDP2 is
+        all-gathered one tensor at a time (:func:`stapo.distributed.iter_full_state_dict`; a collective: every
+        data-parallel rank syncs its own engine at the same time). A sleeping engine is woken first.
 
         Raises:
             RuntimeError: from vLLM when a name or shape does not match the engine's model.
@@ -248,8 +251,11 @@ class VLLMRolloutEngine:
         t0 = time.perf_counter()
         dtype = self.dtype
 
+        from stapo.distributed import iter_full_state_dict
+
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in model.state_dict().items():
+            # one tensor at a time; a sharded (FSDP2) parameter is all-gathered only when its turn comes
+            for name, tensor in iter_full_state_dict(model):
                 yield name, tensor.detach().to(device="cpu" if not torch.cuda.is_available() else tensor.device,
                                                dtype=dtype, copy=True).contiguous()
 

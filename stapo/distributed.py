@@ -1,0 +1,443 @@
+"""Data parallelism for the trainer under ``torchrun`` (METHOD.md §3–§5 quantities stay mini-batch-global).
+
+    torchrun --nproc_per_node=N train.py --config ...
+
+Each of the N ranks rolls out its share of the step's prompts, computes rewards, GRPO advantages (a group never
+straddles ranks) and the old-policy pass for its rows; the token mask and the kept-token denominator are
+computed over the WHOLE mini-batch (:func:`stapo.integrations.dp_mask.minibatch_token_mask`,
+:func:`minibatch_loss_denominator`); every logged metric is reduced over the ranks.
+
+Policy wrapping (``trainer.data_parallel``):
+
+* ``fsdp2`` (default on CUDA): ``torch.distributed.fsdp.fully_shard`` on every decoder layer and on the root;
+  parameters, gradients and AdamW state are sharded; the gradient reduce-scatter AVERAGES over ranks and runs
+  after every micro-batch's backward (gradients stay sharded; no unsharded accumulation). Runs on CPU/gloo too
+  (torch 2.13; tested). Checkpoints: the full state dict is gathered to rank 0 (``full_model_state_dict``).
+* ``replicate`` (default on CPU/gloo): every rank holds the whole model and optimizer; after the last backward
+  of a mini-batch the gradients are all-reduced and AVERAGED explicitly (:func:`average_gradients`). We do not
+  use ``DistributedDataParallel``: its reducer is armed by the last forward with grad and fires on the next
+  backward, so the trainer's ``actor.fused_forward`` (all forwards of a mini-batch, then all backwards) would
+  reduce partial gradients. An explicit all-reduce after the loop has no such constraint; it gives up DDP's
+  overlap of communication with the backward, which is irrelevant on CPU.
+
+Loss-scaling convention (both strategies average gradients over the W ranks): each rank back-propagates
+``Σ_{its kept tokens} ℓ / (N / W)`` where N is the mini-batch-global denominator, so the averaged gradient is
+``Σ_{all kept tokens} ∇ℓ / N`` — the single-process gradient. (Same convention as the verl plugin.)
+
+Metrics: the update's mask statistics are mini-batch-global already; loss shares, kept-token counts and the
+per-kept-token means (clip fractions, KL) are summed over ranks (sums, then ratios); the grad norm is that of the
+averaged gradient; the step metrics (rewards, lengths, entropy, advantages, quadrant summary with its median,
+train/inference log-prob gap) are computed by the one-process code on the all-gathered rows of the whole batch
+(:func:`all_gather_rows`), reward / grader counts are summed (:func:`merge_stats`). Timings are rank 0's; the
+silenced-token examples table shows rank 0's rows; validation runs on rank 0 while the others wait.
+
+Rollouts with vLLM (GPU; NOT run here — no GPU): one colocated in-process engine per rank, created with
+``distributed_executor_backend="external_launcher"`` (as TRL's ``vllm_mode="colocate"`` and verl), so it joins
+torchrun's process group instead of spawning workers; ``rollout.tensor_parallel_size`` must be 1. Each engine
+sleeps during the update as in one process; the weights are pushed from the sharded policy one tensor at a time
+(:func:`iter_full_state_dict`), never the whole model at once.
+
+Rollout seeds: prompt i of the step's global batch is sampled with the seed of its GLOBAL index
+(``SamplingParams.prompt_indices``), so N ranks sample what one process would (HF: one generator per row).
+
+Rank r's prompts (:func:`shard_prompt_indices`): its contiguous slice of EVERY mini-batch of the step, so the
+optimizer's mini-batch i is the same set of prompts as in a one-process run (for one mini-batch per step this
+is simply the r-th contiguous slice of the step's batch), and the rank-major concatenation that
+``minibatch_token_mask`` uses is the one-process row order of that mini-batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from stapo.integrations.dp_mask import all_gather_varlen
+
+__all__ = [
+    "DistContext", "init_distributed", "teardown", "check_dp_config", "shard_prompt_indices",
+    "wrap_policy", "average_gradients", "minibatch_loss_denominator", "all_reduce", "all_gather_rows",
+    "merge_stats", "full_model_state_dict", "full_optimizer_state_dict", "load_full_state",
+    "iter_full_state_dict", "barrier",
+]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands in the data-parallel world.
+
+    Attributes:
+        world: number of ranks W (1 = plain single process, torch.distributed not initialised).
+        rank: this rank, 0 … W−1.
+        local_rank: rank on this node (selects ``cuda:local_rank``).
+        device: the device of this rank's policy.
+        strategy: ``"none"`` (W = 1), ``"replicate"`` or ``"fsdp2"``.
+    """
+
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    strategy: str = "none"
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where collective tensors live: the rank's CUDA device for NCCL, else CPU (gloo)."""
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+def init_distributed(device: str = "auto", strategy: str = "auto", timeout_min: float = 120.0) -> DistContext:
+    """Initialise torch.distributed from torchrun's environment, or do nothing when ``WORLD_SIZE`` ≤ 1.
+
+    Args:
+        device: ``trainer.device`` (``auto`` | ``cpu`` | ``cuda``).
+        strategy: ``trainer.data_parallel`` (``auto`` | ``replicate`` | ``fsdp2``); ``auto`` = fsdp2 on CUDA,
+            replicate on CPU.
+        timeout_min: collective timeout in minutes (rank 0 alone writes checkpoints / runs validation while the
+            other ranks wait in the next collective).
+
+    Returns:
+        A :class:`DistContext`. With W > 1 the backend is NCCL on ``cuda:LOCAL_RANK`` when CUDA is used, gloo
+        on CPU otherwise. An already initialised default group (tests) is reused.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if world <= 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        dev = torch.device("cuda" if on_cuda else "cpu")
+        return DistContext(device=dev)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if on_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if on_cuda else "gloo",
+                                             timeout=datetime.timedelta(minutes=timeout_min),
+                                             device_id=dev if on_cuda else None)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if world == 1:
+        return DistContext(device=dev)
+    chosen = ("fsdp2" if on_cuda else "replicate") if strategy == "auto" else strategy
+    return DistContext(world=world, rank=rank, local_rank=local_rank, device=dev, strategy=chosen)
+
+
+def teardown() -> None:
+    """Destroy the default process group if one is initialised (end of a torchrun process)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    """All ranks wait here (no-op for W = 1)."""
+    if ctx.enabled:
+        torch.distributed.barrier()
+
+
+def check_dp_config(cfg: Any, ctx: DistContext) -> None:
+    """Start-up checks of a data-parallel run: batch sizes split evenly over the ranks (whole groups per rank).
+
+    Raises:
+        stapo.config.ConfigError: ``data.train_batch_size`` or ``actor.ppo_mini_batch_size`` is not divisible by
+            the number of ranks; ``actor.share_prompt`` with FSDP2 (its number of forward calls per micro-batch
+            depends on the data — one when no two rows share a prompt or every response has one token, else
+            two — and would desynchronise FSDP2's per-forward all-gathers across ranks).
+    """
+    from stapo.config import ConfigError
+
+    if not ctx.enabled:
+        return
+    world = ctx.world
+    if cfg.rollout.backend == "vllm" and cfg.rollout.tensor_parallel_size != 1:
+        raise ConfigError(f"invalid value for 'rollout.tensor_parallel_size' ({cfg.rollout.tensor_parallel_size}): "
+                          "must be 1 under torchrun (one colocated vLLM engine per rank, each with its own prompts)")
+    if ctx.strategy == "fsdp2" and cfg.rollout.backend == "hf" and cfg.trainer.val_every:
+        raise ConfigError(f"invalid value for 'trainer.val_every' ({cfg.trainer.val_every}): validation runs on "
+                          "rank 0 alone, which the HF backend cannot do with an FSDP2-sharded policy; set 0 or "
+                          "use rollout.backend=vllm")
+    if ctx.strategy == "fsdp2" and cfg.actor.share_prompt:
+        raise ConfigError("invalid value for 'actor.share_prompt' (True): not supported with "
+                          "trainer.data_parallel=fsdp2 (data-dependent number of forward calls per micro-batch); "
+                          "set actor.share_prompt=false or trainer.data_parallel=replicate")
+    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
+                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
+        if value % world:
+            raise ConfigError(f"invalid value for '{key}' ({value}): must be divisible by the number of "
+                              f"data-parallel ranks ({world})")
+
+
+def shard_prompt_indices(num_prompts: int, mini_batch: int, world: int, rank: int) -> list[int]:
+    """Indices (into the step's batch of ``num_prompts`` prompts) that rank ``rank`` rolls out and trains on.
+
+    Its contiguous slice of every mini-batch of ``mini_batch`` prompts, in order. Example: 4 prompts, mini-batch 2,
+    2 ranks → rank 0 [0, 2], rank 1 [1, 3]; one mini-batch of 4 → rank 0 [0, 1], rank 1 [2, 3].
+
+    Raises:
+        ValueError: sizes not divisible.
+    """
+    if num_prompts % mini_batch or mini_batch % world:
+        raise ValueError(f"{num_prompts} prompts / mini-batch {mini_batch} / {world} ranks do not divide evenly")
+    per = mini_batch // world
+    return [i * mini_batch + rank * per + t for i in range(num_prompts // mini_batch) for t in range(per)]
+
+
+# --- policy wrapping ---------------------------------------------------------------------------------------
+def wrap_policy(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    """Prepare the policy for data parallelism; returns the module to train (the same object).
+
+    ``fsdp2``: ``fully_shard`` each decoder layer (``model.model.layers``) and then the root, in place (the
+    module's class becomes ``FSDP<Class>``; parameter names are unchanged). ``replicate``: broadcast rank 0's
+    parameters and buffers so every replica starts identical. W = 1: untouched.
+    """
+    if not ctx.enabled:
+        return model
+    if ctx.strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        for layer in layers if layers is not None else []:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            buf = t.data.to(ctx.comm_device)
+            torch.distributed.broadcast(buf, src=0)
+            if buf.data_ptr() != t.data.data_ptr():
+                t.data.copy_(buf)
+    return model
+
+
+def average_gradients(model: torch.nn.Module, ctx: DistContext, bucket_mb: float = 64.0) -> None:
+    """``replicate``: all-reduce every parameter's ``.grad`` and divide by W (no-op otherwise).
+
+    Gradients are flattened into buckets of at most ``bucket_mb`` MiB per dtype (one collective per bucket).
+    A parameter without a gradient (unused) contributes zeros, so every rank runs the same collectives.
+    """
+    if not ctx.enabled or ctx.strategy != "replicate":
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    limit = int(bucket_mb * 2 ** 20)
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush() -> None:
+        if not bucket:
+            return
+        flat = torch.cat([g.reshape(-1) for g in bucket]).to(ctx.comm_device)  # [Σ numel]
+        torch.distributed.all_reduce(flat)
+        flat /= ctx.world
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+        bucket.clear()
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        for g in grads:
+            nbytes = g.numel() * g.element_size()
+            if bucket and size + nbytes > limit:
+                flush()
+                size = 0
+            bucket.append(g)
+            size += nbytes
+        flush()
+        size = 0
+
+
+# --- reductions ------------------------------------------------------------------------------------------
+def all_reduce(values: dict[str, float], ctx: DistContext, op: str = "sum") -> dict[str, float]:
+    """Reduce a dict of Python floats over the ranks (``op``: ``sum`` | ``max`` | ``min``); identity for W = 1.
+
+    Every rank must pass the same keys (in any order); values are reduced in float64.
+    """
+    if not ctx.enabled or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=ctx.comm_device)  # [K]
+    rop = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+           "min": torch.distributed.ReduceOp.MIN}[op]
+    torch.distributed.all_reduce(t, op=rop)
+    return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+
+def minibatch_loss_denominator(keep: torch.Tensor, loss_agg_mode: str, ctx: DistContext, *,
+                               max_response_length: int | None = None) -> float:
+    """:func:`stapo.objectives.loss_denominator` of the whole mini-batch from this rank's keep-mask share.
+
+    token-mean: N = Σ_ranks kept tokens; seq-mean-token-mean: S = Σ_ranks sequences with a kept token;
+    seq-mean-token-sum-norm: S · L. Clamped ≥ 1 AFTER the reduction (as the one-process value). Collective.
+
+    Args:
+        keep: [b, T] bool, this rank's rows of the mini-batch.
+
+    Raises:
+        ValueError: unknown mode, or a missing ``max_response_length`` for seq-mean-token-sum-norm.
+    """
+    from stapo.objectives import loss_denominator
+
+    if not ctx.enabled:
+        return loss_denominator(keep, loss_agg_mode, max_response_length=max_response_length)
+    if loss_agg_mode == "token-mean":
+        local = float(keep.sum())
+    else:
+        local = float(keep.bool().any(dim=-1).sum())
+        loss_denominator(keep, loss_agg_mode, max_response_length=max_response_length)  # validates mode / L
+    total = max(all_reduce({"n": local}, ctx)["n"], 1.0)
+    return total * max_response_length if loss_agg_mode == "seq-mean-token-sum-norm" else total
+
+
+def all_gather_rows(per_row: dict[str, torch.Tensor], per_token: dict[str, torch.Tensor],
+                    ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Concatenate every rank's rows (rank-major) — the step's whole batch, for metrics. Collective.
+
+    Args:
+        per_row: name → [B_r] float tensors (CPU).
+        per_token: name → [B_r, R_r] float tensors (CPU), all of one rank with the same shape.
+
+    Returns:
+        (name → [B], name → [B, R]) on CPU, fp32, B = Σ B_r, R = max R_r (right-padded with 0).
+        Communication: 4 · (len(per_row) + len(per_token) · R) bytes per row.
+    """
+    if not ctx.enabled:
+        return dict(per_row), dict(per_token)
+    B = next(iter(per_row.values())).shape[0]
+    R_local = next(iter(per_token.values())).shape[1] if per_token else 0
+    R = int(all_reduce({"r": float(R_local)}, ctx, op="max")["r"])
+    rows = torch.stack([t.float() for t in per_row.values()])  # [C_row, B_r]
+    toks = torch.stack([torch.nn.functional.pad(t.float(), (0, R - t.shape[1])) for t in per_token.values()])
+    # one varlen all-gather of rows × (row values ‖ token values): [C, B_r + B_r·R] with C = max channel count
+    C = max(len(per_row), len(per_token))
+    packed = torch.zeros(C, B * (1 + R))  # [C, B_r·(1+R)]
+    packed[:len(per_row), :B] = rows
+    if per_token:
+        packed[:len(per_token), B:] = toks.reshape(len(per_token), B * R)
+    parts = [p.cpu() for p in all_gather_varlen(packed.to(ctx.comm_device))]
+    out_row: dict[str, list[torch.Tensor]] = {k: [] for k in per_row}
+    out_tok: dict[str, list[torch.Tensor]] = {k: [] for k in per_token}
+    for p in parts:
+        b = p.shape[1] // (1 + R)
+        for i, k in enumerate(per_row):
+            out_row[k].append(p[i, :b])
+        for i, k in enumerate(per_token):
+            out_tok[k].append(p[i, b:].reshape(b, R))
+    return ({k: torch.cat(v) for k, v in out_row.items()}, {k: torch.cat(v) for k, v in out_tok.items()})
+
+
+def merge_stats(objs: Sequence[Any]) -> Any:
+    """Sum per-rank statistics objects field by field: dataclasses recursively, dicts key-wise, numbers added;
+    None entries are skipped (all None → None). Used for the reward / grader counts of every rank."""
+    objs = [o for o in objs if o is not None]
+    if not objs:
+        return None
+    first = objs[0]
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{f.name: merge_stats([getattr(o, f.name) for o in objs])
+                                             for f in dataclasses.fields(first)})
+    if isinstance(first, dict):
+        keys = {k for o in objs for k in o}
+        return {k: merge_stats([o.get(k) for o in objs]) for k in keys}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(objs)
+    return first
+
+
+def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's picklable ``obj`` in rank order (``[obj]`` for W = 1). Collective."""
+    if not ctx.enabled:
+        return [obj]
+    out: list[Any] = [None] * ctx.world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+# --- state dicts -------------------------------------------------------------------------------------------
+def _sd_options(**kw: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kw)
+
+
+def full_model_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tensor] | None:
+    """The policy's full (unsharded) state dict on CPU for rank 0 to save; ``None`` = use ``model`` as is.
+
+    FSDP2: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` — a collective; rank 0 receives
+    the tensors, the other ranks an empty dict. Other strategies: None (every replica holds the full model).
+    """
+    if ctx.strategy != "fsdp2":
+        return None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_sd_options(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              ctx: DistContext) -> dict[str, Any]:
+    """The optimizer state to checkpoint. FSDP2: the full (FQN-keyed) state gathered on rank 0 — a collective;
+    replicate / W = 1: ``optimizer.state_dict()`` (replicas are identical, rank 0's is everyone's)."""
+    if ctx.strategy != "fsdp2":
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_sd_options(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict[str, torch.Tensor],
+                    optim_sd: dict[str, Any], ctx: DistContext) -> None:
+    """Load a checkpoint's full model state dict and optimizer state into this rank's policy and optimizer.
+
+    Replicate / W = 1: ``load_state_dict`` on every rank. FSDP2 (collective): the model state dict is needed on
+    rank 0 only (the others pass ``{}``) and its shards are broadcast (``set_model_state_dict`` with
+    ``full_state_dict=True, broadcast_from_rank0=True``), so one full copy of the weights is in host memory;
+    every rank passes the full optimizer state (memory-mapped from the checkpoint) to
+    ``set_optimizer_state_dict(full_state_dict=True)``, which keeps this rank's shard.
+    """
+    if ctx.strategy != "fsdp2":
+        model.load_state_dict(model_sd)
+        optimizer.load_state_dict(optim_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, model_sd, options=_sd_options(full_state_dict=True, broadcast_from_rank0=True))
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd, options=_sd_options(full_state_dict=True))
+
+
+def iter_full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of every state-dict entry, one tensor at a time (weight sync to a rollout engine).
+
+    A sharded FSDP2 parameter (a ``DTensor``) is all-gathered with ``.full_tensor()`` when its turn comes, so at
+    most one unsharded tensor exists at a time on top of the shards — never the whole model. Collective under
+    FSDP2: every rank must consume the iterator to the end, in the same order (it is deterministic).
+    Plain tensors are yielded as they are.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def grad_norm_value(norm: torch.Tensor) -> float:
+    """``clip_grad_norm_``'s result as a float (FSDP2 returns a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+

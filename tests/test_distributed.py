@@ -1,0 +1,311 @@
+"""Data parallelism in our trainer (stapo/distributed.py): CPU, gloo, 2 processes, the tiny model, the toy reward.
+
+The 2-rank runs use torchrun on tests/toy_run.py with 4 prompts per step and 2 per mini-batch (two optimizer steps
+per training step, so rank r holds its half of EACH mini-batch) and ``--uneven-reward``: global prompt 1 gets −1
+for all its responses (Â = 0), so in the first mini-batch every S2T candidate is on rank 0 and rank 1 has none.
+They are compared with a one-process run of the same global batch (in this process).
+
+Subprocesses run with TORCHDYNAMO_DISABLE=1: the token-statistics kernel would otherwise be compiled by inductor
+in every new process (5–10 s each); its uncompiled body computes the same values (float rounding aside).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from stapo import distributed as dist
+from stapo.config import ConfigError, load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from toy_run import make_trainer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "trainer.save_every=1"]
+_NOISY = ("timing_s/", "perf/")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONHASHSEED": "0",
+            "PYTHONPATH": str(REPO)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(out: Path, *overrides: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(REPO / "tests" / "toy_run.py"), str(out), "--uneven-reward", *COMMON, *overrides]
+    # ~20 s on 2 idle cores; generous for a loaded machine (a collective hang would otherwise never end)
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "toy" / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "toy" / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+
+
+def _assert_same_metrics(got: list[dict], ref: list[dict], rel: float = 1e-4, abs_: float = 1e-5) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for g, r in zip(got, ref):
+        keys = {k for k in r if not k.startswith(_NOISY)}
+        assert keys == {k for k in g if not k.startswith(_NOISY)}
+        for k in keys:
+            if r[k] is None or g[k] is None:  # NaN (e.g. a mean over an empty quadrant) is logged as null
+                assert g[k] is None and r[k] is None, (r["step"], k, g[k], r[k])
+            elif k.startswith(("s2t/num_", "actor/num_kept")) or k.endswith("/count"):
+                assert g[k] == r[k], (r["step"], k, g[k], r[k])  # token counts: exactly the same mask
+            else:
+                assert g[k] == pytest.approx(r[k], rel=rel, abs=abs_, nan_ok=True), (r["step"], k, g[k], r[k])
+
+
+def _assert_same_weights(got: dict, ref: dict, atol: float) -> None:
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=atol, msg=k)
+
+
+# --- runs shared by the tests (module scope: each is run once) -------------------------------------------------
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """One process, the same global batch; records each reward call's rewards."""
+    out = tmp_path_factory.mktemp("one_rank")
+    trainer = make_trainer(str(out), COMMON, uneven_reward=True)
+    calls = []
+    inner = trainer.reward_fn
+
+    def recording(texts, golds):
+        out = inner(texts, golds)
+        calls.append(list(out.rewards))
+        return out
+
+    trainer.reward_fn = recording
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    return out, calls
+
+
+@pytest.fixture(scope="module")
+def replicate_run(tmp_path_factory):
+    """2 ranks, replicated policy + explicit gradient all-reduce; share_prompt and fused_forward on (several
+    forwards before the backwards)."""
+    out = tmp_path_factory.mktemp("replicate")
+    _torchrun(out, "trainer.data_parallel=replicate", "actor.share_prompt=true", "actor.fused_forward=true")
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory):
+    """2 ranks, FSDP2 fully_shard on CPU/gloo, fused_forward on."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    _torchrun(out, "trainer.data_parallel=fsdp2", "actor.fused_forward=true")
+    return out
+
+
+# --- tests -----------------------------------------------------------------------------------------------------
+def test_uneven_reward_leaves_rank_1_without_candidates_in_the_first_mini_batch(one_rank):
+    """The precondition of the uneven case, on the one-process run: per step, prompt 0's rewards vary (Â ≠ 0, so
+    candidates: the tiny model gives every token p < τ_p) and prompt 1's are all −1 (Â = 0: no candidates).
+    With 2 ranks, prompt 0 is rank 0's and prompt 1 rank 1's half of mini-batch 0."""
+    out, calls = one_rank
+    G = 4
+    assert len(calls) == 2
+    for rewards in calls:
+        assert len(set(rewards[:G])) == 2 and set(rewards[G:2 * G]) == {-1.0}
+    for row in _rows(out):
+        assert row["s2t/num_candidates"] > 0 and 0 < row["s2t/num_masked"] < row["s2t/num_candidates"]
+
+
+def test_two_replicated_ranks_match_one_process(one_rank, replicate_run):
+    """Same S2T masks (counts, τ_h), loss, grad norm and every other logged metric; same weights after 2 steps
+    (4 AdamW steps). Weight tolerance: share_prompt's forward rounds differently, and Adam's normalised step
+    turns gradient rounding into ~1e-5 weight differences (a one-process run with share_prompt differs by as
+    much); a wrong gradient would move weights by O(lr) = 1e-3."""
+    ref_dir, _ = one_rank
+    _assert_same_metrics(_rows(replicate_run), _rows(ref_dir))
+    _assert_same_weights(_weights(replicate_run, 2), _weights(ref_dir, 2), atol=5e-5)
+
+
+def test_two_fsdp2_ranks_match_one_process(one_rank, fsdp2_run):
+    ref_dir, _ = one_rank
+    _assert_same_metrics(_rows(fsdp2_run), _rows(ref_dir))
+    # FSDP2 keeps every row's graph in fused_forward (no data-dependent micro-batch split: its forwards are
+    # collectives), the reference splits by advantage sign: another gradient summation order, same tolerance.
+    _assert_same_weights(_weights(fsdp2_run, 2), _weights(ref_dir, 2), atol=5e-5)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(fsdp2_run / "toy" / "checkpoints" / "step_000002")
+    assert cfg.architectures == ["Qwen3ForCausalLM"]  # rank 0 wrote a plain HF checkpoint
+
+
+def test_two_fsdp2_ranks_resume_from_a_checkpoint(fsdp2_run, tmp_path):
+    """Restart the FSDP2 run from its step-1 checkpoint (every rank loads it; optimizer state via the full
+    optimizer state dict; per-rank RNG states): step 2 reproduces the uninterrupted run exactly."""
+    run = tmp_path / "resumed"
+    shutil.copytree(fsdp2_run, run)
+    shutil.rmtree(run / "toy" / "checkpoints" / "step_000002")  # as if killed after the step-1 checkpoint
+    _torchrun(run, "trainer.data_parallel=fsdp2", "actor.fused_forward=true", "trainer.resume=auto")
+    _assert_same_metrics(_rows(run), _rows(fsdp2_run), rel=1e-6, abs_=1e-7)
+    _assert_same_weights(_weights(run, 2), _weights(fsdp2_run, 2), atol=0)
+
+
+def test_batch_size_not_divisible_by_the_world_size_is_a_start_up_error(tmp_path):
+    """train.py on 2 ranks (torchrun's environment) with 3 prompts per step: one line naming the key, exit 2."""
+    port = str(_free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny_test.yaml"),
+             f"trainer.output_dir={tmp_path}", "data.train_batch_size=3", "actor.ppo_mini_batch_size=1"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 2, err[-2000:]
+        lines = [line for line in err.splitlines() if line.startswith("train.py:")]
+        assert len(lines) == 1 and "'data.train_batch_size' (3)" in lines[0] and "divisible" in lines[0]
+        assert "Traceback" not in err
+
+
+def test_start_up_checks_name_the_key():
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", ["data.train_batch_size=4", "actor.ppo_mini_batch_size=1"])
+    replicate = dist.DistContext(world=2, rank=0, strategy="replicate")
+    with pytest.raises(ConfigError, match=r"'actor.ppo_mini_batch_size' \(1\).*divisible.*\(2\)"):
+        dist.check_dp_config(cfg, replicate)
+    cfg.actor.ppo_mini_batch_size = 2
+    dist.check_dp_config(cfg, replicate)  # fine
+    dist.check_dp_config(cfg, dist.DistContext())  # one process: nothing to check
+    cfg.actor.share_prompt = True
+    dist.check_dp_config(cfg, replicate)  # share_prompt works with replicated ranks
+    with pytest.raises(ConfigError, match="'actor.share_prompt'"):
+        dist.check_dp_config(cfg, dist.DistContext(world=2, strategy="fsdp2"))
+    cfg.actor.share_prompt = False
+    cfg.rollout.backend, cfg.rollout.tensor_parallel_size = "vllm", 2
+    with pytest.raises(ConfigError, match="'rollout.tensor_parallel_size'"):
+        dist.check_dp_config(cfg, replicate)
+
+
+def test_shard_prompt_indices_by_hand():
+    # 4 prompts, mini-batches of 2, 2 ranks: mini-batch 0 = {0, 1}, 1 = {2, 3}; rank r takes its half of each
+    assert dist.shard_prompt_indices(4, 2, 2, 0) == [0, 2]
+    assert dist.shard_prompt_indices(4, 2, 2, 1) == [1, 3]
+    # one mini-batch per step: a contiguous slice of the step's batch
+    assert dist.shard_prompt_indices(4, 4, 2, 1) == [2, 3]
+    assert dist.shard_prompt_indices(6, 6, 3, 2) == [4, 5]
+    assert dist.shard_prompt_indices(3, 3, 1, 0) == [0, 1, 2]
+    with pytest.raises(ValueError):
+        dist.shard_prompt_indices(4, 2, 3, 0)
+
+
+def test_prompt_seeds_follow_the_global_prompt_index():
+    from stapo.rollout.base import SamplingParams, group_seeds, prompt_seeds
+
+    assert prompt_seeds(11, range(5)) == group_seeds(11, 5)  # offset 0: today's single-process seeds
+    sp = SamplingParams(seed=11, prompt_indices=[1, 3])
+    assert sp.seeds(2) == [group_seeds(11, 4)[1], group_seeds(11, 4)[3]]
+    assert SamplingParams(seed=11).seeds(3) == group_seeds(11, 3) and SamplingParams().seeds(3) is None
+    with pytest.raises(ValueError, match="prompt_indices"):
+        sp.seeds(3)
+
+
+def test_merge_stats_sums_counts():
+    from stapo.rewards import RewardStats
+
+    merged = dist.merge_stats([RewardStats(n=4, correct=1, no_answer=2), None, RewardStats(n=4, correct=3)])
+    assert (merged.n, merged.correct, merged.no_answer) == (8, 4, 2)
+    assert merged.as_dict()["reward/mean"] == pytest.approx((4 * 1 + 4 * -1) / 8)  # recomputed from the sums
+    assert dist.merge_stats([None, None]) is None
+
+
+# --- helpers on two gloo ranks, expected values by hand -----------------------------------------------------
+def _helpers_worker(rank: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    ctx = dist.DistContext(world=2, rank=rank, strategy="replicate")
+    res = {}
+    try:
+        # rank 0: 2 rows, 2 kept tokens in row 0; rank 1: 1 row, 1 kept token
+        keep = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool) if rank == 0 else torch.tensor([[1, 0, 0]],
+                                                                                                     dtype=torch.bool)
+        res["denoms"] = [dist.minibatch_loss_denominator(keep, mode, ctx, max_response_length=10)
+                         for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")]
+        res["empty"] = dist.minibatch_loss_denominator(torch.zeros(1, 2, dtype=torch.bool), "token-mean", ctx)
+        res["max"] = dist.all_reduce({"a": float(rank), "b": 5.0 - rank}, ctx, op="max")
+        res["sum"] = dist.all_reduce({"a": float(rank + 1)}, ctx)
+        # rows: rank 0 has B=2, R=1; rank 1 has B=1, R=2
+        per_row = {"x": torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0])}
+        per_tok = {"t": torch.tensor([[10.0], [20.0]]) if rank == 0 else torch.tensor([[30.0, 31.0]])}
+        res["rows"] = dist.all_gather_rows(per_row, per_tok, ctx)
+        # gradients: rank r's grad = r + 1 everywhere → average 1.5; a parameter without grad → 0
+        lin = torch.nn.Linear(2, 2)
+        unused = torch.nn.Parameter(torch.ones(3))
+        model = torch.nn.Module()
+        model.lin, model.unused = lin, unused
+        for p in lin.parameters():
+            p.grad = torch.full_like(p, float(rank + 1))
+        dist.average_gradients(model, ctx, bucket_mb=1e-5)  # tiny buckets: one collective per tensor
+        res["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        # FSDP2 on CPU: the layer-by-layer iterator returns the full tensors of a sharded model
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+        full = {k: v.clone() for k, v in net.state_dict().items()}
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net:
+            fully_shard(layer)
+        fully_shard(net)
+        local = {k: v.to_local().shape for k, v in net.state_dict().items()}
+        res["fsdp"] = (full, dict(dist.iter_full_state_dict(net)), local)
+        torch.save(res, os.path.join(out_dir, f"helpers{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_distributed_helpers_on_two_gloo_ranks(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_helpers_worker, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+        assert p.exitcode == 0
+    for rank in (0, 1):
+        res = torch.load(tmp_path / f"helpers{rank}.pt", weights_only=False)
+        # N = 2 + 1 kept tokens; S = 1 + 1 sequences with a kept token; S·L = 2·10; all-empty clamps to 1
+        assert res["denoms"] == [3.0, 2.0, 20.0] and res["empty"] == 1.0
+        assert res["max"] == {"a": 1.0, "b": 5.0} and res["sum"] == {"a": 3.0}
+        rows, toks = res["rows"]
+        assert rows["x"].tolist() == [1.0, 2.0, 3.0]
+        assert toks["t"].tolist() == [[10.0, 0.0], [20.0, 0.0], [30.0, 31.0]]  # R = max R_r, right-padded
+        grads = res["grads"]
+        for k in ("lin.weight", "lin.bias"):
+            assert torch.equal(grads[k], torch.full_like(grads[k], 1.5))
+        assert torch.equal(grads["unused"], torch.zeros(3))
+        full, gathered, local = res["fsdp"]
+        # dim-0 shards of [6, 4] (3 + 3 rows) and [3, 6] (2 + 1 rows)
+        assert tuple(local["0.weight"]) == (3, 4) and tuple(local["1.weight"]) == ((2, 6) if rank == 0 else (1, 6))
+        assert gathered.keys() == full.keys()
+        for k in full:
+            assert torch.equal(gathered[k], full[k]), k
