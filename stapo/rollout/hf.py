@@ -100,6 +100,17 @@ def _generation_mode(model: torch.nn.Module):
         model.train(was_training)
 
 
+def _sharded_across_ranks(model: torch.nn.Module) -> bool:
+    """True for an FSDP2-sharded policy in a multi-rank run: every decode step all-gathers parameters, so every
+    rank must run the same number of steps (``generate(synced_gpus=True)`` keeps stepping until all ranks are
+    done). transformers detects FSDP2 only when it applied the sharding itself, hence this check."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return torch.distributed.get_world_size() > 1 and isinstance(model, FSDPModule)
+
+
 class HFRolloutEngine:
     """Rollouts with ``transformers``' ``generate``.
 
@@ -215,7 +226,8 @@ class HFRolloutEngine:
             num_beams=1, num_return_sequences=1, **warpers_off)
         sequences = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            generation_config=gen_config, logits_processor=LogitsProcessorList(processors))
+            generation_config=gen_config, logits_processor=LogitsProcessorList(processors),
+            synced_gpus=_sharded_across_ranks(self.model))
         generated = sequences[:, plen:].cpu()  # [n, L]
         logprobs = recorder.finish(sequences[:, -1]).cpu() if generated.shape[1] else torch.zeros(n, 0)
         stop = set(self.stop_ids)
