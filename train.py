@@ -6,7 +6,16 @@
 The config schema and its checks live in stapo/config.py; the training loop in stapo/trainer.py.
 """
 import argparse
+import os
 import sys
+
+
+def _error(message: str) -> int:
+    """Print a start-up error (once: rank 0 under torchrun) and return exit code 2. Under torchrun every rank
+    exits 2 and torchrun itself then reports the failed child processes."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"train.py: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
-        print(f"train.py: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
 
     from stapo.data import DataError
     from stapo.distributed import teardown
@@ -36,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
             trainer = Trainer(cfg, validation_hook=hook)
         except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError) as e:
-            print(f"train.py: {e}", file=sys.stderr)
-            return 2
+            return _error(str(e))
         trainer.train()
         if trainer.dist.is_main:
             print(f"run directory: {trainer.run_dir}")

@@ -130,7 +130,8 @@ class ActorConfig:
     # forwarded WITH grad and their graphs kept, the others are backwarded at once; the mask is built from the
     # detached p and H, then the kept graphs are backwarded. For the first mini-batch π_θ = π_old, so its
     # old-policy pass is skipped too (old log-probs = the update's, detached; ratio 1): with one mini-batch per
-    # step there is no old-policy pass at all. Same masks, loss and update as the separate passes (tested);
+    # step there is no old-policy pass at all. Same masks and loss as the separate passes, the same update up to
+    # float rounding (another summation order; tested);
     # memory ≈ the activations of the kept rows, so it suits small mini-batches (the CPU configs), not the
     # paper's 512-response, 16k-token mini-batches.
     fused_forward: bool = False

@@ -416,7 +416,28 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mo
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(model, model_sd, options=_sd_options(full_state_dict=True, broadcast_from_rank0=True))
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd, options=_sd_options(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=_fqn_keyed(optim_sd, model),
+                             options=_sd_options(full_state_dict=True))
+
+
+def _fqn_keyed(optim_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """An ``optimizer.state_dict()`` keyed by parameter index (what one process and ``replicate`` save) rewritten
+    with parameter names (what ``set_optimizer_state_dict`` expects), so an FSDP2 run resumes their checkpoints.
+    Index i is the i-th of ``model.named_parameters()`` (the optimizer is built from ``model.parameters()``;
+    ``fully_shard`` keeps the names). Already name-keyed dicts are returned as they are.
+
+    Raises:
+        ValueError: the checkpoint has a different number of parameters than the model.
+    """
+    groups = optim_sd.get("param_groups", [])
+    if not groups or not all(isinstance(i, int) for g in groups for i in g["params"]):
+        return optim_sd
+    names = [n for n, _ in model.named_parameters()]
+    ids = [i for g in groups for i in g["params"]]
+    if sorted(ids) != list(range(len(names))):
+        raise ValueError(f"checkpoint optimizer state covers {len(ids)} parameters, the model has {len(names)}")
+    return {"state": {names[i]: v for i, v in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
 
 
 def iter_full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
