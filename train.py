@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.evaluation import EvalError, make_validation_hook_from_config
     from stapo.trainer import Trainer
 
+    trainer = None
     try:  # under torchrun: every rank runs this; torch.distributed is set up by the Trainer (stapo/distributed.py)
         try:  # bad paths / data / run directory / batch sizes vs ranks: one line naming the problem, exit code 2
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run directory: {trainer.run_dir}")
         return 0
     finally:
+        if trainer is not None:
+            trainer.close()  # the vLLM engine first: under torchrun it tears down its own process groups
         teardown()
 
 

@@ -288,6 +288,13 @@ class Trainer:
                     close()
         return history
 
+    def close(self) -> None:
+        """Release the rollout engine (vLLM: its workers and, under torchrun, its process groups — before
+        :func:`stapo.distributed.teardown`). The trainer cannot generate afterwards."""
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
+
     def _drop_stale_validation(self) -> None:
         """Remove validation outputs of steps after ``self.step`` (a crashed or earlier run's), so the
         evaluation store never resumes generations of other weights."""

@@ -56,7 +56,9 @@ if __name__ == "__main__":
 
     args = sys.argv[2:]
     uneven = "--uneven-reward" in args
+    trainer = make_trainer(sys.argv[1], [a for a in args if a != "--uneven-reward"], uneven_reward=uneven)
     try:
-        make_trainer(sys.argv[1], [a for a in args if a != "--uneven-reward"], uneven_reward=uneven).train()
+        trainer.train()
     finally:
+        trainer.close()
         teardown()
