@@ -32,7 +32,7 @@ from stapo.analysis import entropy_change_estimate, logit_grad_norm, quadrant_su
 from stapo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from stapo.config import TrainConfig, to_dict
 from stapo import distributed as dist
-from stapo.objectives import Objective, compute_token_mask, get_objective, loss_denominator, policy_loss
+from stapo.objectives import Objective, compute_token_mask, get_objective, policy_loss
 from stapo.tensor_utils import masked_mean
 from stapo.tracking import Tracker
 
@@ -436,14 +436,10 @@ class Trainer:
     @torch.no_grad()
     def _forward_all(self, model, batch, B: int, R: int, rows: torch.Tensor | None = None):
         """No-grad token statistics for ``rows`` (default: all) → (logprobs, entropy, collision), each [B, R]."""
-        from stapo.policy import policy_token_stats
-
         rows = torch.arange(B) if rows is None else rows
         out = [torch.zeros(B, R) for _ in range(3)]  # [B, R] fp32 each
         for idx in self._micro_batches(batch, rows):
-            mb = batch.select(idx).trim()
-            st = policy_token_stats(model, mb.to(self.device), self.cfg.rollout.temperature,
-                                    share_prompt=self.cfg.actor.share_prompt)
+            st = self._policy_forward(batch, idx, model)  # [b, r]
             r = st.logprobs.shape[1]
             for buf, t in zip(out, (st.logprobs, st.entropy, st.collision)):
                 buf[idx, :r] = t.float().cpu()  # scatter back through the same permutation
@@ -532,11 +528,10 @@ class Trainer:
         tm = self._dp_token_mask(stat_logp, stat_ent, sb.advantages[rows], response_mask[rows])
         # The loss denominator of the whole mini-batch (all ranks), computed once, before the micro-batch loop.
         denom = self._dp_loss_denominator(tm.keep)
-        position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
         loss_sums: dict[str, float] = {}
         for idx in self._micro_batches(sb.batch, rows):  # idx: [b] batch rows (possibly length-sorted)
-            st = self._policy_forward(sb, idx)  # [b, r], grad
-            keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :st.logprobs.shape[1]]  # [b, r]
+            st = self._policy_forward(sb.batch, idx)  # [b, r], grad
+            keep = self._keep_of(tm.keep, rows, idx, st.logprobs.shape[1])  # [b, r], same permutation
             self._backward_micro(sb, idx, st, keep, denom, sb.old_logprobs[idx, :st.logprobs.shape[1]], acc, loss_sums)
         for k, v in self._dp_sum_loss_shares(loss_sums).items():
             acc.add_mean(k, v)
@@ -558,7 +553,7 @@ class Trainer:
         """
         from stapo.masks import maskable_rows
 
-        cfg, obj = self.cfg, self.objective
+        obj = self.objective
         B, R = sb.batch.response_mask.shape
         response_mask = sb.batch.response_mask.bool()  # [B, R]
         deferred = maskable_rows(obj.token_mask, sb.advantages[rows])  # [n] bool
@@ -569,7 +564,7 @@ class Trainer:
         stat_logp, stat_ent = torch.zeros(B, R), torch.zeros(B, R)  # [B, R] fp32, this mini-batch's rows filled
         pending, loss_sums = [], {}
         for idx, is_deferred in plan:  # idx: [b] batch rows
-            st = self._policy_forward(sb, idx)  # [b, r], grad
+            st = self._policy_forward(sb.batch, idx)  # [b, r], grad
             r = st.logprobs.shape[1]
             logp, ent = st.logprobs.detach().float().cpu(), st.entropy.detach().float().cpu()  # [b, r]
             stat_logp[idx, :r], stat_ent[idx, :r] = logp, ent
@@ -584,10 +579,9 @@ class Trainer:
         tm = self._dp_token_mask(stat_logp[rows], stat_ent[rows], sb.advantages[rows], response_mask[rows])
         if not torch.equal(tm.keep[~deferred], response_mask[rows][~deferred]):  # maskable_rows broken
             raise RuntimeError(f"the {obj.token_mask!r} mask silenced tokens of rows maskable_rows() excluded")
-        position = {int(r): i for i, r in enumerate(rows.tolist())}  # batch row → row of tm.keep
         for k, (idx, st, old) in enumerate(pending):
             pending[k] = None  # the backward frees this graph
-            keep = tm.keep[torch.tensor([position[int(x)] for x in idx]), :st.logprobs.shape[1]]  # [b, r]
+            keep = self._keep_of(tm.keep, rows, idx, st.logprobs.shape[1])  # [b, r]
             self._backward_micro(sb, idx, st, keep, 1.0, old, acc, loss_sums)
         denom = self._dp_loss_denominator(tm.keep)  # N / W under torchrun (see there)
         for p in self.model.parameters():
@@ -597,12 +591,19 @@ class Trainer:
             acc.add_mean(k, v)
         return tm
 
-    def _policy_forward(self, sb: StepBatch, idx: torch.Tensor):
-        """Forward of batch rows ``idx`` ([b]) with grad → :class:`TokenStats`, each [b, r] fp32 (r ≤ R)."""
+    def _policy_forward(self, batch, idx: torch.Tensor, model: torch.nn.Module | None = None):
+        """Forward of ``batch`` rows ``idx`` ([b]) through ``model`` (default: the policy; grad if enabled) →
+        :class:`TokenStats`, each [b, r] fp32 (r ≤ R: the micro-batch is trimmed)."""
         from stapo.policy import policy_token_stats
 
-        return policy_token_stats(self.model, sb.batch.select(idx).trim().to(self.device),
+        return policy_token_stats(self.model if model is None else model, batch.select(idx).trim().to(self.device),
                                   self.cfg.rollout.temperature, share_prompt=self.cfg.actor.share_prompt)
+
+    @staticmethod
+    def _keep_of(keep: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, r: int) -> torch.Tensor:
+        """The rows ``idx`` ([b] batch rows) of a mini-batch keep-mask ``keep`` ([n, R] over the contiguous batch
+        rows ``rows``), cut to ``r`` columns → [b, r] bool, in ``idx``'s order."""
+        return keep[idx - int(rows[0]), :r]
 
     def _backward_micro(self, sb: StepBatch, idx: torch.Tensor, st, keep: torch.Tensor, denom: float,
                         old_logprobs: torch.Tensor, acc: "_MetricAccumulator", loss_sums: dict[str, float]) -> None:
@@ -646,10 +647,8 @@ class Trainer:
     def _dp_loss_denominator(self, keep: torch.Tensor) -> float:
         """The denominator each rank divides its loss share by: N / W (N of the whole mini-batch). Ranks' gradients
         are averaged (FSDP2 / :func:`stapo.distributed.average_gradients`), so the update is Σ ∇ℓ / N."""
-        obj, L = self.objective, self.cfg.rollout.response_length
-        if not self.dist.enabled:
-            return loss_denominator(keep, obj.loss_agg_mode, max_response_length=L)
-        total = dist.minibatch_loss_denominator(keep, obj.loss_agg_mode, self.dist, max_response_length=L)
+        total = dist.minibatch_loss_denominator(keep, self.objective.loss_agg_mode, self.dist,
+                                                max_response_length=self.cfg.rollout.response_length)  # W = 1: N
         return total / self.dist.world
 
     def _dp_sum_loss_shares(self, shares: dict[str, float]) -> dict[str, float]:
