@@ -193,22 +193,27 @@ def shard_prompt_indices(num_prompts: int, mini_batch: int, world: int, rank: in
 
 
 # --- policy wrapping ---------------------------------------------------------------------------------------
-def wrap_policy(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+def wrap_policy(model: torch.nn.Module, ctx: DistContext, mp_policy: Any = None) -> torch.nn.Module:
     """Prepare the policy for data parallelism; returns the module to train (the same object).
 
     ``fsdp2``: ``fully_shard`` each decoder layer (``model.model.layers``) and then the root, in place (the
-    module's class becomes ``FSDP<Class>``; parameter names are unchanged). ``replicate``: broadcast rank 0's
-    parameters and buffers so every replica starts identical. W = 1: untouched.
+    module's class becomes ``FSDP<Class>``; parameter names are unchanged); ``fully_shard`` moves each module's
+    shards to this rank's device, so the model may arrive on the CPU. ``mp_policy``: an FSDP2
+    ``MixedPrecisionPolicy`` (:meth:`stapo.precision.PrecisionPolicy.fsdp_mp_policy`: bf16 all-gather and compute,
+    fp32 gradient reduce-scatter; the sharded parameters and the optimizer stay fp32), None = FSDP2's default.
+    ``replicate``: broadcast rank 0's parameters and buffers so every replica starts identical (``mp_policy`` is
+    not used: autocast does the compute casts). W = 1: untouched.
     """
     if not ctx.enabled:
         return model
     if ctx.strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
         layers = getattr(getattr(model, "model", None), "layers", None)
         for layer in layers if layers is not None else []:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
         return model
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
