@@ -445,17 +445,24 @@ def _fqn_keyed(optim_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, An
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
 
 
-def iter_full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of every state-dict entry, one tensor at a time (weight sync to a rollout engine).
 
     A sharded FSDP2 parameter (a ``DTensor``) is all-gathered with ``.full_tensor()`` when its turn comes, so at
     most one unsharded tensor exists at a time on top of the shards — never the whole model. Collective under
     FSDP2: every rank must consume the iterator to the end, in the same order (it is deterministic).
-    Plain tensors are yielded as they are.
+
+    Args:
+        dtype: cast floating-point entries to it (the engine's dtype, e.g. bf16 weights from fp32 master weights).
+            A shard is cast BEFORE the all-gather, so the gather moves and materialises ``dtype`` bytes; a plain
+            tensor is cast into a new tensor. None: entries as they are (plain tensors are the module's own).
     """
     from torch.distributed.tensor import DTensor
 
     for name, t in model.state_dict().items():
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)  # [shard] or [full] in dtype: one tensor at a time
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
 

@@ -151,3 +151,25 @@ def test_precision_config_checks():
     for path in (REPO / "configs" / "paper").glob("qwen3_*.yaml"):
         cfg = load_config(path)
         assert (cfg.model.param_dtype, cfg.model.compute_dtype) == ("float32", "bfloat16"), path
+
+
+def test_engine_weights_are_cast_one_tensor_at_a_time():
+    """fp32 master → bf16 engine weights: every entry in bf16, equal to the master rounded to bf16, a fresh
+    tensor (never the trainer's storage), produced lazily (one at a time, not a second copy of the model)."""
+    from stapo.models import build_tiny_model
+    from stapo.rollout.vllm_backend import engine_weights
+
+    model, _ = build_tiny_model(seed=0)
+    sd = model.state_dict()
+    it = engine_weights(model, torch.bfloat16)
+    name, first = next(it)  # only the first tensor exists so far
+    assert name == next(iter(sd)) and first.dtype == torch.bfloat16
+    assert torch.equal(first, sd[name].to(torch.bfloat16))
+    rest = dict(it)
+    assert set(rest) | {name} == set(sd)
+    for k, t in rest.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, sd[k].to(torch.bfloat16)), k
+        assert t.data_ptr() != sd[k].data_ptr()
+    same = dict(engine_weights(model, torch.float32))  # no cast: still copies, never aliases
+    for k, t in same.items():
+        assert torch.equal(t, sd[k]) and t.data_ptr() != sd[k].data_ptr(), k
