@@ -97,7 +97,7 @@ def run_trl(steps: int) -> dict:
     from stapo.rewards import make_reward_fn
 
     cfg = _load_cfg([])
-    model, tok = load_policy(cfg.model.path, dtype=cfg.model.dtype)
+    model, tok = load_policy(cfg.model.path, dtype=cfg.model.param_dtype)
     G = cfg.rollout.n
     batches = _prompt_batches(cfg, tok, steps + 1)
     # TRL repeats each prompt G times itself; one row per prompt, in our order, no shuffling.

@@ -46,7 +46,15 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "embedded:smollm2"  # a local HF folder, a hub id, "embedded:smollm2" or "tiny" (tests)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Precision policy (stapo/precision.py; verl's FSDP mixed precision): the policy's parameters (the master
+    # weights), their gradients (reduced across ranks in this dtype) and the AdamW moments are param_dtype; the
+    # forward/backward computes in compute_dtype (torch.autocast in one process, FSDP2 MixedPrecisionPolicy under
+    # torchrun), which is also the dtype of the rollout engine's weights, the reference model and the HF export.
+    # Paper configs: float32 / bfloat16. bf16 parameters with AdamW are refused: at lr 1e-6 an update is far below
+    # half an ulp of a bf16 weight and rounds away (allow_low_precision_params=true overrides, for experts).
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    allow_low_precision_params: bool = False
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
     cache_dir: Optional[str] = None  # where the embedded model is converted to; default ~/.cache/stapo
@@ -197,7 +205,16 @@ def _valid_keys(schema: DictConfig, dotted_parent: str) -> list[str]:
     return list(node.keys()) if isinstance(node, DictConfig) else []
 
 
+# Keys that were renamed: the error says what replaced them instead of guessing the closest key.
+RENAMED_KEYS = {
+    "model.dtype": "model.param_dtype (master weights, gradients, AdamW state; float32) and model.compute_dtype "
+                   "(forward/backward, rollout engine; bfloat16 on GPUs)",
+}
+
+
 def _closest_key_error(schema: DictConfig, full_key: str, source: str) -> ConfigError:
+    if full_key in RENAMED_KEYS:
+        return ConfigError(f"{source}: config key '{full_key}' was replaced by {RENAMED_KEYS[full_key]}")
     parent, _, leaf = full_key.rpartition(".")
     try:
         valid = _valid_keys(schema, parent)
@@ -300,6 +317,13 @@ def validate(cfg: TrainConfig) -> None:
          "must be two numbers in [0, 1)")
     need(cfg.actor.warmup_steps >= 0, "actor.warmup_steps", "must be ≥ 0")
     need(cfg.actor.grad_clip > 0, "actor.grad_clip", "must be > 0")
+    mc = cfg.model
+    need(mc.param_dtype == "float32" or mc.allow_low_precision_params, "model.param_dtype",
+         "AdamW on bfloat16 parameters rounds updates below half an ulp away (at lr 1e-6 nearly all of them: the "
+         "policy barely trains); use model.param_dtype=float32 with model.compute_dtype=bfloat16, or set "
+         "model.allow_low_precision_params=true")
+    need(mc.param_dtype == "float32" or mc.compute_dtype == mc.param_dtype, "model.compute_dtype",
+         f"must equal model.param_dtype ({mc.param_dtype}) when the parameters are not float32")
     need(not (cfg.actor.share_prompt and cfg.model.gradient_checkpointing), "actor.share_prompt",
          "cannot be combined with model.gradient_checkpointing (the shared prompt needs a KV cache)")
     s2t = cfg.algorithm.s2t

@@ -193,22 +193,27 @@ def shard_prompt_indices(num_prompts: int, mini_batch: int, world: int, rank: in
 
 
 # --- policy wrapping ---------------------------------------------------------------------------------------
-def wrap_policy(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+def wrap_policy(model: torch.nn.Module, ctx: DistContext, mp_policy: Any = None) -> torch.nn.Module:
     """Prepare the policy for data parallelism; returns the module to train (the same object).
 
     ``fsdp2``: ``fully_shard`` each decoder layer (``model.model.layers``) and then the root, in place (the
-    module's class becomes ``FSDP<Class>``; parameter names are unchanged). ``replicate``: broadcast rank 0's
-    parameters and buffers so every replica starts identical. W = 1: untouched.
+    module's class becomes ``FSDP<Class>``; parameter names are unchanged); ``fully_shard`` moves each module's
+    shards to this rank's device, so the model may arrive on the CPU. ``mp_policy``: an FSDP2
+    ``MixedPrecisionPolicy`` (:meth:`stapo.precision.PrecisionPolicy.fsdp_mp_policy`: bf16 all-gather and compute,
+    fp32 gradient reduce-scatter; the sharded parameters and the optimizer stay fp32), None = FSDP2's default.
+    ``replicate``: broadcast rank 0's parameters and buffers so every replica starts identical (``mp_policy`` is
+    not used: autocast does the compute casts). W = 1: untouched.
     """
     if not ctx.enabled:
         return model
     if ctx.strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
         layers = getattr(getattr(model, "model", None), "layers", None)
         for layer in layers if layers is not None else []:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
         return model
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
@@ -440,17 +445,24 @@ def _fqn_keyed(optim_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, An
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
 
 
-def iter_full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of every state-dict entry, one tensor at a time (weight sync to a rollout engine).
 
     A sharded FSDP2 parameter (a ``DTensor``) is all-gathered with ``.full_tensor()`` when its turn comes, so at
     most one unsharded tensor exists at a time on top of the shards — never the whole model. Collective under
     FSDP2: every rank must consume the iterator to the end, in the same order (it is deterministic).
-    Plain tensors are yielded as they are.
+
+    Args:
+        dtype: cast floating-point entries to it (the engine's dtype, e.g. bf16 weights from fp32 master weights).
+            A shard is cast BEFORE the all-gather, so the gather moves and materialises ``dtype`` bytes; a plain
+            tensor is cast into a new tensor. None: entries as they are (plain tensors are the module's own).
     """
     from torch.distributed.tensor import DTensor
 
     for name, t in model.state_dict().items():
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)  # [shard] or [full] in dtype: one tensor at a time
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
 

@@ -206,8 +206,9 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
                        chunk_size: int | None = None, share_prompt: bool = False):
     """Response tokens' log-probs, entropies and collision probabilities under ``model`` at ``temperature``.
 
-    One forward pass (gradients flow if enabled by the caller), then :func:`stapo.token_stats.token_stats` on
-    the response logits / T in fp32.
+    One forward pass (gradients flow if enabled by the caller; under the caller's ``torch.autocast`` the logits
+    come out in bf16), then :func:`stapo.token_stats.token_stats` on the response logits / T in fp32, outside
+    autocast.
 
     Args:
         model: an HF causal LM (``model(input_ids, attention_mask, position_ids, logits_to_keep=)``).
@@ -236,8 +237,9 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
         logits = logits[..., :vocab_size]
     mask = batch.response_mask.to(logits.device)
     targets = torch.where(mask, batch.response_ids.to(logits.device), 0)
-    st = token_stats(logits, targets, temperature, entropy_grad=entropy_grad, backend=backend,
-                     chunk_size=chunk_size)
+    with torch.autocast(device_type=logits.device.type, enabled=False):  # fp32 math on (bf16) logits
+        st = token_stats(logits, targets, temperature, entropy_grad=entropy_grad, backend=backend,
+                         chunk_size=chunk_size)
     zero = torch.zeros((), dtype=torch.float32, device=logits.device)
     return TokenStats(logprobs=torch.where(mask, st.logprobs, zero), entropy=torch.where(mask, st.entropy, zero),
                       collision=torch.where(mask, st.collision, zero))

@@ -33,6 +33,7 @@ from stapo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, s
 from stapo.config import TrainConfig, to_dict
 from stapo import distributed as dist
 from stapo.objectives import Objective, compute_token_mask, get_objective, policy_loss
+from stapo.precision import PrecisionPolicy
 from stapo.tensor_utils import masked_mean
 from stapo.tracking import Tracker
 
@@ -152,24 +153,31 @@ class Trainer:
         self._seed_everything(tc.seed)
 
         # --- policy, reference, optimizer -------------------------------------------------------------
+        # Precision policy (stapo/precision.py): parameters, gradients and AdamW state in param_dtype (fp32 master
+        # weights), forward/backward in compute_dtype (autocast; FSDP2's MixedPrecisionPolicy).
+        self.precision = PrecisionPolicy.from_config(cfg.model)
+        self.compute_dtype = self.precision.compute_dtype
         if cfg.model.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model
             from stapo.models import build_tiny_model
 
-            self.model, self.tokenizer = build_tiny_model(seed=tc.seed, dtype=cfg.model.dtype,
+            self.model, self.tokenizer = build_tiny_model(seed=tc.seed, dtype=self.precision.param_dtype,
                                                           cache_dir=cfg.model.cache_dir)
         else:
             self.model, self.tokenizer = load_policy(
-                cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+                cfg.model.path, dtype=self.precision.param_dtype, attn_implementation=cfg.model.attn_implementation,
                 cache_dir=cfg.model.cache_dir)
-        self.model.to(self.device)
+        if self.dist.strategy != "fsdp2":  # FSDP2: fully_shard moves each layer's shards to the device itself,
+            self.model.to(self.device)     # so the whole fp32 model never sits on one GPU
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
-        if self.objective.kl_coef > 0:
+        if self.objective.kl_coef > 0:  # frozen, in the compute dtype, replicated on every rank
             import copy
 
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)  # replicated on every rank
-        self.model = dist.wrap_policy(self.model, self.dist)  # FSDP2: sharded in place; before the optimizer
+            self.ref_model = copy.deepcopy(self.model).to(self.device, self.compute_dtype).eval().requires_grad_(False)
+        # FSDP2: sharded in place (bf16 all-gathers, fp32 reduce-scatter when mixed); before the optimizer
+        self.model = dist.wrap_policy(self.model, self.dist, mp_policy=self.precision.fsdp_mp_policy())
+        self._check_param_dtype()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
             betas=tuple(cfg.actor.betas))
@@ -197,8 +205,8 @@ class Trainer:
     def _engine_kwargs(self) -> dict[str, Any]:
         rc = self.cfg.rollout
         if rc.backend == "hf":
-            return {}
-        extra: dict[str, Any] = {}
+            return {"compute_dtype": self.compute_dtype}  # generate() under autocast when mixed
+        extra: dict[str, Any] = {"dtype": self.compute_dtype}  # fp32 master → bf16 engine weights at each sync
         if self.dist.enabled:  # one colocated engine per rank, inside torchrun's processes (as TRL / verl)
             extra["distributed_executor_backend"] = "external_launcher"
         return {**extra,
@@ -210,6 +218,21 @@ class Trainer:
             "seed": self.cfg.trainer.seed,
             "enable_sleep_mode": rc.sleep_during_update,
         }
+
+    def _check_param_dtype(self) -> None:
+        """Every trainable parameter holds at least ``model.param_dtype``'s precision (what the optimizer steps on).
+
+        Raises:
+            stapo.config.ConfigError: a trainable parameter in a 16-bit dtype while ``model.param_dtype`` is
+                float32 (a model class that forces some weights into bf16), naming the parameter.
+        """
+        from stapo.config import ConfigError
+
+        want = self.precision.param_dtype
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and p.dtype != want and torch.finfo(p.dtype).eps > torch.finfo(want).eps:
+                raise ConfigError(f"invalid value for 'model.param_dtype' ({str(want).removeprefix('torch.')}): "
+                                  f"the policy's parameter {name} is {str(p.dtype).removeprefix('torch.')}")
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
@@ -321,7 +344,7 @@ class Trainer:
         state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: memory-mapped)
         model_sd: dict[str, torch.Tensor] = {}
         if self.dist.is_main or self.dist.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast
-            model, _ = load_policy(str(ckpt), dtype=self.cfg.model.dtype,
+            model, _ = load_policy(str(ckpt), dtype=self.precision.param_dtype,
                                    attn_implementation=self.cfg.model.attn_implementation)
             model_sd = model.state_dict()
             del model
@@ -596,8 +619,10 @@ class Trainer:
         :class:`TokenStats`, each [b, r] fp32 (r ≤ R: the micro-batch is trimmed)."""
         from stapo.policy import policy_token_stats
 
-        return policy_token_stats(self.model if model is None else model, batch.select(idx).trim().to(self.device),
-                                  self.cfg.rollout.temperature, share_prompt=self.cfg.actor.share_prompt)
+        with self.precision.autocast(self.device):  # bf16 matmuls when mixed; token statistics stay fp32
+            return policy_token_stats(self.model if model is None else model,
+                                      batch.select(idx).trim().to(self.device), self.cfg.rollout.temperature,
+                                      share_prompt=self.cfg.actor.share_prompt)
 
     @staticmethod
     def _keep_of(keep: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, r: int) -> torch.Tensor:

@@ -121,12 +121,16 @@ class HFRolloutEngine:
         stop_token_ids: extra ids that end a response (besides the tokenizer's and the model's eos).
         vocab_size: number of real token ids; default ``len(tokenizer)``. Logits of ids ``>= vocab_size`` are
             masked when the model's output embedding has more rows.
+        compute_dtype: dtype the forward passes compute in; when it differs from the parameters' dtype (fp32
+            master weights, bf16 compute: :class:`stapo.precision.PrecisionPolicy`) ``generate`` runs under
+            ``torch.autocast``. Default: the parameters' dtype (no autocast).
     """
 
     backend = "hf"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, max_batch_size: int | None = None,
-                 stop_token_ids: Sequence[int] | None = None, vocab_size: int | None = None) -> None:
+                 stop_token_ids: Sequence[int] | None = None, vocab_size: int | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         if not hasattr(model, "generate"):
             raise TypeError(f"the HF backend needs a model with .generate(), got {type(model).__name__}")
         if max_batch_size is not None and max_batch_size < 1:
@@ -138,6 +142,10 @@ class HFRolloutEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
         self.vocab_rows = int(model.get_output_embeddings().weight.shape[0])
+        from stapo.precision import PrecisionPolicy
+
+        param_dtype = next(model.parameters()).dtype
+        self.precision = PrecisionPolicy(param_dtype, compute_dtype or param_dtype)
 
     # -- RolloutEngine -------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> list[Response]:
@@ -171,6 +179,7 @@ class HFRolloutEngine:
                 torch.manual_seed(int(sampling.seed))
             stack.enter_context(_generation_mode(self.model))
             stack.enter_context(torch.no_grad())
+            stack.enter_context(self.precision.autocast(device))
             for start in range(0, len(rows), size):
                 chunk = rows[start:start + size]
                 out.extend(self._generate_rows([prompts[g] for g, _ in chunk], chunk, sampling, device,

@@ -45,7 +45,7 @@ import torch
 from stapo.rollout.base import (Response, SamplingParams, check_prompts, finish_reason_of,
                                 resolve_stop_token_ids)
 
-__all__ = ["VLLMRolloutEngine", "vllm_available"]
+__all__ = ["VLLMRolloutEngine", "engine_weights", "vllm_available"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,24 @@ def _write_engine_folder(model: torch.nn.Module, tokenizer: Any, folder: Path, v
         config["stapo_vocab_size"] = int(vocab_limit)
     path.write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(folder)
+
+
+def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights for the engine, one tensor at a time, in the engine's ``dtype``: (HF name, tensor).
+
+    Each tensor is cast from the master weights (e.g. fp32 → bf16) into a fresh tensor (never the trainer's own
+    storage) when its turn comes, so the sync holds at most one extra tensor — no second full copy of the model
+    on the device. A sharded FSDP2 parameter is cast before its all-gather
+    (:func:`stapo.distributed.iter_full_state_dict`). On CPU the tensors stay on the CPU.
+    """
+    from stapo.distributed import iter_full_state_dict
+
+    for name, tensor in iter_full_state_dict(model, dtype):
+        t = tensor.detach()
+        out = t.to(device="cpu" if not torch.cuda.is_available() else t.device, dtype=dtype)
+        if out.data_ptr() == tensor.data_ptr():  # not cast (already in dtype): copy, never alias the trainer's
+            out = out.clone()
+        yield name, out.contiguous()
 
 
 class VLLMRolloutEngine:
@@ -250,16 +268,7 @@ class VLLMRolloutEngine:
             self.wake_up()
         t0 = time.perf_counter()
         dtype = self.dtype
-
-        from stapo.distributed import iter_full_state_dict
-
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            # one tensor at a time; a sharded (FSDP2) parameter is all-gathered only when its turn comes
-            for name, tensor in iter_full_state_dict(model):
-                yield name, tensor.detach().to(device="cpu" if not torch.cuda.is_available() else tensor.device,
-                                               dtype=dtype, copy=True).contiguous()
-
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": engine_weights(model, dtype)})
         self.llm.reset_prefix_cache()
         self.last_sync_s = time.perf_counter() - t0
 
