@@ -5,9 +5,10 @@ On the GPU machine (one H200; torch, transformers, triton, accelerate, safetenso
 
     # 1. here, with network (once): the pure-Python wheels and the tokenizer files the check needs
     bash scripts/gpu_check_wheels.sh                       # fills gpu_wheels/ (git-ignored, ~3 MiB)
-    # 2. on the device machine (run tool: carry=["gpu_wheels"], timeout_s=570):
-    PYTHONPATH=. python scripts/gpu_check.py --out "$OUT"
-    # 3. here: copy $OUT/gpu_check.json and $OUT/gpu_check.md to results/gpu_check/ and commit them
+    # 2. on the device machine (run tool: carry=["gpu_wheels"], timeout_s=570; its python3 holds torch):
+    set -o pipefail; PYTHONPATH=. PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
+    # 3. here: copy gpu_check.json, gpu_check.md (and gpu_check.log) to results/gpu_check/ and commit them
+    # Expected: ~4 min on an H200 (most of it Triton compilations of the token_stats kernels and the torchrun start).
 
 CI / CPU (no GPU): ``python scripts/gpu_check.py --dry-run --out /tmp/gpu_check_dry`` runs the same code paths at
 small sizes (tests/test_gpu_check.py).
@@ -37,7 +38,8 @@ hangs past the budget + 60 s):
     the full-state-dict checkpoint) then run with W = 1. Checks as in (b), plus: the policy is an ``FSDPModule``
     and its parameters are DTensors.
 (d) Update throughput and MFU of a randomly initialised Qwen3-0.6B-shaped model (28 layers, d = 1024, 16 / 8
-    heads of 128, MLP 3072, V = 151,936, tied embeddings; ~0.6 B parameters) at the paper's micro-batch shape:
+    heads of 128, MLP 3072, V = 151,936 rows of which 151,669 are tokens (``config.stapo_vocab_size``, as Qwen3),
+    tied embeddings; ~0.6 B parameters) at the paper's micro-batch shape:
     ``actor.ppo_micro_batch_size`` = 4 responses × (1024 prompt + 15,360 response) tokens (configs/paper/base.yaml),
     fp32 master weights + bf16 autocast, gradient checkpointing, the trainer's forward
     (:func:`stapo.policy.policy_token_stats`) and loss (:func:`stapo.objectives.policy_loss`, objective stapo), grad
@@ -106,12 +108,12 @@ def sizes_for(dry_run: bool) -> SimpleNamespace:
         return SimpleNamespace(
             device="cpu", budget_s=240.0,
             caps={"token_stats": 60.0, "mfu": 40.0, "trainer": 90.0, "fsdp2": 90.0},
-            ts_rows=256, ts_vocab=4096, ts_dtypes=("bfloat16",), ts_repeats=2, ts_grad_rows=16,
+            ts_rows=256, ts_vocab=4096, ts_dtypes=("bfloat16",), ts_repeats=1, ts_grad_rows=16,
             tiny=dict(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128,
                       vocab_padding=64),
             train_steps=1, response_length=8, fsdp_steps=1,
             mfu_model=dict(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
-                           intermediate_size=192, vocab_size=4096),
+                           intermediate_size=192, vocab_size=4096, token_vocab=4032),
             mfu_batch=2, mfu_prompt=16, mfu_response=48, mfu_steps=2, gemm_peak_ref=None,
         )
     return SimpleNamespace(
@@ -123,7 +125,7 @@ def sizes_for(dry_run: bool) -> SimpleNamespace:
         train_steps=3, response_length=32, fsdp_steps=2,
         # Qwen3-0.6B's shape (randomly initialised)
         mfu_model=dict(num_layers=28, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
-                       intermediate_size=3072, vocab_size=151_936),
+                       intermediate_size=3072, vocab_size=151_936, token_vocab=151_669),
         mfu_batch=4, mfu_prompt=1024, mfu_response=15_360, mfu_steps=3, gemm_peak_ref=H200_BF16_PEAK,
     )
 
@@ -271,7 +273,12 @@ def machine_info(device: str) -> dict[str, Any]:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), gpu_memory_gib=round(p.total_memory / 2**30, 1),
                     gpu_capability=f"{p.major}.{p.minor}", gpu_sm_count=p.multi_processor_count,
-                    cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())))
+                    cudnn=torch.backends.cudnn.version())
+        try:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001
+            info["nccl"] = None
         try:
             smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm",
                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
@@ -390,6 +397,10 @@ def reference_grad(x, t, a, b, temperature: float):
 #: dtype: bf16 has an 8-bit significand, relative rounding ≤ 2^-8)
 TS_TOL = {"logprob": (5e-5, 2e-6), "entropy": (5e-5, 2e-6), "collision": (1e-5, 1e-5)}
 TS_GRAD_TOL = {"bfloat16": 1e-2, "float32": 1e-5}
+# The logits are passed as the trainer passes them: [B = 8, N / 8, V] views of [8, N / 8 + 1, V + 64] logits
+# (policy_logits drops the last position, policy_token_stats the padded vocabulary columns, as for Qwen's 151,936
+# rows of 151,669 tokens), so the compiled kernels are the trainer's (strided rows).
+TS_BATCH, TS_PAD = 8, 64
 
 
 def part_token_stats(part: Part, sz: SimpleNamespace) -> None:
@@ -412,9 +423,15 @@ def part_token_stats(part: Part, sz: SimpleNamespace) -> None:
     part.data["runs"] = []
     for dtype_name in sz.ts_dtypes:
         dtype = getattr(torch, dtype_name)
-        x = x32.to(dtype)
-        refs = {T: reference_stats(x, tgt, T) for T in (1.0, 0.6)}
-        ref_grad = reference_grad(x[rows], tgt[rows], wa[rows], wb[rows], 1.0)  # [r, V] fp64
+        # as the trainer passes them: a [B, T, V] view of [B, T + 1, V] logits (rows strided), targets [B, T]
+        x_full = torch.zeros(TS_BATCH, n // TS_BATCH + 1, V + TS_PAD, dtype=dtype, device=dev)
+        x_full[:, :-1, :V] = x32.view(TS_BATCH, -1, V)
+        x = x_full[:, :-1, :V]  # [B, T, V] view
+        flat = x.reshape(n, V)  # [N, V] copy, for the reference
+        refs = {T: reference_stats(flat, tgt, T) for T in (1.0, 0.6)}
+        ref_grad = reference_grad(flat[rows], tgt[rows], wa[rows], wb[rows], 1.0)  # [r, V] fp64
+        del flat
+        tgt2, wa2, wb2 = tgt.view(TS_BATCH, -1), wa.view(TS_BATCH, -1), wb.view(TS_BATCH, -1)  # [B, T]
         for backend in ("compiled", "eager"):
             label = f"{backend}/{dtype_name}"
             if part.time_left() < 5:
@@ -422,7 +439,7 @@ def part_token_stats(part: Part, sz: SimpleNamespace) -> None:
                 continue
             run: dict[str, Any] = {"backend": backend, "dtype": dtype_name}
             part.data["runs"].append(run)
-            fwd = lambda T=1.0: token_stats(x, tgt, T, backend=backend)  # noqa: E731
+            fwd = lambda T=1.0: token_stats(x, tgt2, T, backend=backend)  # noqa: E731
             try:
                 run["first_call_s"], st = timed(fwd, dev)  # compiles the forward kernel (compiled backend)
             except Exception as e:  # noqa: BLE001 - recorded as a failed check of this backend
@@ -430,8 +447,9 @@ def part_token_stats(part: Part, sz: SimpleNamespace) -> None:
                 part.check(f"{label}: runs", 0, 1, ">=")
                 continue
             for T, st_T in ((1.0, st), (0.6, fwd(0.6))):
-                for key, got, ref in (("logprob", st_T.logprobs, refs[T][0]), ("entropy", st_T.entropy, refs[T][1]),
-                                      ("collision", st_T.collision, refs[T][2])):
+                for key, got, ref in (("logprob", st_T.logprobs.reshape(-1), refs[T][0]),
+                                      ("entropy", st_T.entropy.reshape(-1), refs[T][1]),
+                                      ("collision", st_T.collision.reshape(-1), refs[T][2])):
                     d = (got.double() - ref).abs()
                     absl, rel = TS_TOL[key]
                     run[f"max_abs_err_{key}_T{T:g}"] = d.max().item()
@@ -449,10 +467,10 @@ def part_token_stats(part: Part, sz: SimpleNamespace) -> None:
             run["fwd_peak_extra_MiB"] = None if peaks[0] is None else max(peaks) / 2**20
 
             def fwd_bwd():
-                xr = x.detach().requires_grad_(True)
-                out = token_stats(xr, tgt, 1.0, entropy_grad=True, backend=backend)
-                ((wa * out.logprobs).sum() + (wb * out.entropy).sum()).backward()
-                return xr.grad
+                xr = x_full.detach().requires_grad_(True)
+                out = token_stats(xr[:, :-1, :V], tgt2, 1.0, entropy_grad=True, backend=backend)
+                ((wa2 * out.logprobs).sum() + (wb2 * out.entropy).sum()).backward()
+                return xr.grad[:, :-1, :V].reshape(n, V)  # [N, V]
 
             s, grad = timed(fwd_bwd, dev)  # first backward call: compiles the backward kernel
             run["first_bwd_call_s"] = s
@@ -476,9 +494,10 @@ def part_token_stats(part: Part, sz: SimpleNamespace) -> None:
                                   run["fwd_peak_extra_MiB"] if run["fwd_peak_extra_MiB"] is not None else "—",
                                   run["max_abs_err_logprob_T1"], run["max_abs_err_entropy_T1"],
                                   run["max_abs_err_collision_T1"], run["max_abs_err_logprob_T0.6"], gd])
-        del x
+        del x, x_full
     part.data["compile_fallback_error"] = None if ts_mod._compile_error is None else repr(ts_mod._compile_error)[:500]
-    part.data["notes"] = [f"N = {n} rows × V = {V:,}; logits N(0, 3²), every 4th row id 0 at +40, −inf in the last 16 "
+    part.data["notes"] = [f"N = {n} rows × V = {V:,}, passed as a [{TS_BATCH}, {n // TS_BATCH}, V] view of "
+                          f"[{TS_BATCH}, {n // TS_BATCH + 1}, V + {TS_PAD}] logits (strided rows, as the trainer's); logits N(0, 3²), every 4th row id 0 at +40, −inf in the last 16 "
                           f"columns of every 8th row; float64 reference on the same (dtype-rounded) values; times are "
                           f"medians of {sz.ts_repeats} calls after the first (compiling) call; GB/s = logits bytes / "
                           f"forward time."]
@@ -506,7 +525,11 @@ def load_check_tokenizer(wheels_dir: Path):
         return tok, str(shipped)
     from stapo.models import EMBEDDED_ALIASES, load_tokenizer
 
-    return load_tokenizer(EMBEDDED_ALIASES[0]), EMBEDDED_ALIASES[0]
+    try:
+        return load_tokenizer(EMBEDDED_ALIASES[0]), EMBEDDED_ALIASES[0]
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"no tokenizer for the tiny model: {shipped} is missing (run "
+                                f"scripts/gpu_check_wheels.sh here and carry gpu_wheels) and {e}") from e
 
 
 def save_tiny_model(folder: Path, tiny: dict, wheels_dir: Path) -> dict[str, Any]:
@@ -730,8 +753,16 @@ def fsdp2_worker(spec_path: str) -> None:
             return True
 
     def init_one_rank(device: str = "auto", strategy: str = "auto", timeout_min: float = 120.0):
-        ctx = orig(device, strategy, timeout_min)
-        if ctx.enabled or strategy != "fsdp2" or not torch.distributed.is_initialized():
+        one = int(os.environ.get("WORLD_SIZE", "1")) == 1 and strategy == "fsdp2"
+        if one and not torch.distributed.is_initialized():  # init_distributed leaves W = 1 uninitialised
+            on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+            if on_cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(
+                "nccl" if on_cuda else "gloo", timeout=__import__("datetime").timedelta(minutes=timeout_min),
+                device_id=torch.device("cuda", torch.cuda.current_device()) if on_cuda else None)
+        ctx = orig(device, strategy, timeout_min)  # reuses the group; W = 1 → the plain context
+        if ctx.enabled or not one:
             return ctx
         forced["value"] = True
         return OneRankContext(world=1, rank=0, local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=ctx.device,
@@ -797,6 +828,7 @@ def part_mfu(part: Part, sz: SimpleNamespace) -> None:
     with torch.random.fork_rng(devices=[]), dev:
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(config)  # fp32 master weights, built on the device
+    model.config.stapo_vocab_size = m["token_vocab"]  # as load_policy marks Qwen's padded vocabulary
     model.gradient_checkpointing_enable()
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
@@ -809,7 +841,7 @@ def part_mfu(part: Part, sz: SimpleNamespace) -> None:
 
     def make_batch(R: int) -> RolloutBatch:
         S = P + R
-        ids = torch.randint(0, m["vocab_size"], (B, S), generator=g, device=dev)
+        ids = torch.randint(0, m["token_vocab"], (B, S), generator=g, device=dev)
         att = torch.ones(B, S, dtype=torch.long, device=dev)
         return RolloutBatch(input_ids=ids, attention_mask=att, position_ids=(att.cumsum(1) - 1),
                             response_ids=ids[:, P:], response_mask=torch.ones(B, R, dtype=torch.bool, device=dev))
@@ -836,7 +868,7 @@ def part_mfu(part: Part, sz: SimpleNamespace) -> None:
             peak_mem_reset(dev)
             warm_s, gn = timed(lambda: step(batch), dev)  # warm-up: allocator, kernel compilation
             break
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             del batch
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
@@ -912,6 +944,11 @@ def main() -> int:
     t_start = time.perf_counter()
     wheels_dir = Path(args.wheels)
     wheels_used = use_shipped_wheels(wheels_dir, force=args.force_wheels)
+    warnings_ = [f"{mod} is not importable and {wheels_dir} has no wheel of it: parts (b) and (c) will fail; run "
+                 f"bash scripts/gpu_check_wheels.sh and carry gpu_wheels" for mod in SHIPPED_WHEELS
+                 if importlib.util.find_spec(mod) is None]
+    for w in warnings_:
+        print(f"[gpu_check] WARNING: {w}", file=sys.stderr)
     sz = sizes_for(args.dry_run)
     budget = args.budget_s if args.budget_s is not None else sz.budget_s
     deadline = t_start + budget
@@ -923,7 +960,8 @@ def main() -> int:
     recorder = ImportRecorder().__enter__()
     result: dict[str, Any] = {
         "dry_run": args.dry_run, "command": " ".join([Path(sys.executable).name, *sys.argv]), "budget_s": budget,
-        "machine": machine_info(sz.device), "wheels_used": [Path(w).name for w in wheels_used], "parts": {},
+        "machine": machine_info(sz.device), "wheels_used": [Path(w).name for w in wheels_used], "warnings": warnings_,
+        "parts": {},
     }
     status = {"code": 0}
     lock = threading.Lock()
@@ -932,6 +970,9 @@ def main() -> int:
         result["total_seconds"] = round(time.perf_counter() - t_start, 1)
         result["stapo_imports"] = sorted(recorder.seen)
         result["stapo_imports_not_on_gpu_machine"] = sorted(recorder.seen - GPU_MACHINE_MODULES)
+        ts_mod = sys.modules.get("stapo.token_stats")
+        err = getattr(ts_mod, "_compile_error", None)
+        result["token_stats_compile_fallback"] = None if err is None else repr(err)[:500]
         result["status"] = {0: "pass", 1: "fail", 124: "watchdog"}.get(code, str(code))
         write_summary(out_dir, result)
 

