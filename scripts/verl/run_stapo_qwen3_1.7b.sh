@@ -56,7 +56,7 @@ SCOPE=${SCOPE:-candidates}
 TOP_ENTROPY_RATIO=${TOP_ENTROPY_RATIO:-0.2}   # entropy20 only
 KL_COEF=${KL_COEF:-0.04}                 # grpo only: β of the k3 KL to the reference model
 REWARD=${REWARD:-dapo_strict_box}        # or math_verify
-ATTN_IMPL=${ATTN_IMPL:-auto}             # auto | flash_attention_2 | sdpa | eager
+ATTN_IMPL=${ATTN_IMPL:-auto}             # auto | flash_attention_2 | sdpa
 # in-training validation (JustRL's script: 32 samples at T=0.7, top-p 0.9 on AIME24/25, AMC23)
 VAL_N=${VAL_N:-32}
 VAL_TEMPERATURE=${VAL_TEMPERATURE:-0.7}
@@ -80,8 +80,8 @@ if [[ "$ATTN_IMPL" == auto ]]; then
          "(set ATTN_IMPL=flash_attention_2 after installing flash-attn on every node; README, Cluster)" >&2
   fi
 fi
-case "$ATTN_IMPL" in flash_attention_2|sdpa|eager) ;;
-  *) echo "ATTN_IMPL must be auto, flash_attention_2, sdpa or eager (got '$ATTN_IMPL')" >&2; exit 2 ;;
+case "$ATTN_IMPL" in flash_attention_2|sdpa) ;;
+  *) echo "ATTN_IMPL must be auto, flash_attention_2 or sdpa (got '$ATTN_IMPL')" >&2; exit 2 ;;
 esac
 
 ARGS=(
