@@ -65,7 +65,7 @@ PROJECT=${PROJECT:-stapo}
 EXPERIMENT=${EXPERIMENT:-${LOSS_MODE}-qwen3-1.7b-base}
 CKPT_DIR=${CKPT_DIR:-checkpoints/${PROJECT}/${EXPERIMENT}}
 
-# the objective of each method (METHOD §3-§5); verl's own loss is `vanilla` for the two baselines
+# the objective of each method (METHOD §3-§5); verl's own loss is `vanilla` for vanilla (JustRL) and grpo
 case "$LOSS_MODE" in
   stapo|entropy20|vanilla)  # JustRL: clip-higher 0.2 / 0.28, dual clip c = 10, token-mean, no KL
     POLICY_LOSS=$LOSS_MODE AGG=token-mean CLIP_HIGH=0.28 CLIP_C=10.0 USE_KL=False ;;
