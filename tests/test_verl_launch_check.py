@@ -128,7 +128,8 @@ def test_sdpa_attention_is_exact_on_verls_packed_sequences():
     with torch.no_grad():
         packed = model(input_ids=ids, attention_mask=None, position_ids=pos, use_cache=False).logits[0]
         alone = torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
-        leaky = model(input_ids=ids, attention_mask=None, position_ids=torch.arange(24)[None], use_cache=False).logits[0]
+        no_bounds = torch.arange(24)[None]  # one 24-token sequence
+        leaky = model(input_ids=ids, attention_mask=None, position_ids=no_bounds, use_cache=False).logits[0]
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     # the check has teeth: without the sequence boundaries the later sequences see the earlier ones
     assert (leaky[lens[0]:] - alone[lens[0]:]).abs().max() > 1e-2

@@ -67,8 +67,9 @@ def main(overrides: list[str]) -> int:
     hooked = bool(getattr(TrainingWorker.train_batch, "_stapo_hook", False)) and plugin.WORKER_HOOK_ERROR is None
     if loss_mode in plugin.PLUGIN_LOSSES:
         if not loaded:
-            return _fail(f"policy loss {loss_mode!r} needs actor_rollout_ref.model.external_lib=stapo.integrations.verl "
-                         f"(got {external_libs!r}): the workers would not register it nor install the hook")
+            return _fail(f"policy loss {loss_mode!r} needs actor_rollout_ref.model.external_lib="
+                         f"stapo.integrations.verl (got {external_libs!r}): the workers would not register it nor "
+                         "install the hook")
         if not hooked:
             return _fail(f"the stapo worker hook is not installed on {HOOK_TARGET}: {plugin.WORKER_HOOK_ERROR}")
     if loaded:

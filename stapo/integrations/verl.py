@@ -307,7 +307,8 @@ def objective_of_verl_actor(config: Any) -> Objective:
         kl_coef = float(_cfg_get(config, "kl_loss_coef", 0.0))
     return Objective(
         name="verl:vanilla", loss_agg_mode=agg,
-        clip_ratio_low=float(low if low is not None else clip), clip_ratio_high=float(high if high is not None else clip),
+        clip_ratio_low=float(low if low is not None else clip),
+        clip_ratio_high=float(high if high is not None else clip),
         clip_ratio_c=None if c > VERL_MAX_RATIO else c, kl_coef=kl_coef, token_mask="none")
 
 
