@@ -2,7 +2,7 @@
 
 verl is an optional dependency: these tests are skipped when it is not installed (install line in
 stapo/integrations/verl.py's docstring / the README). Importing verl takes ~10 s of CPU; the tests themselves
-take ~1-2 s.
+take ~1-2 s. The launch script's dry run is tested in tests/test_verl_launch_check.py.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("verl", reason="verl is not installed (pip install --no-deps verl==0.9.1 + deps, see README)")
 pytest.importorskip("ray", reason="verl needs ray to import")
@@ -26,7 +27,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 import stapo.integrations.verl as plugin  # noqa: E402
 from stapo.integrations.dp_mask import minibatch_token_mask  # noqa: E402
-from stapo.objectives import objective_loss  # noqa: E402
+from stapo.objectives import compute_token_mask, objective_loss  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -205,17 +206,86 @@ def test_policy_loss_config_parameters_reach_the_objective():
     assert obj.mask_params["prob_threshold"] == 0.002 and obj.mask_params["entropy_quantile"] == 0.75
 
 
+def _verl_actor(loss_mode="vanilla", **kw) -> ActorConfig:
+    """A real verl ActorConfig (verl's defaults for everything not given)."""
+    pl = plugin.StapoPolicyLossConfig(loss_mode=loss_mode)
+    return ActorConfig(strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=2, policy_loss=pl, **kw)
+
+
+JUSTRL_VERL = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0, loss_agg_mode="token-mean")
+GRPO_VERL = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1e9, loss_agg_mode="seq-mean-token-mean",
+                 use_kl_loss=True, kl_loss_coef=0.04, kl_loss_type="low_var_kl")
+
+
+def test_verl_actor_settings_map_to_our_registered_objectives():
+    """The launch script's four methods (scripts/verl/run_stapo_qwen3_1.7b.sh) are our four objectives."""
+    name = plugin.registered_objective_name
+    assert name(plugin.objective_of_verl_actor(_verl_actor("vanilla", **JUSTRL_VERL))) == "justrl"
+    grpo = plugin.objective_of_verl_actor(_verl_actor("vanilla", **GRPO_VERL))
+    # c = 1e9 > e^20 (verl's largest ratio): the dual clip never binds → our clip_ratio_c=None; β = 0.04
+    assert (grpo.clip_ratio_c, grpo.kl_coef, grpo.loss_agg_mode) == (None, 0.04, "seq-mean-token-mean")
+    assert name(grpo) == "grpo"
+    assert name(plugin.objective_of_verl_actor(_verl_actor("stapo", **JUSTRL_VERL))) == "stapo"
+    assert name(plugin.objective_of_verl_actor(_verl_actor("entropy20", **JUSTRL_VERL))) == "entropy20"
+    # near misses are not the registered objectives
+    assert name(plugin.objective_of_verl_actor(_verl_actor("vanilla", **{**GRPO_VERL, "clip_ratio_c": 1e5}))) is None
+    assert name(plugin.objective_of_verl_actor(_verl_actor("vanilla", **{**GRPO_VERL, "kl_loss_coef": 0.001}))) is None
+    assert name(plugin.objective_of_verl_actor(_verl_actor("vanilla"))) is None  # verl defaults: clip 0.2/0.2, c = 3
+
+
+def test_verl_actor_settings_without_a_counterpart_raise():
+    with pytest.raises(ValueError, match="kl_loss_type"):
+        plugin.objective_of_verl_actor(_verl_actor("vanilla", **{**GRPO_VERL, "kl_loss_type": "kl"}))
+    with pytest.raises(ValueError, match="use_kl_loss=False"):
+        plugin.objective_of_verl_actor(_verl_actor("stapo", **JUSTRL_VERL, use_kl_loss=True))
+    with pytest.raises(ValueError, match="token-mean"):
+        plugin.objective_of_verl_actor(_verl_actor("stapo", **{**JUSTRL_VERL, "loss_agg_mode": "seq-mean-token-mean"}))
+    with pytest.raises(ValueError, match="entropy_coeff"):
+        plugin.objective_of_verl_actor(_verl_actor("vanilla", **JUSTRL_VERL, entropy_coeff=0.01))
+    with pytest.raises(ValueError, match="token-sum"):
+        plugin.objective_of_verl_actor(_verl_actor("vanilla", **{**JUSTRL_VERL, "loss_agg_mode": "token-sum"}))
+    with pytest.raises(ValueError, match="gspo"):
+        plugin.objective_of_verl_actor(_verl_actor("gspo", **JUSTRL_VERL))
+
+
 # --- the worker hook, end to end through verl's ppo_loss, padding and micro-batch utilities -------------
-V = 6
+V, D = 6, 4
+
+
+class _PackedLM(torch.nn.Module):
+    """A tiny causal "language model" that, like verl's remove-padding path, runs on ONE packed row of all the
+    micro-batch's sequences and finds the sequence boundaries from position_ids (a new sequence starts where the
+    position is 0, as transformers does for packed inputs): logits_t = (E[x_t] + P[pos_t] + mean_{s ≤ t, same
+    sequence} E[x_s]) @ W. Every token's log p depends on its own sequence's prefix, so a wrong packing boundary
+    or a row mix-up changes the result."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.E = torch.nn.Parameter(torch.randn(V, D, generator=g) * 2.0)
+        self.P = torch.nn.Parameter(torch.randn(16, D, generator=g))
+        self.W = torch.nn.Parameter(torch.randn(D, V, generator=g) * 2.0)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """ids, pos: [n] long (one packed row) → log-softmax [n, V]."""
+        x = self.E[ids]  # [n, D]
+        starts = pos == 0
+        seg = torch.cumsum(starts.long(), 0) - 1  # sequence index of every token
+        cs = torch.cat([torch.zeros(1, D), x.cumsum(0)])  # [n + 1, D] prefix sums of the packed row
+        before = cs[torch.nonzero(starts).squeeze(-1)][seg]  # prefix sum before each token's sequence start
+        ctx = (cs[1:] - before) / (pos + 1).float()[:, None]  # causal mean within the sequence
+        return torch.log_softmax((x + self.P[pos] + ctx) @ self.W, dim=-1)
 
 
 class _FakeEngine:
-    """Stands in for verl's FSDP engine: a bigram "model" (logits of the next token = W[current token]) and a
-    forward_backward_batch that mirrors fsdp/transformer_impl.py:724-772 (global token count, verl's own
-    prepare_micro_batches / postprocess_batch_func, loss per micro-batch, backward)."""
+    """Stands in for verl's FSDP engine: forward_backward_batch mirrors fsdp/transformer_impl.py:724-777 (global
+    token count, verl's own prepare_micro_batches — fixed-size, or dynamic with verl's rearrange_micro_batches
+    reordering and packing — the loss per micro-batch, backward, verl's postprocess_batch_func restoring the order).
+    Each micro-batch runs packed in one row (use_remove_padding=True, verl's input_ids_rmpad_rolled labels)."""
 
-    def __init__(self, weight: torch.nn.Parameter):
-        self.weight = weight
+    def __init__(self, model: _PackedLM):
+        self.model = model
+        self.partitions: list = []  # the micro-batch index lists of every forward_backward_batch call
 
     @contextmanager
     def eval_mode(self, **kwargs):
@@ -225,10 +295,10 @@ class _FakeEngine:
         return None
 
     def forward(self, mb):
-        ids = mb["input_ids"]  # jagged [b, j]
+        ids, pos = mb["input_ids"], mb["position_ids"]  # jagged [b, j]
         values, offsets = ids.values(), ids.offsets()
-        labels = torch.roll(values, shifts=-1)  # next token (verl's input_ids_rmpad_rolled)
-        logp_all = torch.log_softmax(self.weight[values], dim=-1)  # [total, V]
+        labels = torch.roll(values, shifts=-1)  # next token of the packed row (verl's input_ids_rmpad_rolled)
+        logp_all = self.model(values, pos.values())  # [total, V]
         out = {"log_probs": torch.nested.nested_tensor_from_jagged(
             logp_all.gather(-1, labels[:, None]).squeeze(-1), offsets)}
         if tu.get_non_tensor_data(mb, "calculate_entropy", False):
@@ -239,7 +309,7 @@ class _FakeEngine:
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         tu.assign_non_tensor(data, batch_num_tokens=int(data["loss_mask"].sum()), dp_size=1)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)
-        assert len(micro_batches) == 2
+        self.partitions.append(indices)
         outputs = []
         for mb in micro_batches:
             with torch.no_grad() if forward_only else nullcontext():
@@ -259,79 +329,163 @@ class _FakeEngine:
 
 def _orig_train_batch(self, data):
     """The part of verl's TrainingWorker.train_batch (engine_workers.py:343-368) that the hook wraps."""
-    for key, val in dict(use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
-                         use_fused_kernels=False).items():
+    defaults = dict(use_remove_padding=self.model_config.get("use_remove_padding", False),
+                    use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
+                    max_token_len_per_gpu=self.engine_config.max_token_len_per_gpu,
+                    micro_batch_size_per_gpu=self.engine_config.micro_batch_size_per_gpu,
+                    use_fused_kernels=self.engine_config.use_fused_kernels)
+    for key, val in defaults.items():
         if key not in data.keys():
             tu.assign_non_tensor(data, **{key: val})
     return self.engine.forward_backward_batch(data, loss_function=self.loss_fn)
 
 
-def _minibatch(weight):
-    """4 responses in verl's v0 layout (left-padded prompts, right-padded responses → no-padding TensorDict)."""
+def _minibatch(model, prompt_len, resp_len, adv, seed=3):
+    """One mini-batch in verl's v0 layout (left-padded prompts, right-padded responses → no-padding TensorDict),
+    with a per-sample ``uid`` field (0..B-1) that follows the rows through verl's micro-batch split."""
     from tensordict import TensorDict
 
-    g = torch.Generator().manual_seed(3)
-    B, Pp, T = 4, 3, 5
-    prompt_len, resp_len = torch.tensor([3, 2, 3, 1]), torch.tensor([5, 3, 4, 2])
+    g = torch.Generator().manual_seed(seed)
+    prompt_len, resp_len = torch.tensor(prompt_len), torch.tensor(resp_len)
+    B, Pp, T = len(prompt_len), int(prompt_len.max()), int(resp_len.max())
     prompt_mask = torch.arange(Pp)[None, :] >= (Pp - prompt_len)[:, None]
     response_mask = torch.arange(T)[None, :] < resp_len[:, None]
     prompts = torch.randint(0, V, (B, Pp), generator=g) * prompt_mask
     responses = torch.randint(0, V, (B, T), generator=g) * response_mask
     attention_mask = torch.cat([prompt_mask, response_mask], 1).long()
-    adv = torch.tensor([1.0, -0.5, 0.8, 1.2])[:, None] * response_mask
     td = TensorDict({
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
         "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-        "response_mask": response_mask.long(), "advantages": adv,
+        "response_mask": response_mask.long(), "advantages": torch.tensor(adv)[:, None] * response_mask,
+        "uid": torch.arange(B),
     }, batch_size=[B])
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, global_batch_size=B)
     with torch.no_grad():  # π_old: the current policy perturbed, so that ρ ≠ 1 and some clips fire
-        logp = no_padding_2_padding(_FakeEngine(weight).forward(td)["log_probs"], td)
-    noise = torch.randn(B, T, generator=g) * 0.3
-    td["old_log_probs"] = (logp + noise) * response_mask
+        logp = no_padding_2_padding(_FakeEngine(model).forward(td)["log_probs"], td)
+    td["old_log_probs"] = (logp + torch.randn(B, T, generator=g) * 0.3) * response_mask
     return td
+
+
+def _reference(model, td, obj):
+    """Our objective on the whole mini-batch in one call, every sequence run on its own (no packing); returns
+    (loss, metrics, keep [B, T], parameter gradients)."""
+    model.zero_grad()
+    logp_rows, ent_rows = [], []
+    for i in range(td.batch_size[0]):
+        row = tu.index_select_tensor_dict(td, [i])
+        tu.assign_non_tensor(row, calculate_entropy=True)
+        mo = _FakeEngine(model).forward(row)
+        logp_rows.append(no_padding_2_padding(mo["log_probs"], row)[0])
+        ent_rows.append(no_padding_2_padding(mo["entropy"], row)[0])
+    T = td["response_mask"].shape[1]
+    logp = torch.stack([F.pad(r, (0, T - r.shape[0])) for r in logp_rows])
+    ent = torch.stack([F.pad(r, (0, T - r.shape[0])) for r in ent_rows])
+    mask = td["response_mask"].bool()
+    keep = compute_token_mask(obj, logp.detach(), ent.detach(), td["advantages"], mask).keep
+    loss, metrics = objective_loss(obj, logp, td["old_log_probs"], td["advantages"], mask, entropy=ent.detach())
+    loss.backward()
+    return loss, metrics, keep, [p.grad.clone() for p in model.parameters()]
+
+
+def _spy_ppo_loss(seen, config, model_output, data, dp_group=None):
+    """verl's ppo_loss, recording which rows (uid) this micro-batch holds and the keep-mask its loss receives."""
+    seen.append((data["uid"].tolist(), plugin.current_mask_context().keep.clone()))
+    return ppo_loss(config, model_output, data, dp_group)
+
+
+def _run_hook(model, data, cfg, *, use_dynamic_bsz, max_token_len_per_gpu=None, micro_batch_size_per_gpu=None):
+    """The hooked train_batch on a fake worker; returns (output, parameter gradients, engine, seen)."""
+    seen: list = []
+    engine = _FakeEngine(model)
+    worker = SimpleNamespace(engine=engine, loss_fn=partial(_spy_ppo_loss, seen, config=cfg),
+                             model_config={"use_remove_padding": True},
+                             engine_config=SimpleNamespace(use_dynamic_bsz=use_dynamic_bsz,
+                                                           max_token_len_per_gpu=max_token_len_per_gpu,
+                                                           micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+                                                           use_fused_kernels=False))
+    model.zero_grad()
+    out = plugin._wrap_train_batch(_orig_train_batch)(worker, data)
+    assert plugin.KEEP_KEY not in data.keys() and worker.loss_fn.func is _spy_ppo_loss  # cleaned up
+    assert tu.get(data, "calculate_entropy", None) is None  # the training pass is not switched to entropy
+    return out, [p.grad.clone() for p in model.parameters()], engine, seen
+
+
+def _check_against_reference(out, grads, seen, ref, loss_mode):
+    ref_loss, ref_metrics, ref_keep, ref_grads = ref
+    # mask positions: each micro-batch's keep rows, put back at their uid, are the whole-mini-batch mask
+    keep = torch.zeros_like(ref_keep)
+    for uids, k in seen:
+        keep[uids] = k[:, :keep.shape[1]]
+    assert sorted(u for uids, _ in seen for u in uids) == list(range(ref_keep.shape[0]))
+    assert torch.equal(keep, ref_keep)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-6)
+    assert math.isclose(sum(out["loss"]), ref_loss.item(), rel_tol=1e-5, abs_tol=1e-6)
+    # the mask statistics (τ_h, counts, means of the silenced tokens' p / H / Â) are the whole mini-batch's; each
+    # micro-batch reports them (a verl Metric, MEAN over the micro-batches)
+    prefix = "s2t/" if loss_mode == "stapo" else "top_entropy/"
+    stats = {k: v for k, v in ref_metrics.items() if k.startswith(prefix)}
+    assert len(stats) >= 2
+    for k, v in stats.items():
+        reported = out["metrics"][f"actor/{k}"]
+        assert len(reported.values) == len(seen)
+        assert reported.aggregate() == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+# τ_p = 0.2 so that the 6-token vocabulary has S2T candidates; q = 0.5
+_MASK_PARAMS = dict(s2t_prob_threshold=0.2, s2t_entropy_quantile=0.5)
 
 
 @pytest.mark.parametrize("loss_mode", ["stapo", "entropy20"])
 def test_worker_hook_end_to_end_matches_our_objective(loss_mode):
     """Hook (extra no-grad pass, global mask, keep field carried through verl's micro-batch split) + verl's
-    ppo_loss + registered loss, 2 micro-batches, give the parameter gradient of our objective on the whole
-    mini-batch in one call."""
-    torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(V, V) * 3.0)
-    data = _minibatch(weight)
-    # τ_p = 0.2 so that the 6-token vocabulary has S2T candidates; q = 0.5
-    cfg = _actor_config(loss_mode, s2t_prob_threshold=0.2, s2t_entropy_quantile=0.5)
-    worker = SimpleNamespace(engine=_FakeEngine(weight), loss_fn=partial(ppo_loss, config=cfg),
-                             model_config={"use_remove_padding": True},
-                             engine_config=SimpleNamespace(use_dynamic_bsz=False, max_token_len_per_gpu=None,
-                                                           micro_batch_size_per_gpu=2, use_fused_kernels=False))
-    out = plugin._wrap_train_batch(_orig_train_batch)(worker, data)
-    grad = weight.grad.clone()
-    assert plugin.KEEP_KEY not in data.keys() and worker.loss_fn.func is ppo_loss  # cleaned up
-    assert tu.get(data, "calculate_entropy", None) is None  # the training pass is not switched to entropy
-
-    # reference: our objective on the whole mini-batch at once
-    weight.grad = None
-    ref_td = _minibatch(weight)
-    tu.assign_non_tensor(ref_td, calculate_entropy=True)
-    mo = _FakeEngine(weight).forward(ref_td)
-    logp, ent = no_padding_2_padding(mo["log_probs"], ref_td), no_padding_2_padding(mo["entropy"], ref_td)
+    ppo_loss + registered loss, 2 fixed-size micro-batches, give the parameter gradient of our objective on the
+    whole mini-batch in one call."""
+    model = _PackedLM()
+    args = ([3, 2, 3, 1], [5, 3, 4, 2], [1.0, -0.5, 0.8, 1.2])
+    cfg = _actor_config(loss_mode, **_MASK_PARAMS)
     obj = plugin.objective_from_verl_config(loss_mode, cfg)
-    ref_loss, ref_metrics = objective_loss(obj, logp, ref_td["old_log_probs"], ref_td["advantages"],
-                                           ref_td["response_mask"].bool(), entropy=ent)
-    ref_loss.backward()
-
-    n_masked = ref_metrics["s2t/num_masked"] if loss_mode == "stapo" else 14 - ref_metrics["top_entropy/num_kept"]
+    out, grads, engine, seen = _run_hook(model, _minibatch(model, *args), cfg, use_dynamic_bsz=False,
+                                         micro_batch_size_per_gpu=2)
+    assert [uids for uids, _ in seen] == [[0, 1], [2, 3]]  # verl's fixed-size split: 2 in order
+    ref = _reference(model, _minibatch(model, *args), obj)
+    n_masked = ref[1]["s2t/num_masked"] if loss_mode == "stapo" else 14 - ref[1]["top_entropy/num_kept"]
     assert 0 < n_masked < 14  # the mask really removes some of the 14 response tokens, not all
-    torch.testing.assert_close(grad, weight.grad, rtol=1e-5, atol=1e-6)
-    losses = out["loss"]
-    assert len(losses) == 2 and math.isclose(sum(losses), ref_loss.item(), rel_tol=1e-5, abs_tol=1e-6)
-    key = "actor/s2t/num_masked" if loss_mode == "stapo" else "actor/top_entropy/num_kept"
-    reported = out["metrics"][key]  # a verl Metric (MEAN over the micro-batches, each reports the global value)
-    assert reported.values == [ref_metrics[key.removeprefix("actor/")]] * 2
-    assert reported.aggregate() == ref_metrics[key.removeprefix("actor/")]
+    _check_against_reference(out, grads, seen, ref, loss_mode)
+
+
+@pytest.mark.parametrize("loss_mode", ["stapo", "entropy20"])
+def test_worker_hook_with_dynamic_batch_size_reordered_packed_micro_batches(loss_mode):
+    """use_dynamic_bsz=True (the paper recipe): verl's rearrange_micro_batches packs the 8 sequences of the
+    mini-batch into token-budget micro-batches and REORDERS them (balanced partitions sorted by workload), for the
+    hook's no-grad pass and for the update alike; postprocess_batch_func restores the order of the pass's outputs.
+    The keep-mask each micro-batch's loss receives must sit at the right tokens (= the whole-mini-batch mask at
+    the rows the micro-batch holds), and the summed loss and the gradient must be our objective on the whole
+    mini-batch, computed without packing."""
+    model = _PackedLM()
+    prompt_len = [3, 2, 4, 1, 2, 3, 1, 4]
+    resp_len = [6, 2, 5, 3, 7, 1, 4, 2]  # sequence lengths 9, 4, 9, 4, 9, 4, 5, 6 = 50 tokens
+    adv = [1.0, 0.5, -0.8, 1.2, 1.0, -0.6, 0.3, 0.9]
+    args = (prompt_len, resp_len, adv)
+    cfg = _actor_config(loss_mode, **_MASK_PARAMS)
+    obj = plugin.objective_from_verl_config(loss_mode, cfg)
+    data = _minibatch(model, *args)
+    out, grads, engine, seen = _run_hook(model, data, cfg, use_dynamic_bsz=True, max_token_len_per_gpu=14)
+
+    # the hook's pass and the update were split alike, into packed (≥ 2 sequences, ≤ 14 tokens) micro-batches
+    # whose order is not the rows' order
+    infer_parts, train_parts = engine.partitions
+    assert infer_parts == train_parts == [uids for uids, _ in seen]
+    seq_len = [p + r for p, r in zip(prompt_len, resp_len)]
+    assert len(train_parts) >= 4 and all(sum(seq_len[i] for i in part) <= 14 for part in train_parts)
+    assert any(len(part) >= 2 for part in train_parts)
+    assert [i for part in train_parts for i in part] != list(range(8))
+    n_resp = sum(resp_len)
+    ref = _reference(model, _minibatch(model, *args), obj)
+    n_masked = ref[1]["s2t/num_masked"] if loss_mode == "stapo" else n_resp - ref[1]["top_entropy/num_kept"]
+    assert 0 < n_masked < n_resp
+    _check_against_reference(out, grads, seen, ref, loss_mode)
 
 
 def test_keep_mask_follows_a_jagged_response_mask():

@@ -2,12 +2,14 @@
 # STAPO on verl (cluster scale): the paper's recipe (METHOD.md §6, identical to JustRL's script) for
 # Qwen3-1.7B-Base on DAPO-Math-17k, with the S2T mask of stapo.integrations.verl.
 #
-# Written for verl==0.9.1 (python -m verl.trainer.main_ppo, hydra overrides). NOT run by this repository's CI
-# or on its CPU machines: the plugin's loss and hook are tested on CPU (tests/test_verl_plugin.py), this
-# launch line is not. Check the first step's log for `actor/s2t/masked_frac` (expected < 1e-3 of tokens).
+# Written for verl==0.9.1 (python -m verl.trainer.main_ppo, hydra overrides). The training run has not been run
+# by this repository (no GPUs): the plugin's loss and hook are tested on CPU (tests/test_verl_plugin.py), and CI
+# runs this script's dry run for all four methods (tests/test_verl_launch_check.py). Check the first step's log
+# for `actor/s2t/masked_frac` (expected < 1e-3 of tokens).
 #
 # Setup, on EVERY node (a shared filesystem is simplest):
-#   pip install "verl[vllm]==0.9.1"              # verl's own GPU environment (torch/vllm/flash-attn as verl pins)
+#   pip install "verl[vllm]==0.9.1"              # verl's own GPU environment (torch 2.11, vllm 0.24 as verl pins;
+#                                                # NOT flash-attn: see ATTN_IMPL below and the README)
 #   pip install --no-deps -e /path/to/stapo      # our package; its objectives/masks/rewards need only torch
 #                                                # (+ math-verify==0.9.0 for REWARD=math_verify)
 #   python scripts/verl/prepare_verl_data.py --data-root /path/to/data --out "$DATA_DIR"
@@ -23,14 +25,25 @@
 #       -> lets hydra accept the S2T parameters τ_p, q and the quantile scope below.
 #   reward.custom_reward_function.path=pkg://stapo.integrations.verl_reward -> JustRL's strict-box ±1 reward.
 #
+# Methods (LOSS_MODE), each equal to the objective of the same row in stapo/objectives.py (the dry run says so):
+#   stapo      JustRL + the S2T mask (plugin loss)            entropy20  JustRL + top-20 % entropy mask (plugin)
+#   vanilla    JustRL: verl's vanilla loss, token-mean, clip 0.2/0.28, dual clip 10, no KL
+#   grpo       GRPO: verl's vanilla loss, seq-mean-token-mean, clip 0.2/0.2, dual clip off, k3 (low_var_kl) KL to
+#              the reference model with β = KL_COEF (0.04); verl then also runs the reference model
+# Attention of the FSDP actor/reference (ATTN_IMPL): verl's default is flash_attention_2, which needs the flash-attn
+# package (not brought by verl[vllm]); `auto` uses it when `import flash_attn` works here, else PyTorch sdpa
+# (exact with verl's packed sequences, slower; see README, Cluster). vLLM rollouts have their own kernels.
+#
 # Every setting can be changed by environment variable; extra hydra overrides go after the script name:
 #   LOSS_MODE=entropy20 NNODES=8 bash scripts/verl/run_stapo_qwen3_1.7b.sh trainer.logger='[console]'
-# Dry run (no GPU, no data needed; run it in the verl environment before a launch): DRY_RUN=1 composes the
-# overrides with hydra, instantiates the actor config and runs verl's own validate_config
-# (scripts/verl/check_launch_config.py), then exits.
+# Dry run (no GPU, no data needed): DRY_RUN=1 composes the overrides with hydra, imports the plugin as the workers
+# do (and reports its hook), instantiates the actor config, runs verl's own validate_config and prints the
+# objective (scripts/verl/check_launch_config.py), then exits. Run it in the verl environment before a launch, or
+# on any machine in .venv-verl (bash scripts/verl/setup_check_env.sh; source .venv-verl/bin/activate).
 set -euo pipefail
 
-LOSS_MODE=${LOSS_MODE:-stapo}            # stapo | entropy20 | vanilla (= the JustRL baseline)
+LOSS_MODE=${LOSS_MODE:-stapo}            # stapo | entropy20 | vanilla (= the JustRL baseline) | grpo
+PYTHON=${PYTHON:-python3}
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-1.7B-Base}
 DATA_DIR=${DATA_DIR:-data/verl}          # written by scripts/verl/prepare_verl_data.py
 NNODES=${NNODES:-1}
@@ -41,7 +54,9 @@ TAU_P=${TAU_P:-0.002}
 Q=${Q:-0.75}
 SCOPE=${SCOPE:-candidates}
 TOP_ENTROPY_RATIO=${TOP_ENTROPY_RATIO:-0.2}   # entropy20 only
+KL_COEF=${KL_COEF:-0.04}                 # grpo only: β of the k3 KL to the reference model
 REWARD=${REWARD:-dapo_strict_box}        # or math_verify
+ATTN_IMPL=${ATTN_IMPL:-auto}             # auto | flash_attention_2 | sdpa
 # in-training validation (JustRL's script: 32 samples at T=0.7, top-p 0.9 on AIME24/25, AMC23)
 VAL_N=${VAL_N:-32}
 VAL_TEMPERATURE=${VAL_TEMPERATURE:-0.7}
@@ -50,8 +65,27 @@ PROJECT=${PROJECT:-stapo}
 EXPERIMENT=${EXPERIMENT:-${LOSS_MODE}-qwen3-1.7b-base}
 CKPT_DIR=${CKPT_DIR:-checkpoints/${PROJECT}/${EXPERIMENT}}
 
+# the objective of each method (METHOD §3-§5); verl's own loss is `vanilla` for vanilla (JustRL) and grpo
+case "$LOSS_MODE" in
+  stapo|entropy20|vanilla)  # JustRL: clip-higher 0.2 / 0.28, dual clip c = 10, token-mean, no KL
+    POLICY_LOSS=$LOSS_MODE AGG=token-mean CLIP_HIGH=0.28 CLIP_C=10.0 USE_KL=False ;;
+  grpo)  # DeepSeekMath GRPO: symmetric clip 0.2, c = 1e9 > e^20 = verl's largest ratio (dual clip off), k3 KL
+    POLICY_LOSS=vanilla AGG=seq-mean-token-mean CLIP_HIGH=0.2 CLIP_C=1e9 USE_KL=True ;;
+  *) echo "LOSS_MODE must be stapo, entropy20, vanilla or grpo (got '$LOSS_MODE')" >&2; exit 2 ;;
+esac
+if [[ "$ATTN_IMPL" == auto ]]; then
+  if "$PYTHON" -c "import flash_attn" >/dev/null 2>&1; then ATTN_IMPL=flash_attention_2; else
+    ATTN_IMPL=sdpa
+    echo "note: flash_attn is not importable here: the FSDP actor/reference use attn_implementation=sdpa" \
+         "(set ATTN_IMPL=flash_attention_2 after installing flash-attn on every node; README, Cluster)" >&2
+  fi
+fi
+case "$ATTN_IMPL" in flash_attention_2|sdpa) ;;
+  *) echo "ATTN_IMPL must be auto, flash_attention_2 or sdpa (got '$ATTN_IMPL')" >&2; exit 2 ;;
+esac
+
 ARGS=(
-  # GRPO advantages, (R − mean) / (std + 1e-6) over the 8 responses of a prompt (METHOD §2); no KL anywhere
+  # GRPO advantages, (R − mean) / (std + 1e-6) over the 8 responses of a prompt (METHOD §2); no KL in the reward
   algorithm.adv_estimator=grpo
   algorithm.norm_adv_by_std_in_grpo=True
   algorithm.use_kl_in_reward=False
@@ -67,6 +101,7 @@ ARGS=(
   actor_rollout_ref.model.path="$MODEL_PATH"
   actor_rollout_ref.model.external_lib=stapo.integrations.verl
   actor_rollout_ref.model.use_remove_padding=True
+  +actor_rollout_ref.model.override_config.attn_implementation="$ATTN_IMPL"
   actor_rollout_ref.model.enable_gradient_checkpointing=True
   # AdamW, constant LR 1e-6, 10 warm-up steps, weight decay 0.1, grad-norm clip 1.0 (METHOD §6)
   actor_rollout_ref.actor.strategy=fsdp2
@@ -80,15 +115,17 @@ ARGS=(
   actor_rollout_ref.actor.ppo_epochs=1
   actor_rollout_ref.actor.use_dynamic_bsz=True
   actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768
-  # JustRL objective: clip-higher 0.2 / 0.28, dual clip c = 10, token-mean, no KL, no entropy bonus (METHOD §3)
+  # the objective (the case above): clip, dual clip, aggregation, KL to the reference; no entropy bonus
   actor_rollout_ref.actor.clip_ratio_low=0.2
-  actor_rollout_ref.actor.clip_ratio_high=0.28
-  actor_rollout_ref.actor.clip_ratio_c=10.0
-  actor_rollout_ref.actor.loss_agg_mode=token-mean
+  actor_rollout_ref.actor.clip_ratio_high="$CLIP_HIGH"
+  actor_rollout_ref.actor.clip_ratio_c="$CLIP_C"
+  actor_rollout_ref.actor.loss_agg_mode="$AGG"
   actor_rollout_ref.actor.entropy_coeff=0
-  actor_rollout_ref.actor.use_kl_loss=False
-  # the objective: stapo (S2T, METHOD §4) | entropy20 (METHOD §5) | vanilla (JustRL), and the mask parameters
-  actor_rollout_ref.actor.policy_loss.loss_mode="$LOSS_MODE"
+  actor_rollout_ref.actor.use_kl_loss="$USE_KL"
+  actor_rollout_ref.actor.kl_loss_coef="$KL_COEF"
+  actor_rollout_ref.actor.kl_loss_type=low_var_kl
+  # verl's loss: stapo (S2T, METHOD §4) | entropy20 (METHOD §5) | vanilla (JustRL, GRPO), and the mask parameters
+  actor_rollout_ref.actor.policy_loss.loss_mode="$POLICY_LOSS"
   actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig
   +actor_rollout_ref.actor.policy_loss.s2t_prob_threshold="$TAU_P"
   +actor_rollout_ref.actor.policy_loss.s2t_entropy_quantile="$Q"
@@ -126,13 +163,13 @@ ARGS=(
 )
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  exec python3 "$(dirname "$0")/check_launch_config.py" "${ARGS[@]}"
+  exec "$PYTHON" "$(dirname "$0")/check_launch_config.py" "${ARGS[@]}"
 fi
-python3 -c "import stapo.integrations.verl, stapo.integrations.verl_reward" \
+"$PYTHON" -c "import stapo.integrations.verl, stapo.integrations.verl_reward" \
   || { echo "stapo or verl is not importable here: pip install --no-deps -e <stapo checkout>" >&2; exit 1; }
 for f in train aime24 aime25 amc23; do
   [[ -f "$DATA_DIR/$f.parquet" ]] || { echo "missing $DATA_DIR/$f.parquet: run scripts/verl/prepare_verl_data.py" >&2; exit 1; }
 done
 
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HYDRA_FULL_ERROR=1
-python3 -m verl.trainer.main_ppo "${ARGS[@]}"
+"$PYTHON" -m verl.trainer.main_ppo "${ARGS[@]}"

@@ -116,6 +116,8 @@ import torch
 import torch.nn.functional as F
 
 from stapo.objectives import (
+    LOSS_AGG_MODES,
+    OBJECTIVES,
     Objective,
     compute_token_mask,
     get_objective,
@@ -143,6 +145,9 @@ __all__ = [
     "mask_context",
     "current_mask_context",
     "objective_from_verl_config",
+    "objective_of_verl_actor",
+    "registered_objective_name",
+    "VERL_MAX_RATIO",
     "minibatch_token_mask",
     "compute_policy_loss_stapo",
     "compute_policy_loss_entropy20",
@@ -243,6 +248,78 @@ def objective_from_verl_config(loss_mode: str, config: Any) -> Objective:
             f"verl loss {loss_mode!r}: clip (ε_low, ε_high, c) = {(low, high, c)} from the actor config differ from "
             f"the paper's {paper} (set actor.clip_ratio_low/clip_ratio_high/clip_ratio_c)", stacklevel=2)
     return obj
+
+
+#: verl clamps log ρ to ±20 before exp (core_algos.compute_policy_loss_vanilla), so ρ ≤ e^20 ≈ 4.9e8 and a dual-clip
+#: constant c > e^20 never binds: "dual clip off" in verl, ``clip_ratio_c=None`` in :class:`Objective`.
+VERL_MAX_RATIO: float = math.exp(20.0)
+
+
+def objective_of_verl_actor(config: Any) -> Objective:
+    """The objective verl's actor optimises with this actor config, as a :class:`~stapo.objectives.Objective`.
+
+    ``policy_loss.loss_mode`` ``stapo`` / ``entropy20`` → :func:`objective_from_verl_config`; ``vanilla`` (verl's
+    clipped surrogate, core_algos.compute_policy_loss_vanilla) → aggregation ``loss_agg_mode``, clip
+    ``clip_ratio_low``/``clip_ratio_high``, dual clip ``clip_ratio_c`` (None when > :data:`VERL_MAX_RATIO`),
+    β = ``kl_loss_coef`` when ``use_kl_loss`` (KL type ``low_var_kl``/``k3`` = our k3, clamped as verl does),
+    no token mask. The result is named ``verl:<loss_mode>``; :func:`registered_objective_name` says which of
+    our registered objectives it equals.
+
+    Args:
+        config: verl ``ActorConfig`` (or a dict / DictConfig with the same keys).
+
+    Returns:
+        A validated :class:`Objective`.
+
+    Raises:
+        ValueError: settings with no counterpart in :mod:`stapo.objectives` (another loss_mode, loss_agg_mode or
+            KL type, an entropy bonus; with a plugin loss a KL term or an aggregation other than token-mean).
+    """
+    pl = _cfg_get(config, "policy_loss", None)
+    loss_mode = _cfg_get(pl, "loss_mode", "vanilla")
+    if _cfg_get(config, "entropy_coeff", 0) not in (0, 0.0, None):
+        raise ValueError(f"actor.entropy_coeff={_cfg_get(config, 'entropy_coeff')}: our objectives have no "
+                         "entropy bonus (METHOD.md §3); set it to 0")
+    use_kl = bool(_cfg_get(config, "use_kl_loss", False))
+    if loss_mode in PLUGIN_LOSSES:
+        if use_kl:
+            raise ValueError(f"verl loss {loss_mode!r} takes no KL term (METHOD.md §3-§5): set actor.use_kl_loss=False")
+        obj = objective_from_verl_config(loss_mode, config)
+        agg = _cfg_get(config, "loss_agg_mode", "token-mean")
+        if agg != obj.loss_agg_mode:
+            raise ValueError(f"verl loss {loss_mode!r} needs actor.loss_agg_mode={obj.loss_agg_mode!r} (renormalised "
+                             f"over the kept tokens), got {agg!r}")
+        return obj.replace(name=f"verl:{loss_mode}")
+    if loss_mode != "vanilla":
+        raise ValueError(f"verl policy_loss.loss_mode={loss_mode!r} has no stapo.objectives counterpart "
+                         f"(supported: vanilla, {', '.join(sorted(PLUGIN_LOSSES))})")
+    agg = _cfg_get(config, "loss_agg_mode", "token-mean")
+    if agg not in LOSS_AGG_MODES:
+        raise ValueError(f"actor.loss_agg_mode={agg!r} has no stapo.objectives counterpart; valid: {LOSS_AGG_MODES}")
+    clip = _cfg_get(config, "clip_ratio", 0.2)
+    low, high = _cfg_get(config, "clip_ratio_low", None), _cfg_get(config, "clip_ratio_high", None)
+    c = float(_cfg_get(config, "clip_ratio_c", 3.0))  # verl's default dual clip is 3
+    kl_coef = 0.0
+    if use_kl:
+        kl_type = str(_cfg_get(config, "kl_loss_type", "low_var_kl"))
+        if kl_type not in ("low_var_kl", "k3"):
+            raise ValueError(f"actor.kl_loss_type={kl_type!r}: our KL penalty is k3 (verl low_var_kl)")
+        kl_coef = float(_cfg_get(config, "kl_loss_coef", 0.0))
+    return Objective(
+        name="verl:vanilla", loss_agg_mode=agg,
+        clip_ratio_low=float(low if low is not None else clip),
+        clip_ratio_high=float(high if high is not None else clip),
+        clip_ratio_c=None if c > VERL_MAX_RATIO else c, kl_coef=kl_coef, token_mask="none")
+
+
+def registered_objective_name(objective: Objective) -> str | None:
+    """The name of the registered objective (:data:`stapo.objectives.OBJECTIVES`) equal to ``objective`` in every
+    field but the name, or None (e.g. ``objective_of_verl_actor(cfg)`` of the launch script's ``grpo`` → ``"grpo"``).
+    """
+    for name, reg in OBJECTIVES.items():
+        if objective.replace(name=name) == reg:
+            return name
+    return None
 
 
 # --- the context that carries mini-batch information into the registered loss ----------------------------
