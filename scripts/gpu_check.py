@@ -938,7 +938,7 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, small sizes (CI)")
     ap.add_argument("--out", default=os.environ.get("OUT_DIR") or os.environ.get("OUT") or None,
                     help="where gpu_check.json / gpu_check.md go (default $OUT_DIR, $OUT, or /tmp/gpu_check[_dry])")
-    ap.add_argument("--work", default=None, help="scratch folder for models and runs (default: a temp dir)")
+    ap.add_argument("--work", default=None, help="scratch folder for models and runs, kept (default: a temp dir, removed)")
     ap.add_argument("--wheels", default=str(DEFAULT_WHEELS), help="shipped wheels + tokenizer (scripts/gpu_check_wheels.sh)")
     ap.add_argument("--budget-s", type=float, default=None, help="total time budget (default 480 GPU / 240 dry run)")
     ap.add_argument("--parts", default="token_stats,mfu,trainer,fsdp2",
@@ -1051,6 +1051,8 @@ def main() -> int:
     with lock:
         finalize(status["code"])
     recorder.__exit__()
+    if not args.work:  # our own temp dir (tiny model, run folders); --work folders are kept
+        __import__("shutil").rmtree(work, ignore_errors=True)
     print(f"[gpu_check] {result['status']} in {result['total_seconds']} s → {out_dir}/gpu_check.json, gpu_check.md")
     return status["code"]
 
