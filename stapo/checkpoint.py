@@ -158,8 +158,9 @@ def export_hf(model: torch.nn.Module, folder: str | Path, tokenizer: Any = None,
     What ``save_pretrained`` writes — config with ``dtype`` and ``architectures`` (the ``FSDP`` class prefix
     removed), tied weights stored once, ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` +
     ``model.safetensors.index.json`` split by ``huggingface_hub.split_torch_state_dict_into_shards`` — but built
-    shard by shard: the tensors of one shard are gathered one at a time (:func:`stapo.distributed.full_tensor`,
-    an all-gather for FSDP2 ``DTensor`` parameters), cast to ``dtype`` on CPU, written by rank 0 and released.
+    shard by shard: the tensors of one shard are cast to ``dtype`` (FSDP2: this rank's shard, before gathering),
+    gathered one at a time (:func:`stapo.distributed.full_tensor`, an all-gather for FSDP2 ``DTensor``
+    parameters), moved to CPU, written by rank 0 and released.
     Models whose transformers class renames/fuses weights on load (``revert_weight_conversion`` would change
     the names, e.g. some MoE) fall back to a full gather on rank 0 and ``save_pretrained``.
 
@@ -206,9 +207,11 @@ def export_hf(model: torch.nn.Module, folder: str | Path, tokenizer: Any = None,
         for filename, names in split.filename_to_tensors.items():
             shard: dict[str, torch.Tensor] = {}
             for name in names:
-                full = dist.full_tensor(state[name].detach())  # FSDP2: every rank joins the all-gather
+                local = state[name].detach().to(meta[name].dtype)  # cast before gathering: half the bytes for bf16
+                full = dist.full_tensor(local)  # FSDP2: every rank joins the all-gather
+                del local
                 if ctx.is_main:
-                    shard[name] = full.to("cpu", meta[name].dtype).contiguous()
+                    shard[name] = full.to("cpu").contiguous()
                 del full
             if ctx.is_main:
                 save_file(shard, folder / filename, metadata={"format": "pt"})

@@ -55,9 +55,11 @@ is simply the r-th contiguous slice of the step's batch), and the rank-major con
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -453,6 +455,14 @@ def _pg_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+@contextlib.contextmanager
+def _quiet_no_dist() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to save/load in a single process" warning (one process is ours)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
 def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` for ``torch.distributed.checkpoint`` — this rank's part, nothing gathered.
 
@@ -475,15 +485,18 @@ def save_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
                        path: str | os.PathLike) -> None:
     """Write model (+ optimizer) state with ``torch.distributed.checkpoint.save`` into the folder ``path``.
 
-    Collective over the default process group when one is initialised: every rank writes its own shards (``__<rank>_0.distcp``; FSDP2: its DTensor shards;
-    replicate: each replicated tensor is written once, by one rank) into ``path``, which must be shared by
-    all ranks; ``.metadata`` is written last, by rank 0, and the call returns on every rank after it exists. No
-    rank gathers anything: rank 0's extra memory is at most one of its own tensors (staging). W = 1: the same
-    files from one process (no process group needed).
+    Collective over the default process group when one is initialised: every rank writes its own shards
+    (``__<rank>_0.distcp``; FSDP2: its DTensor shards; replicate: each replicated tensor is written once, by one
+    rank) into ``path``, which must be shared by all ranks; ``.metadata`` is written last, by rank 0, and the
+    call returns on every rank after it exists. No rank gathers anything: rank 0's extra memory is small (DCP's
+    plans and metadata; measured ~7 MB for 470 MB of local state). W = 1: the same files from one process (no
+    process group needed).
     """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(sharded_state_dict(model, optimizer), checkpoint_id=os.fspath(path), no_dist=not _pg_initialized())
+    state = sharded_state_dict(model, optimizer)
+    with _quiet_no_dist():
+        dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not _pg_initialized())
 
 
 def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -504,7 +517,8 @@ def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
 
     state = sharded_state_dict(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _pg_initialized())
+        with _quiet_no_dist():
+            dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _pg_initialized())
     except Exception as exc:  # DCP raises CheckpointException / RuntimeError / ValueError, multi-line
         reason = " ".join(str(exc).split())[:500]
         raise ValueError(f"{path}: sharded checkpoint does not match this model/optimizer: {reason}") from exc
