@@ -509,18 +509,25 @@ def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
     process group when one is initialised.
 
     Raises:
+        FileNotFoundError: no ``path/.metadata`` (not a complete DCP folder), naming it.
         ValueError: the checkpoint does not match the model / optimizer (a missing parameter, another shape) —
-            the message names ``path`` and DCP's reason.
+            one line naming ``path`` and DCP's reason (the first failing rank's).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    metadata = os.path.join(os.fspath(path), ".metadata")
+    if not os.path.isfile(metadata):
+        raise FileNotFoundError(f"{metadata} not found: {path} is not a complete torch.distributed.checkpoint folder")
     state = sharded_state_dict(model, optimizer)
     try:
         with _quiet_no_dist():
             dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _pg_initialized())
-    except Exception as exc:  # DCP raises CheckpointException / RuntimeError / ValueError, multi-line
-        reason = " ".join(str(exc).split())[:500]
+    except (Exception, CheckpointException) as exc:  # CheckpointException (a BaseException) wraps every rank's error
+        causes = [e for e, _ in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
+        reason = " ".join(f"{type(e).__name__}: {e}" for e in causes[:1])
+        reason = " ".join(reason.split())[:500]
         raise ValueError(f"{path}: sharded checkpoint does not match this model/optimizer: {reason}") from exc
     if optimizer is None:
         set_model_state_dict(model, state["model"])

@@ -37,10 +37,9 @@ def _model_and_optimizer(tokenizer, seed: int = 0, **kw):
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_hf_writes_what_save_pretrained_writes(tmp_path, tokenizer, tied):
     """bf16 export of fp32 weights in 2 MB shards: the same files, config.json, generation_config.json, index and
-    tensors as ``save_pretrained`` of the model cast to bf16 (tied embeddings stored once), and transformers
-    loads it (ties restored)."""
+    tensors as ``save_pretrained`` of the model cast to bf16 (tied embeddings stored once), and ``load_policy``
+    (transformers; what train.py and evaluate.py use) loads it, ties restored."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     model, _ = build_tiny_model(tokenizer=tokenizer, tie_word_embeddings=tied)
     ck.export_hf(model, tmp_path / "mine", tokenizer, dtype="bf16", max_shard_size="2MB")
@@ -57,7 +56,9 @@ def test_export_hf_writes_what_save_pretrained_writes(tmp_path, tokenizer, tied)
             assert sorted(a.keys()) == sorted(b.keys())
             for k in b.keys():
                 assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mine")
+    from stapo.models import load_policy
+
+    loaded, _ = load_policy(str(tmp_path / "mine"), dtype="bfloat16")  # what evaluate.py / train.py call
     assert loaded.dtype == torch.bfloat16
     sd = model.state_dict()
     for k, v in loaded.state_dict().items():
@@ -94,22 +95,31 @@ def test_sharded_save_and_load_round_trip(tmp_path, tokenizer):
 
 
 def test_incomplete_checkpoints_are_never_picked(tmp_path, tokenizer):
-    """latest_checkpoint: a later folder without dcp/.metadata, without HF weights or without trainer_state.pt is
-    skipped, as are *.tmp folders; a previous-format folder (trainer_state.pt, no dcp/) counts."""
+    """latest_checkpoint (and evaluate.py's run-folder resolution): a later folder without dcp/.metadata, without
+    HF weights or without trainer_state.pt is skipped, as are *.tmp folders; a previous-format folder
+    (trainer_state.pt, no dcp/) counts."""
+    from stapo.evaluation.model_source import resolve_model_source
+
+    def picked(root: Path) -> Path | None:
+        latest = ck.latest_checkpoint(root)
+        src = resolve_model_source(str(root.parent))  # evaluate.py --model <run dir>: the same rule
+        assert src.kind == "checkpoint" and src.path == str(latest.resolve())
+        return latest
+
     model, opt = _model_and_optimizer(tokenizer)
-    root = tmp_path / "checkpoints"
+    root = tmp_path / "run" / "checkpoints"
     good = ck.save_checkpoint(root, 1, model, tokenizer, {}, optimizer=opt)
     for step, drop in ((2, "dcp/.metadata"), (3, "model.safetensors"), (4, "trainer_state.pt")):
         broken = root / f"step_{step:06d}"
         shutil.copytree(good, broken)
         (broken / drop).unlink()
-        assert ck.latest_checkpoint(root) == good, drop
+        assert picked(root) == good, drop
     shutil.copytree(good, root / "step_000005.tmp")
-    assert ck.latest_checkpoint(root) == good
+    assert picked(root) == good
     previous = root / "step_000006"
     shutil.copytree(good, previous)
     shutil.rmtree(previous / "dcp")
-    assert ck.latest_checkpoint(root) == previous and not ck.is_sharded(previous)
+    assert picked(root) == previous and not ck.is_sharded(previous)
 
 
 def test_a_crash_during_a_save_keeps_the_finished_checkpoints(tmp_path, tokenizer, monkeypatch):
@@ -137,9 +147,11 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, tokenizer):
     model, opt = _model_and_optimizer(tokenizer)
     final = ck.save_checkpoint(tmp_path, 1, model, tokenizer, {}, optimizer=opt)
     wider, _ = build_tiny_model(hidden_size=96, tokenizer=tokenizer)
-    with pytest.raises(ValueError, match=r"step_000001/dcp: sharded checkpoint does not match") as err:
+    with pytest.raises(ValueError, match=r"step_000001/dcp: sharded checkpoint does not match .*Size mismatch") as err:
         dist.load_sharded_state(wider, torch.optim.AdamW(wider.parameters()), final / ck.DCP_DIR)
     assert "\n" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"nothing/\.metadata not found"):
+        dist.load_sharded_state(model, opt, tmp_path / "nothing")
     with pytest.raises(ValueError, match="keep_last"):
         ck.save_checkpoint(tmp_path, 2, model, tokenizer, {}, optimizer=opt, keep_last=0)
     with pytest.raises(FileNotFoundError, match="trainer_state.pt not found"):
