@@ -156,3 +156,19 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, tokenizer):
         ck.save_checkpoint(tmp_path, 2, model, tokenizer, {}, optimizer=opt, keep_last=0)
     with pytest.raises(FileNotFoundError, match="trainer_state.pt not found"):
         ck.load_trainer_state(tmp_path / "nothing")
+
+
+def test_export_of_a_model_with_weight_conversions_falls_back_to_save_pretrained(tmp_path, tokenizer, monkeypatch):
+    """Models whose transformers class renames / fuses weights on save (``_plain_names`` False) are exported by
+    ``save_pretrained`` of the gathered state dict: the same tensors in the requested dtype."""
+    from safetensors.torch import load_file
+
+    model, _ = build_tiny_model(tokenizer=tokenizer)
+    monkeypatch.setattr(ck, "_plain_names", lambda model, meta: False)
+    ck.export_hf(model, tmp_path / "fallback", tokenizer, dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "fallback" / "config.json").read_text())["dtype"] == "bfloat16"
+    got = load_file(tmp_path / "fallback" / "model.safetensors")
+    sd = model.state_dict()
+    assert got.keys() == sd.keys()
+    for k, v in got.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, sd[k].to(torch.bfloat16)), k
