@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 
 from stapo.advantages import grpo_advantages
 from stapo.analysis import entropy_change_estimate, logit_grad_norm, quadrant_summary
-from stapo.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from stapo.checkpoint import (DCP_DIR, is_sharded, latest_checkpoint, load_trainer_state, rng_state, save_checkpoint,
+                              set_rng_state)
 from stapo.config import TrainConfig, to_dict
 from stapo import distributed as dist
 from stapo.objectives import Objective, compute_token_mask, get_objective, policy_loss
@@ -336,20 +337,19 @@ class Trainer:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _maybe_resume(self) -> None:
+        """Resume from the latest complete checkpoint, if any (every rank): model + optimizer from ``dcp/``,
+        re-sharded to this run's ranks and strategy (checkpoints of the previous format: weights from the HF files,
+        the full optimizer state from ``trainer_state.pt``); then scheduler, data loader, RNG (this rank's when the
+        rank count is unchanged, else rank 0's) and step."""
         ckpt = latest_checkpoint(self.ckpt_root)
         if ckpt is None:
             return
-        from stapo.models import load_policy
-
-        state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: memory-mapped)
-        model_sd: dict[str, torch.Tensor] = {}
-        if self.dist.is_main or self.dist.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast
-            model, _ = load_policy(str(ckpt), dtype=self.precision.param_dtype,
-                                   attn_implementation=self.cfg.model.attn_implementation)
-            model_sd = model.state_dict()
-            del model
-        dist.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"], self.dist)
-        del model_sd
+        if is_sharded(ckpt):
+            state = load_trainer_state(ckpt)
+            dist.load_sharded_state(self.model, self.optimizer, ckpt / DCP_DIR)  # collective under torchrun
+        else:
+            state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: memory-mapped)
+            self._load_full_checkpoint(ckpt, state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         per_rank = state.get("rng_per_rank")
@@ -359,22 +359,30 @@ class Trainer:
         if self.dist.is_main:
             tqdm.write(f"resumed from {ckpt} at step {self.step}")
 
+    def _load_full_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> None:
+        """Previous checkpoint format: weights from the HF files, ``state["optimizer"]`` the full optimizer state."""
+        from stapo.models import load_policy
+
+        model_sd: dict[str, torch.Tensor] = {}
+        if self.dist.is_main or self.dist.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast
+            model, _ = load_policy(str(ckpt), dtype=self.precision.param_dtype,
+                                   attn_implementation=self.cfg.model.attn_implementation)
+            model_sd = model.state_dict()
+            del model
+        dist.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"], self.dist)
+
     def save(self) -> Path:
-        """Write the step's checkpoint (rank 0; under FSDP2 every rank first joins the full state-dict gathers).
-        Every rank returns the checkpoint folder after it is complete."""
-        model_sd = dist.full_model_state_dict(self.model, self.dist)  # None: save the module itself
-        optim_sd = dist.full_optimizer_state_dict(self.model, self.optimizer, self.dist)
+        """Write the step's checkpoint (:func:`stapo.checkpoint.save_checkpoint`; collective under torchrun: every
+        rank writes its model/optimizer shards, rank 0 the HF export in ``compute_dtype`` — the parameters' dtype
+        when the trainer has none — and the trainer state). Every rank returns the folder once it is complete."""
         rngs = dist.gather_objects(rng_state(), self.dist)
-        final = self.ckpt_root / f"step_{self.step:06d}"
-        if self.dist.is_main:
-            state = {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
-                     "loader": self.loader.state_dict(), "rng": rngs[0], "config": to_dict(self.cfg)}
-            if self.dist.enabled:
-                state["rng_per_rank"] = rngs
-            final = save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer, state,
-                                    keep_last=self.cfg.trainer.keep_last, state_dict=model_sd)
-        dist.barrier(self.dist)
-        return final
+        state = {"scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rngs[0],
+                 "config": to_dict(self.cfg)}
+        if self.dist.enabled:
+            state["rng_per_rank"] = rngs
+        return save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer, state,
+                               optimizer=self.optimizer, keep_last=self.cfg.trainer.keep_last,
+                               export_dtype=getattr(self, "compute_dtype", None), ctx=self.dist)
 
     # ------------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:

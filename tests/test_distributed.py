@@ -347,3 +347,127 @@ def test_two_ranks_with_vllm_engines_match_one_process(tmp_path):
     _assert_same_metrics(_rows(two), _rows(one))
     for row in _rows(two):
         assert row["rollout/logprob_diff_max"] < 1e-3
+
+
+# --- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------------------
+def _train_in_process(run: Path, *overrides: str) -> None:
+    """Resume / run the toy trainer in this process (1 thread, as the ``one_rank`` reference)."""
+    trainer = make_trainer(str(run), [*COMMON, *overrides], uneven_reward=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fsdp2_sharded_checkpoint_resumes_exactly_on_2_ranks_and_1_process_and_rank_0_saves_in_little_memory(
+        tmp_path):
+    """tests/sharded_ckpt_run.py: 2 FSDP2 gloo ranks, a 40M-parameter tiny Qwen3 (AdamW state 315 MB), one
+    synthetic step, ``Trainer.save()`` (HF export in bf16, 16 MB shards), a second step; then resume from the
+    checkpoint on 2 ranks and in 1 process and take the same second step. Every full model / optimizer tensor
+    (SHA-1 of its bytes), the lr, the loader position and the RNG draws equal the uninterrupted run's, after
+    loading and after the step. Rank 0's peak RSS above its baseline during the save stays below half the full
+    optimizer state (it writes only its shards; measured ~70 MB), while the previous path — the full optimizer
+    state gathered to rank 0 — exceeds that bound in the same run (measured ~360 MB), so the check can fail.
+    The bf16 export loads with transformers (sharded files + index) and equals the fp32 state cast to bf16.
+    ~70 s on 2 loaded cores."""
+    script = str(REPO / "tests" / "sharded_ckpt_run.py")
+    env = {**_env(), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    for cmd in ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+                 script, "save", str(tmp_path)],
+                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+                 script, "resume", str(tmp_path)],
+                [sys.executable, script, "resume", str(tmp_path)]):
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+        assert res.returncode == 0, (cmd[-2], res.stderr[-4000:])
+    saved = json.loads((tmp_path / "save.json").read_text())
+    ckpt = tmp_path / "toy" / "checkpoints" / "step_000001"
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2  # sharded HF export
+    assert sorted(p.name for p in (ckpt / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert "optimizer" not in state and state["step"] == 1 and len(state["rng_per_rank"]) == 2
+    bound = saved["optim_bytes"] / 2
+    assert saved["optim_bytes"] > 300e6  # 2 fp32 moments of ~39M parameters
+    print(f"\nrank 0 peak above baseline ({saved['method']}): Trainer.save() {saved['save_extra'] / 1e6:.1f} MB, "
+          f"full optimizer gather {saved['full_gather_extra'] / 1e6:.1f} MB; full optimizer state "
+          f"{saved['optim_bytes'] / 1e6:.1f} MB, model {saved['model_bytes'] / 1e6:.1f} MB")
+    assert saved["full_gather_extra"] > bound  # the measurement sees a full optimizer state on rank 0
+    assert saved["save_extra"] < bound
+    for world in (2, 1):
+        got = json.loads((tmp_path / f"resume_{world}.json").read_text())
+        assert got["step"] == 1 and got["loader"] == saved["loader1"]
+        assert got["loaded"] == saved["step1"], world  # model, AdamW moments and steps, lr: bit-identical
+        assert got["draws"][0] == saved["draws"][1], world  # RNG state (rank 0's)
+        assert got["step2"] == saved["step2"], world  # exact continuation
+    assert len(saved["step1"]) > 300
+    one = json.loads((tmp_path / "resume_1.json").read_text())
+    assert one["hf_dtype"] == "torch.bfloat16" and one["hf_keys_equal"] and one["hf_mismatches"] == []
+
+
+def test_one_process_resumes_an_fsdp2_checkpoint(fsdp2_run, tmp_path):
+    """The 2-rank FSDP2 run's step-1 checkpoint (DTensor shards in dcp/) resumed by one process: step 2 matches the
+    uninterrupted 2-rank run (tolerance of the FSDP2 ↔ one-process comparison: another summation order)."""
+    run = tmp_path / "to_one"
+    shutil.copytree(fsdp2_run, run)
+    shutil.rmtree(run / "toy" / "checkpoints" / "step_000002")
+    _train_in_process(run, "actor.fused_forward=true", "trainer.resume=auto")
+    _assert_same_metrics(_rows(run), _rows(fsdp2_run))
+    _assert_same_weights(_weights(run, 2), _weights(fsdp2_run, 2), atol=5e-5)
+
+
+def test_one_process_resumes_a_replicate_checkpoint(replicate_run, tmp_path):
+    """2 replicated ranks write each tensor once (DCP de-duplicates replicated plain tensors); one process resumes
+    it: step 2 matches the uninterrupted replicate run (tolerance as in the replicate comparison)."""
+    run = tmp_path / "rep_to_one"
+    shutil.copytree(replicate_run, run)
+    shutil.rmtree(run / "toy" / "checkpoints" / "step_000002")
+    _train_in_process(run, "actor.share_prompt=true", "actor.fused_forward=true", "trainer.resume=auto")
+    _assert_same_metrics(_rows(run), _rows(replicate_run))
+    _assert_same_weights(_weights(run, 2), _weights(replicate_run, 2), atol=5e-5)
+
+
+def _to_previous_format(ckpt: Path) -> None:
+    """Rewrite a one-process checkpoint in the previous format: the full ``optimizer.state_dict()`` (keyed by
+    parameter index) in trainer_state.pt, no dcp/ — what train.py wrote before sharded checkpoints."""
+    from stapo.checkpoint import load_trainer_state
+
+    trainer = make_trainer(str(ckpt.parents[2]), [*COMMON, "trainer.resume=auto"], uneven_reward=True)
+    trainer._maybe_resume()  # through dcp/ (exact: see the sharded test)
+    state = load_trainer_state(ckpt)
+    state.pop("format")
+    state["optimizer"] = trainer.optimizer.state_dict()
+    torch.save(state, ckpt / "trainer_state.pt")
+    shutil.rmtree(ckpt / "dcp")
+
+
+def test_one_process_resumes_a_checkpoint_of_the_previous_format(one_rank, tmp_path):
+    """Checkpoints written before dcp/ existed still resume (weights from the HF files, the optimizer from
+    trainer_state.pt): step 2 is the uninterrupted one-process run's, exactly."""
+    from stapo.checkpoint import is_sharded, latest_checkpoint
+
+    ref_dir, _ = one_rank
+    run = tmp_path / "previous"
+    shutil.copytree(ref_dir, run)
+    shutil.rmtree(run / "toy" / "checkpoints" / "step_000002")
+    _to_previous_format(run / "toy" / "checkpoints" / "step_000001")
+    ckpt = latest_checkpoint(run / "toy" / "checkpoints")
+    assert ckpt is not None and ckpt.name == "step_000001" and not is_sharded(ckpt)
+    _train_in_process(run, "trainer.resume=auto")
+    _assert_same_metrics(_rows(run), _rows(ref_dir), rel=0, abs_=0)
+    _assert_same_weights(_weights(run, 2), _weights(ref_dir, 2), atol=0)
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_resume_a_checkpoint_of_the_previous_format(one_rank, tmp_path):
+    """The previous format resumed by 2 FSDP2 ranks (full optimizer state memory-mapped by every rank, weights
+    broadcast from rank 0): as the one-process → FSDP2 resume. ~40 s."""
+    ref_dir, _ = one_rank
+    run = tmp_path / "previous_fsdp2"
+    shutil.copytree(ref_dir, run)
+    shutil.rmtree(run / "toy" / "checkpoints" / "step_000002")
+    _to_previous_format(run / "toy" / "checkpoints" / "step_000001")
+    _torchrun(run, "trainer.data_parallel=fsdp2", "trainer.resume=auto")
+    _assert_same_metrics(_rows(run), _rows(ref_dir))
+    _assert_same_weights(_weights(run, 2), _weights(ref_dir, 2), atol=5e-5)

@@ -5,7 +5,8 @@ Accepted forms (:func:`resolve_model_source`):
 * ``embedded:smollm2`` (and the other :data:`stapo.models.EMBEDDED_ALIASES`) — the embedded SmolLM2-135M-Instruct;
 * ``tiny`` — a randomly initialised tiny Qwen3 model (tests only, like ``model.path: tiny`` in train configs);
 * a local HF folder (``config.json`` plus ``*.safetensors`` / ``pytorch_model*.bin`` weights);
-* a train.py checkpoint ``runs/<name>/checkpoints/step_XXXXXX`` (an HF folder with ``trainer_state.pt``) —
+* a train.py checkpoint ``runs/<name>/checkpoints/step_XXXXXX`` (an HF folder with ``trainer_state.pt``; the
+  sharded training state in its ``dcp/`` subfolder is ignored) —
   its run's ``config.json`` gives the training prompt (``data.prompt_style``, ``data.system_prompt``);
 * a train.py run folder ``runs/<name>`` or its ``checkpoints`` folder — the latest complete checkpoint;
 * a hub id ``org/name`` (needs network or a filled HF cache), when no local path of that name exists.
@@ -68,13 +69,24 @@ def _has_weights(folder: Path) -> bool:
     return any(any(folder.glob(pattern)) for pattern in _WEIGHT_GLOBS)
 
 
+def _is_complete(ckpt: Path) -> bool:
+    """``trainer_state.pt`` present and, for a checkpoint with a ``dcp/`` folder, its ``.metadata``, ``config.json``
+    and HF weights (the rule of :func:`stapo.checkpoint.latest_checkpoint`, without importing torch)."""
+    if not (ckpt / "trainer_state.pt").is_file():
+        return False
+    if not (ckpt / "dcp").is_dir():
+        return True
+    return ((ckpt / "dcp" / ".metadata").is_file() and (ckpt / "config.json").is_file()
+            and ((ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file()))
+
+
 def _complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints (``step_XXXXXX`` with ``trainer_state.pt``) under ``root``, oldest first
+    """Complete checkpoints (``step_XXXXXX``, :func:`_is_complete`) under ``root``, oldest first
     (the same rule as :func:`stapo.checkpoint.latest_checkpoint`)."""
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := _STEP_DIR.match(p.name)) and (p / "trainer_state.pt").is_file()]
+             if p.is_dir() and (m := _STEP_DIR.match(p.name)) and _is_complete(p)]
     return [p for _, p in sorted(found)]
 
 

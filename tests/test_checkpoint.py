@@ -1,0 +1,174 @@
+"""stapo/checkpoint.py in one process: the HF export, the dcp/ round trip, completeness, crash safety, bad input.
+
+(The 2-rank FSDP2 / replicate cases, resharding and rank 0's memory: tests/test_distributed.py.)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from stapo import checkpoint as ck
+from stapo import distributed as dist
+from stapo.models import build_tiny_model, load_tokenizer, EMBEDDED_ALIASES
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EMBEDDED_ALIASES[0])
+
+
+def _model_and_optimizer(tokenizer, seed: int = 0, **kw):
+    """A tiny model and an AdamW that has taken one step (gradients 0.5·p + 0.01: non-trivial moments)."""
+    model, _ = build_tiny_model(seed=seed, tokenizer=tokenizer, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = p.detach() * 0.5 + 0.01
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_hf_writes_what_save_pretrained_writes(tmp_path, tokenizer, tied):
+    """bf16 export of fp32 weights in 2 MB shards: the same files, config.json, generation_config.json, index and
+    tensors as ``save_pretrained`` of the model cast to bf16 (tied embeddings stored once), and ``load_policy``
+    (transformers; what train.py and evaluate.py use) loads it, ties restored."""
+    from safetensors import safe_open
+
+    model, _ = build_tiny_model(tokenizer=tokenizer, tie_word_embeddings=tied)
+    ck.export_hf(model, tmp_path / "mine", tokenizer, dtype="bf16", max_shard_size="2MB")
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "ref", max_shard_size="2MB")
+    tokenizer.save_pretrained(tmp_path / "ref")
+    names = sorted(os.listdir(tmp_path / "ref"))
+    assert sorted(os.listdir(tmp_path / "mine")) == names
+    assert "model.safetensors.index.json" in names and sum("-of-" in n for n in names) >= 2  # sharded
+    for f in ("config.json", "generation_config.json", "model.safetensors.index.json"):
+        assert json.loads((tmp_path / "mine" / f).read_text()) == json.loads((tmp_path / "ref" / f).read_text()), f
+    for f in (n for n in names if n.endswith(".safetensors")):
+        with safe_open(tmp_path / "mine" / f, "pt") as a, safe_open(tmp_path / "ref" / f, "pt") as b:
+            assert a.metadata() == b.metadata() == {"format": "pt"}
+            assert sorted(a.keys()) == sorted(b.keys())
+            for k in b.keys():
+                assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    from stapo.models import load_policy
+
+    loaded, _ = load_policy(str(tmp_path / "mine"), dtype="bfloat16")  # what evaluate.py / train.py call
+    assert loaded.dtype == torch.bfloat16
+    sd = model.state_dict()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, sd[k].to(torch.bfloat16)), k
+    assert (loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()) == tied
+
+
+def test_sharded_save_and_load_round_trip(tmp_path, tokenizer):
+    """save_checkpoint → load_sharded_state into a differently initialised model and a fresh AdamW: every parameter
+    and optimizer tensor bit-identical; trainer_state.pt holds no optimizer tensors; the HF export in the
+    parameters' dtype equals the parameters."""
+    from safetensors.torch import load_file
+
+    model, opt = _model_and_optimizer(tokenizer)
+    final = ck.save_checkpoint(tmp_path, 3, model, tokenizer, {"note": 1}, optimizer=opt)
+    assert final == tmp_path / "step_000003" and ck.is_sharded(final)
+    assert (final / "dcp" / ".metadata").is_file() and not list(tmp_path.glob("*.tmp"))
+    state = ck.load_trainer_state(final)
+    assert state == {"note": 1, "step": 3, "format": "dcp"}
+    hf = load_file(final / "model.safetensors")
+    assert all(torch.equal(hf[k], v) for k, v in model.state_dict().items())
+
+    other, _ = build_tiny_model(seed=1, tokenizer=tokenizer)
+    assert not torch.equal(other.lm_head.weight, model.lm_head.weight)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=5.0, weight_decay=0.0)
+    dist.load_sharded_state(other, other_opt, final / ck.DCP_DIR)
+    for (k, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), k
+    want, got = opt.state_dict(), other_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]  # lr, weight decay restored too
+    for i, s in want["state"].items():
+        for key, v in s.items():
+            assert torch.equal(got["state"][i][key], v), (i, key)
+
+
+def test_incomplete_checkpoints_are_never_picked(tmp_path, tokenizer):
+    """latest_checkpoint (and evaluate.py's run-folder resolution): a later folder without dcp/.metadata, without
+    HF weights or without trainer_state.pt is skipped, as are *.tmp folders; a previous-format folder
+    (trainer_state.pt, no dcp/) counts."""
+    from stapo.evaluation.model_source import resolve_model_source
+
+    def picked(root: Path) -> Path | None:
+        latest = ck.latest_checkpoint(root)
+        src = resolve_model_source(str(root.parent))  # evaluate.py --model <run dir>: the same rule
+        assert src.kind == "checkpoint" and src.path == str(latest.resolve())
+        return latest
+
+    model, opt = _model_and_optimizer(tokenizer)
+    root = tmp_path / "run" / "checkpoints"
+    good = ck.save_checkpoint(root, 1, model, tokenizer, {}, optimizer=opt)
+    for step, drop in ((2, "dcp/.metadata"), (3, "model.safetensors"), (4, "trainer_state.pt")):
+        broken = root / f"step_{step:06d}"
+        shutil.copytree(good, broken)
+        (broken / drop).unlink()
+        assert picked(root) == good, drop
+    shutil.copytree(good, root / "step_000005.tmp")
+    assert picked(root) == good
+    previous = root / "step_000006"
+    shutil.copytree(good, previous)
+    shutil.rmtree(previous / "dcp")
+    assert picked(root) == previous and not ck.is_sharded(previous)
+
+
+def test_a_crash_during_a_save_keeps_the_finished_checkpoints(tmp_path, tokenizer, monkeypatch):
+    """An error in the HF export (after dcp/ was written): the checkpoints written before stay, the partial one is
+    left as step_*.tmp and never picked; the next save removes it; keep_last prunes the oldest."""
+    model, opt = _model_and_optimizer(tokenizer)
+    ck.save_checkpoint(tmp_path, 1, model, tokenizer, {}, optimizer=opt, keep_last=2)
+    ck.save_checkpoint(tmp_path, 2, model, tokenizer, {}, optimizer=opt, keep_last=2)
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ck, "export_hf", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        ck.save_checkpoint(tmp_path, 3, model, tokenizer, {}, optimizer=opt, keep_last=2)
+    assert (tmp_path / "step_000003.tmp" / "dcp" / ".metadata").is_file()
+    assert ck.latest_checkpoint(tmp_path).name == "step_000002"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002", "step_000003.tmp"]
+    monkeypatch.undo()
+    ck.save_checkpoint(tmp_path, 3, model, tokenizer, {}, optimizer=opt, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, tokenizer):
+    model, opt = _model_and_optimizer(tokenizer)
+    final = ck.save_checkpoint(tmp_path, 1, model, tokenizer, {}, optimizer=opt)
+    wider, _ = build_tiny_model(hidden_size=96, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"step_000001/dcp: sharded checkpoint does not match .*Size mismatch") as err:
+        dist.load_sharded_state(wider, torch.optim.AdamW(wider.parameters()), final / ck.DCP_DIR)
+    assert "\n" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"nothing/\.metadata not found"):
+        dist.load_sharded_state(model, opt, tmp_path / "nothing")
+    with pytest.raises(ValueError, match="keep_last"):
+        ck.save_checkpoint(tmp_path, 2, model, tokenizer, {}, optimizer=opt, keep_last=0)
+    with pytest.raises(FileNotFoundError, match="trainer_state.pt not found"):
+        ck.load_trainer_state(tmp_path / "nothing")
+
+
+def test_export_of_a_model_with_weight_conversions_falls_back_to_save_pretrained(tmp_path, tokenizer, monkeypatch):
+    """Models whose transformers class renames / fuses weights on save (``_plain_names`` False) are exported by
+    ``save_pretrained`` of the gathered state dict: the same tensors in the requested dtype."""
+    from safetensors.torch import load_file
+
+    model, _ = build_tiny_model(tokenizer=tokenizer)
+    monkeypatch.setattr(ck, "_plain_names", lambda model, meta: False)
+    ck.export_hf(model, tmp_path / "fallback", tokenizer, dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "fallback" / "config.json").read_text())["dtype"] == "bfloat16"
+    got = load_file(tmp_path / "fallback" / "model.safetensors")
+    sd = model.state_dict()
+    assert got.keys() == sd.keys()
+    for k, v in got.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, sd[k].to(torch.bfloat16)), k
