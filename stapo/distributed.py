@@ -115,7 +115,7 @@ def init_distributed(device: str = "auto", strategy: str = "auto", timeout_min: 
         device: ``trainer.device`` (``auto`` | ``cpu`` | ``cuda``).
         strategy: ``trainer.data_parallel`` (``auto`` | ``replicate`` | ``fsdp2``); ``auto`` = fsdp2 on CUDA,
             replicate on CPU.
-        timeout_min: collective timeout in minutes (rank 0 alone writes checkpoints / runs validation while the
+        timeout_min: collective timeout in minutes (rank 0 alone writes the HF export / runs validation while the
             other ranks wait in the next collective).
 
     Returns:

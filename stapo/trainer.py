@@ -10,7 +10,11 @@ One training step, top to bottom in :meth:`Trainer.train_step`:
 
 Under ``torchrun`` with W > 1 ranks (:mod:`stapo.distributed`) each rank does this for its share of the prompts;
 the mask, the denominator and the metrics are mini-batch / step-global (the ``_dp_*`` helpers and
-:meth:`Trainer._gather_metric_rows`), only rank 0 logs and writes checkpoints.
+:meth:`Trainer._gather_metric_rows`), only rank 0 logs; every rank writes its shards of a checkpoint
+(``torch.distributed.checkpoint``) and rank 0 the HF export (:mod:`stapo.checkpoint`).
+
+Precision (:mod:`stapo.precision`): parameters, gradients and AdamW state in ``model.param_dtype`` (fp32 master
+weights), every policy forward under ``model.compute_dtype`` (bf16 autocast; FSDP2 ``MixedPrecisionPolicy``).
 """
 from __future__ import annotations
 
