@@ -1,10 +1,11 @@
 """GPU memory arithmetic of the paper recipe on Qwen3-1.7B / 8B / 14B with our trainer (FSDP2, fp32 master + bf16).
 
-    python scripts/memory_plan.py [--gpu-gib 80] [--ranks 8 64] [--out results/memory_plan.md]
+    python scripts/memory_plan.py [--gpu-gib 80] [--ranks 8 64] [--micro-rows K] [--out results/memory_plan.md]
 
 Arithmetic, not a measurement: the shapes are the public Qwen3 configs (no hub access needed), the recipe is
-configs/paper/base.yaml (micro-batch 4 responses of up to 1,024 + 15,360 tokens, gradient checkpointing,
-vLLM with gpu_memory_utilization 0.6 sleeping during the update). Per GPU:
+configs/paper/ (``actor.ppo_micro_batch_size`` read from each model's config unless ``--micro-rows`` is given:
+4 for 1.7B, 2 for 8B/14B; responses of up to 1,024 + 15,360 tokens, gradient checkpointing, vLLM with
+gpu_memory_utilization 0.6 sleeping during the update). Per GPU:
 
 * training state: 16 bytes / parameter (fp32 weights 4 + fp32 gradients 4 + AdamW moments 8), sharded over N ranks;
 * FSDP2 transients during the update: one decoder layer all-gathered in bf16 (2 B/param) plus its unsharded
@@ -15,7 +16,9 @@ vLLM with gpu_memory_utilization 0.6 sleeping during the update). Per GPU:
 * the LM head of one micro-batch: logits [tokens, V] in bf16 and their gradient in bf16 (token statistics run in
   fp32 chunk by chunk on top: stapo/token_stats.py);
 * the vLLM engine: its own bf16 copy of the weights (2 B/param; tensor_parallel_size 1) + KV cache, within
-  gpu_memory_utilization × GPU memory; asleep (weights offloaded, KV cache freed) during the update.
+  gpu_memory_utilization × GPU memory; asleep (weights offloaded, KV cache freed) during the update;
+* GRPO only (β > 0): the frozen reference model in bf16, FSDP2-sharded like the policy (2 B/param ÷ N), on the GPU
+  throughout (its forwards run before the update).
 """
 from __future__ import annotations
 
@@ -62,6 +65,18 @@ QWEN3 = [  # config.json of Qwen/Qwen3-{1.7B,8B,14B}-Base
     Shape("Qwen3-8B", 4096, 36, 32, 8, 128, 12288),
     Shape("Qwen3-14B", 5120, 40, 40, 8, 128, 17408),
 ]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config_micro_rows(s: Shape) -> int:
+    """``actor.ppo_micro_batch_size`` of configs/paper/qwen3_<size>_stapo.yaml (the same for every method)."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from stapo.config import load_config
+
+    size = s.name.split("-")[1].lower()
+    return load_config(REPO / "configs" / "paper" / f"qwen3_{size}_stapo.yaml").actor.ppo_micro_batch_size
 
 
 def plan(s: Shape, ranks: int, gpu_gib: float, util: float, micro_rows: int, seq: int,
@@ -76,10 +91,13 @@ def plan(s: Shape, ranks: int, gpu_gib: float, util: float, micro_rows: int, seq
     engine = util * gpu_gib * GIB
     weights = 2 * s.params
     kv = max(engine - weights, 0.0)
+    ref = 2 * s.params / ranks  # GRPO's bf16 reference model, sharded
+    update = state + layer + root + acts + head
     return {"params_B": s.params / 1e9, "state": state / GIB, "update_transient": (layer + root) / GIB,
-            "activations": acts / GIB, "lm_head": head / GIB, "update_peak": (state + layer + root + acts + head) / GIB,
-            "engine_weights": weights / GIB, "kv_cache": kv / GIB, "kv_tokens": kv / s.kv_bytes_per_token,
-            "rollout_peak": (state + engine) / GIB}
+            "activations": acts / GIB, "lm_head": head / GIB, "update_peak": update / GIB,
+            "update_peak_grpo": (update + ref) / GIB, "engine_weights": weights / GIB, "kv_cache": kv / GIB,
+            "kv_tokens": kv / s.kv_bytes_per_token, "rollout_peak": (state + engine) / GIB,
+            "rollout_peak_grpo": (state + engine + ref) / GIB, "reference": ref / GIB}
 
 
 def main() -> None:
@@ -87,30 +105,38 @@ def main() -> None:
     ap.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (80: A100/H100; 141: H200)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--util", type=float, default=0.6, help="rollout.gpu_memory_utilization")
-    ap.add_argument("--micro-rows", type=int, default=4, help="actor.ppo_micro_batch_size")
+    ap.add_argument("--micro-rows", type=int, default=None,
+                    help="actor.ppo_micro_batch_size (default: each model's configs/paper config)")
     ap.add_argument("--seq", type=int, default=1024 + 15360, help="prompt + response tokens of the longest row")
     ap.add_argument("--response", type=int, default=15360, help="response tokens (LM-head positions) per row")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    lines = [f"Per-GPU memory (GiB) of the paper recipe, {a.gpu_gib:g} GiB GPUs, micro-batch {a.micro_rows} × "
-             f"{a.seq} tokens ({a.response} response positions), vLLM utilisation {a.util:g} (`python scripts/memory_plan.py --gpu-gib {a.gpu_gib:g} --micro-rows {a.micro_rows}`; "
-             "arithmetic, not measured).", "",
-             "| model | params | GPUs | training state (16 B/param ÷ N) | FSDP2 transients | activations (ckpt) "
-             "| LM head (logits + grad) | update peak | engine bf16 weights | KV cache (tokens) | rollout peak |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cmd = "python scripts/memory_plan.py" + (f" --gpu-gib {a.gpu_gib:g}" if a.gpu_gib != 80 else "") + (
+        f" --micro-rows {a.micro_rows}" if a.micro_rows else "")
+    lines = [f"Per-GPU memory (GiB) of the paper recipe on {a.gpu_gib:g} GiB GPUs: rows of {a.seq} tokens "
+             f"({a.response} response positions), vLLM utilisation {a.util:g}; `{cmd}` (arithmetic, not measured).", "",
+             "| model | params | GPUs | micro-batch | training state (16 B/param ÷ N) | FSDP2 transients | activations "
+             "(ckpt) | LM head (logits + grad) | update peak | + GRPO reference | engine bf16 weights | "
+             "KV cache (tokens) | rollout peak | + GRPO reference |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def mark(v: float) -> str:
+        return f"{v:.1f}" + (" ✗" if v > a.gpu_gib else "")
+
     for s in QWEN3:
+        micro = a.micro_rows or config_micro_rows(s)
         for n in a.ranks:
-            p = plan(s, n, a.gpu_gib, a.util, a.micro_rows, a.seq, a.response)
-            up = "" if p["update_peak"] <= a.gpu_gib else " ✗"
-            ro = "" if p["rollout_peak"] <= a.gpu_gib else " ✗"
-            lines.append(f"| {s.name} | {p['params_B']:.2f} B | {n} | {p['state']:.1f} | {p['update_transient']:.1f} | "
-                         f"{p['activations']:.1f} | {p['lm_head']:.1f} | {p['update_peak']:.1f}{up} | "
-                         f"{p['engine_weights']:.1f} | {p['kv_cache']:.1f} ({p['kv_tokens'] / 1e3:.0f}k) | "
-                         f"{p['rollout_peak']:.1f}{ro} |")
-    lines += ["", f"Lower `actor.ppo_micro_batch_size` where the update is ✗: the LM head and activations scale with it "
-              "(the loss is unchanged: the denominator is the mini-batch's).", "",
-              "✗: over the GPU's memory. Rollout peak = training state (kept on the GPU) + the engine's "
-              "share; update peak = training state + transients + activations + LM head (the engine asleep)."]
+            p = plan(s, n, a.gpu_gib, a.util, micro, a.seq, a.response)
+            lines.append(f"| {s.name} | {p['params_B']:.2f} B | {n} | {micro} | {p['state']:.1f} | "
+                         f"{p['update_transient']:.1f} | {p['activations']:.1f} | {p['lm_head']:.1f} | "
+                         f"{mark(p['update_peak'])} | {mark(p['update_peak_grpo'])} | {p['engine_weights']:.1f} | "
+                         f"{p['kv_cache']:.1f} ({p['kv_tokens'] / 1e3:.0f}k) | {mark(p['rollout_peak'])} | "
+                         f"{mark(p['rollout_peak_grpo'])} |")
+    lines += ["", "✗: over the GPU's memory. Update peak = training state + transients + activations + LM head (the "
+              "engine asleep); rollout peak = training state (kept on the GPU) + the engine's share; GRPO adds its "
+              "sharded bf16 reference model (2 B/param ÷ N) to both. Where the update is ✗, lower "
+              "`actor.ppo_micro_batch_size`: the LM head and the activations scale with it, the loss does not "
+              "(its denominator is the mini-batch's)."]
     text = "\n".join(lines)
     print(text)
     if a.out:

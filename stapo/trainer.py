@@ -135,7 +135,6 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
                  reward_fn: Callable[[list[str], list[str]], Any] | None = None) -> None:
-        from stapo.models import load_policy
         from stapo.rollout import SamplingParams, build_rollout_engine
 
         self.cfg = cfg
@@ -162,24 +161,17 @@ class Trainer:
         # weights), forward/backward in compute_dtype (autocast; FSDP2's MixedPrecisionPolicy).
         self.precision = PrecisionPolicy.from_config(cfg.model)
         self.compute_dtype = self.precision.compute_dtype
-        if cfg.model.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model
-            from stapo.models import build_tiny_model
-
-            self.model, self.tokenizer = build_tiny_model(seed=tc.seed, dtype=self.precision.param_dtype,
-                                                          cache_dir=cfg.model.cache_dir)
-        else:
-            self.model, self.tokenizer = load_policy(
-                cfg.model.path, dtype=self.precision.param_dtype, attn_implementation=cfg.model.attn_implementation,
-                cache_dir=cfg.model.cache_dir)
+        self.model, self.tokenizer = self._load_initial_model(self.precision.param_dtype)
         if self.dist.strategy != "fsdp2":  # FSDP2: fully_shard moves each layer's shards to the device itself,
             self.model.to(self.device)     # so the whole fp32 model never sits on one GPU
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
-        if self.objective.kl_coef > 0:  # frozen, in the compute dtype, replicated on every rank
-            import copy
-
-            self.ref_model = copy.deepcopy(self.model).to(self.device, self.compute_dtype).eval().requires_grad_(False)
+        if self.objective.kl_coef > 0:  # the initial policy, frozen, loaded again in the compute dtype (no fp32 copy)
+            ref, _ = self._load_initial_model(self.compute_dtype)
+            ref = ref.eval().requires_grad_(False)
+            # FSDP2: sharded like the policy (its no-grad forwards are collectives too); else on the device
+            self.ref_model = dist.wrap_policy(ref, self.dist) if self.dist.strategy == "fsdp2" else ref.to(self.device)
         # FSDP2: sharded in place (bf16 all-gathers, fp32 reduce-scatter when mixed); before the optimizer
         self.model = dist.wrap_policy(self.model, self.dist, mp_policy=self.precision.fsdp_mp_policy())
         self._check_param_dtype()
@@ -223,6 +215,16 @@ class Trainer:
             "seed": self.cfg.trainer.seed,
             "enable_sleep_mode": rc.sleep_during_update,
         }
+
+    def _load_initial_model(self, dtype: torch.dtype):
+        """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU →
+        ``(model, tokenizer)``. Called for the policy (param dtype) and for the reference model (compute dtype)."""
+        from stapo.models import build_tiny_model, load_policy
+
+        mc = self.cfg.model
+        if mc.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model (the same for every call)
+            return build_tiny_model(seed=self.cfg.trainer.seed, dtype=dtype, cache_dir=mc.cache_dir)
+        return load_policy(mc.path, dtype=dtype, attn_implementation=mc.attn_implementation, cache_dir=mc.cache_dir)
 
     def _check_param_dtype(self) -> None:
         """Every trainable parameter holds at least ``model.param_dtype``'s precision (what the optimizer steps on).

@@ -506,3 +506,21 @@ def test_two_fsdp2_ranks_with_bf16_compute_train_fp32_master_weights(tmp_path):
     ckpt = tmp_path / "fsdp2_bf16" / "toy" / "checkpoints" / "step_000001"
     with safe_open(ckpt / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+
+
+def test_two_fsdp2_ranks_with_a_sharded_reference_model_match_one_process(tmp_path):
+    """GRPO (β = 0.04, k3 KL to the frozen initial policy): under FSDP2 the reference model is sharded like the policy
+    (its no-grad forwards are collectives). 2 ranks give the KL, the loss and the weights of one process."""
+    grpo = ["algorithm.objective=grpo", "trainer.total_steps=2"]
+    _torchrun(tmp_path / "grpo_fsdp2", "trainer.data_parallel=fsdp2", *grpo)
+    ref = make_trainer(str(tmp_path / "grpo_one"), COMMON + grpo, uneven_reward=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref.train()
+    finally:
+        torch.set_num_threads(threads)
+    got, want = _rows(tmp_path / "grpo_fsdp2"), _rows(tmp_path / "grpo_one")
+    assert want[1]["actor/kl_loss"] > 0  # step 2: the policy has moved away from the reference
+    _assert_same_metrics(got, want)
+    _assert_same_weights(_weights(tmp_path / "grpo_fsdp2", 2), _weights(tmp_path / "grpo_one", 2), atol=5e-5)
