@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _error(str(e))
 
+    from stapo.checkpoint import CheckpointError
     from stapo.data import DataError
     from stapo.distributed import teardown
     from stapo.evaluation import EvalError, make_validation_hook_from_config
@@ -46,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer = Trainer(cfg, validation_hook=hook)
         except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError) as e:
             return _error(str(e))
-        trainer.train()
+        try:
+            trainer.train()
+        except CheckpointError as e:  # --resume from a damaged checkpoint: one line, the folder, what to do
+            return _error(str(e))
         if trainer.dist.is_main:
             print(f"run directory: {trainer.run_dir}")
         return 0

@@ -41,7 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names its folder and what to do."""
+
+
+__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
            "export_hf", "is_sharded", "DCP_DIR", "DEFAULT_MAX_SHARD_SIZE"]
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -144,7 +148,7 @@ def save_checkpoint(
         _fsync_dir(root)
         for stale in _checkpoints(root)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
-        for leftover in root.glob("step_*.tmp"):
+        for leftover in [*root.glob("step_*.tmp"), *root.glob("step_*.old")]:  # an interrupted save or re-save
             shutil.rmtree(leftover, ignore_errors=True)
     dist.barrier(ctx)
     return final

@@ -533,7 +533,8 @@ def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
         causes = [e for e, _ in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
         reason = " ".join(f"{type(e).__name__}: {e}" for e in causes[:1])
         reason = " ".join(reason.split())[:500]
-        raise ValueError(f"{path}: sharded checkpoint does not match this model/optimizer: {reason}") from exc
+        raise ValueError(f"{path}: cannot load the sharded checkpoint (a damaged or missing shard file, or another "
+                         f"model/optimizer): {reason or type(causes[0]).__name__}") from exc
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

@@ -33,8 +33,8 @@ from tqdm.auto import tqdm
 
 from stapo.advantages import grpo_advantages
 from stapo.analysis import entropy_change_estimate, logit_grad_norm, quadrant_summary
-from stapo.checkpoint import (DCP_DIR, is_sharded, latest_checkpoint, load_trainer_state, rng_state, save_checkpoint,
-                              set_rng_state)
+from stapo.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
+                              rng_state, save_checkpoint, set_rng_state)
 from stapo.config import TrainConfig, to_dict
 from stapo import distributed as dist
 from stapo.objectives import Objective, compute_token_mask, get_objective, policy_loss
@@ -350,12 +350,17 @@ class Trainer:
         ckpt = latest_checkpoint(self.ckpt_root)
         if ckpt is None:
             return
-        if is_sharded(ckpt):
-            state = load_trainer_state(ckpt)
-            dist.load_sharded_state(self.model, self.optimizer, ckpt / DCP_DIR)  # collective under torchrun
-        else:
-            state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: memory-mapped)
-            self._load_full_checkpoint(ckpt, state)
+        try:
+            if is_sharded(ckpt):
+                state = load_trainer_state(ckpt)
+                dist.load_sharded_state(self.model, self.optimizer, ckpt / DCP_DIR)  # collective under torchrun
+            else:
+                state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: mmap)
+                self._load_full_checkpoint(ckpt, state)
+        except (ValueError, OSError, RuntimeError, EOFError, KeyError) as e:  # torn / damaged / foreign files
+            msg = " ".join(str(e).split())
+            raise CheckpointError(f"cannot resume from {ckpt}: {msg[:600]} — move that folder out of "
+                                  f"{self.ckpt_root} to resume from the previous checkpoint") from e
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         per_rank = state.get("rng_per_rank")

@@ -147,7 +147,7 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, tokenizer):
     model, opt = _model_and_optimizer(tokenizer)
     final = ck.save_checkpoint(tmp_path, 1, model, tokenizer, {}, optimizer=opt)
     wider, _ = build_tiny_model(hidden_size=96, tokenizer=tokenizer)
-    with pytest.raises(ValueError, match=r"step_000001/dcp: sharded checkpoint does not match .*Size mismatch") as err:
+    with pytest.raises(ValueError, match=r"step_000001/dcp: cannot load the sharded checkpoint .*another model/optimizer.*Size mismatch") as err:
         dist.load_sharded_state(wider, torch.optim.AdamW(wider.parameters()), final / ck.DCP_DIR)
     assert "\n" not in str(err.value)
     with pytest.raises(FileNotFoundError, match=r"nothing/\.metadata not found"):
@@ -172,3 +172,25 @@ def test_export_of_a_model_with_weight_conversions_falls_back_to_save_pretrained
     assert got.keys() == sd.keys()
     for k, v in got.items():
         assert v.dtype == torch.bfloat16 and torch.equal(v, sd[k].to(torch.bfloat16)), k
+
+
+def test_resume_from_a_damaged_shard_is_one_line_naming_the_folder(tmp_path):
+    """train.py --resume when the latest checkpoint lost a dcp/ shard file: exit 2, one line naming the checkpoint
+    folder, the missing file and what to do — not a traceback."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(repo)}
+    base = [sys.executable, str(repo / "train.py"), "--config", str(repo / "configs" / "tiny_test.yaml"),
+            f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]
+    first = subprocess.run(base, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    last = tmp_path / "r" / "checkpoints" / "step_000002"
+    (last / ck.DCP_DIR / "__0_0.distcp").unlink()
+    res = subprocess.run(base + ["trainer.total_steps=3", "--resume"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.startswith("train.py:")]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"cannot resume from {last}" in lines[0] and "__0_0.distcp" in lines[0], lines[0]

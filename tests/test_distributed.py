@@ -474,14 +474,19 @@ def test_two_fsdp2_ranks_resume_a_checkpoint_of_the_previous_format(one_rank, tm
 
 
 def test_two_fsdp2_ranks_with_bf16_compute_train_fp32_master_weights(tmp_path):
-    """The paper's precision under FSDP2 (MixedPrecisionPolicy: bf16 all-gather and compute, fp32 reduce-scatter) at
+    """The paper's precision under FSDP2 (MixedPrecisionPolicy: bf16 all-gather and compute, fp32 reduce-scatter — the
+    layers see bf16 weights in the update's forwards) at
     the paper's lr 1e-6 with warm-up 10 and weight decay 0.1 on 2 gloo ranks. One update: the fp32 master weights in
     the sharded checkpoint changed for ≥ 90 % of the elements that got a gradient (bf16 weights would keep ~0.1 %:
     tests/test_precision.py), the AdamW moments are fp32, the HF export is bf16, and the step's metrics agree with
     one process under autocast (another bf16 rounding: entropy and grad norm within 2 %)."""
     paper = ["model.compute_dtype=bfloat16", "actor.lr=1e-6", "actor.warmup_steps=10", "actor.weight_decay=0.1",
              "trainer.total_steps=1"]
-    _torchrun(tmp_path / "fsdp2_bf16", "trainer.data_parallel=fsdp2", *paper)
+    seen = tmp_path / "weight_dtypes.json"
+    _torchrun(tmp_path / "fsdp2_bf16", "trainer.data_parallel=fsdp2", f"--record-weight-dtypes={seen}", *paper)
+    # FSDP2's MixedPrecisionPolicy is applied: the layers compute with bf16-unsharded weights (autocast alone
+    # would show the fp32 parameter here)
+    assert json.loads(seen.read_text()) == ["bfloat16"]
     ref = make_trainer(str(tmp_path / "one_bf16"), COMMON + paper, uneven_reward=True)
     ref_rows = ref.train()
     got = _rows(tmp_path / "fsdp2_bf16")[0]

@@ -2,6 +2,7 @@
 
     python tests/toy_run.py OUTPUT_DIR [--uneven-reward] [key=value ...]
     torchrun --nproc_per_node=2 tests/toy_run.py OUTPUT_DIR ...      # data-parallel (tests/test_distributed.py)
+    ... --record-weight-dtypes=FILE   # rank 0 writes the dtypes q_proj's weight had in the update's forwards
 
 The toy reward gives +1 to responses whose decoded text has an even number of characters and −1 otherwise,
 so groups of the random tiny model get varied rewards and non-zero advantages (the strict-box reward would
@@ -51,14 +52,37 @@ def make_trainer(output_dir: str, overrides: list[str], uneven_reward: bool = Fa
     return Trainer(cfg, reward_fn=uneven_reward_for(cfg) if uneven_reward else toy_reward)
 
 
+def record_weight_dtypes(trainer: Trainer) -> list[str]:
+    """Record the dtype of the first decoder layer's q_proj weight as the module sees it in every forward with
+    grad (the update). FSDP2 with a MixedPrecisionPolicy unshards it in bf16; autocast alone leaves it fp32."""
+    seen: list[str] = []
+    proj = trainer.model.model.layers[0].self_attn.q_proj
+
+    def hook(module, args):
+        import torch
+
+        if torch.is_grad_enabled():
+            seen.append(str(module.weight.dtype).removeprefix("torch."))
+
+    proj.register_forward_pre_hook(hook)
+    return seen
+
+
 if __name__ == "__main__":
+    import json
+
     from stapo.distributed import teardown
 
     args = sys.argv[2:]
     uneven = "--uneven-reward" in args
-    trainer = make_trainer(sys.argv[1], [a for a in args if a != "--uneven-reward"], uneven_reward=uneven)
+    record = next((a.split("=", 1)[1] for a in args if a.startswith("--record-weight-dtypes=")), None)
+    overrides = [a for a in args if a != "--uneven-reward" and not a.startswith("--record-weight-dtypes=")]
+    trainer = make_trainer(sys.argv[1], overrides, uneven_reward=uneven)
+    seen = record_weight_dtypes(trainer) if record else None
     try:
         trainer.train()
+        if record and trainer.dist.is_main:
+            Path(record).write_text(json.dumps(sorted(set(seen))))
     finally:
         trainer.close()
         teardown()

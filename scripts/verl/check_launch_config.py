@@ -37,6 +37,11 @@ def _fail(msg: str) -> int:
 def main(overrides: list[str]) -> int:
     """Run the checks for ``overrides`` (hydra override strings); see the module docstring."""
     try:
+        import hydra  # noqa: F401
+    except ImportError:
+        return _fail("hydra is not installed in this environment: create the check's environment with "
+                     "`bash scripts/verl/setup_check_env.sh`, then `source .venv-verl/bin/activate` and rerun")
+    try:
         import verl
         from hydra import compose, initialize_config_dir
         from verl.trainer.ppo.core_algos import get_policy_loss_fn

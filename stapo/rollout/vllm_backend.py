@@ -96,10 +96,10 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
     """
     from stapo.distributed import iter_full_state_dict
 
+    own = {t.data_ptr() for t in model.state_dict().values()}  # the trainer's storages (FSDP2: local shards)
     for name, tensor in iter_full_state_dict(model, dtype):
-        t = tensor.detach()
-        out = t.to(device="cpu" if not torch.cuda.is_available() else t.device, dtype=dtype)
-        if out.data_ptr() == tensor.data_ptr():  # not cast (already in dtype): copy, never alias the trainer's
+        out = tensor.detach().to(device="cpu" if not torch.cuda.is_available() else tensor.device, dtype=dtype)
+        if out.data_ptr() in own:  # not cast (already in dtype) nor gathered: copy, never alias the trainer's
             out = out.clone()
         yield name, out.contiguous()
 
