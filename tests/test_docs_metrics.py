@@ -80,3 +80,26 @@ def test_every_validation_metric_is_documented():
 def test_the_pattern_matcher_rejects_unknown_keys():
     assert undocumented(["s2t/num_masked", "val/t0.7_p0.9/aime24/maj@N", "s2t/quadrant/low_p_low_h/count"]) == []
     assert undocumented(["s2t/not_a_metric", "val/a/b/c/avg@N"]) == ["s2t/not_a_metric", "val/a/b/c/avg@N"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("loss_mode", ["stapo", "entropy20"])
+def test_every_verl_plugin_metric_is_documented(loss_mode):
+    """The metrics the registered verl losses return (verl optional; its import is shared with test_verl_plugin)."""
+    pytest.importorskip("verl", reason="verl is not installed")
+    pytest.importorskip("ray", reason="verl needs ray to import")
+    import torch
+
+    import stapo.integrations.verl as plugin
+    from test_verl_plugin import _actor_config
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    logp = torch.log(torch.rand(4, 6, generator=g) * 0.004 + 1e-5)  # p < τ_p: S2T candidates in the Â > 0 rows
+    old = logp + 0.01 * torch.randn(4, 6, generator=g)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])[:, None].expand(4, 6)
+    fn = {"stapo": plugin.compute_policy_loss_stapo, "entropy20": plugin.compute_policy_loss_entropy20}[loss_mode]
+    with plugin.mask_context(entropy=torch.rand(4, 6, generator=g)):
+        _, metrics = fn(old, logp, adv, mask, "token-mean", _actor_config(loss_mode))
+    assert f"actor/{loss_mode}/num_kept_tokens" in metrics
+    assert undocumented(metrics) == [], f"add these keys to {DOC.relative_to(REPO)}"
