@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 from stapo.boxed import BOX_OPEN, last_boxed_content
+from stapo.records import Record
+from stapo.synthetic import generate_arithmetic
 
 __all__ = [
     "BENCHMARKS",
@@ -82,23 +84,6 @@ _INTEGER_SOURCES = frozenset({"aime24", "aime25", "amc23", "dapo_math_17k"})
 _INT_RE = re.compile(r"[+-]?\d+")
 
 OnBadRow = Literal["raise", "skip"]
-
-
-@dataclass(frozen=True)
-class Record:
-    """One problem.
-
-    Attributes:
-        id: unique within its source, ``"<source>/<original id or row index>"``.
-        problem: problem statement (no instruction suffix; see :mod:`stapo.prompts`).
-        answer: normalised gold answer (LaTeX, no ``$`` delimiters).
-        source: dataset name (``"aime24"``, ..., ``"dapo_math_17k"``, ``"synthetic_arithmetic"``).
-    """
-
-    id: str
-    problem: str
-    answer: str
-    source: str
 
 
 @dataclass
@@ -554,8 +539,6 @@ def load_train_set(
     """
     name = {"synthetic": "synthetic_arithmetic"}.get(name, name)  # config spelling
     if name == "synthetic_arithmetic":
-        from stapo.synthetic import generate_arithmetic
-
         records = generate_arithmetic(**synthetic_kwargs)
         stats = LoadStats(source=name, path="", rows_read=len(records), rows_loaded=len(records))
         return LoadedSet(records=records, stats=stats)
