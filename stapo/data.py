@@ -43,6 +43,10 @@ from stapo.records import Record
 from stapo.synthetic import generate_arithmetic
 
 __all__ = [
+    "Benchmark",
+    "TrainSet",
+    "BENCHMARK_REGISTRY",
+    "TRAIN_REGISTRY",
     "BENCHMARKS",
     "TRAIN_SETS",
     "EXPECTED_ROWS",
@@ -66,21 +70,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS: tuple[str, ...] = ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
-TRAIN_SETS: tuple[str, ...] = ("dapo_math_17k", "math_train", "synthetic_arithmetic")
-TRAIN_FILES = {"dapo_math_17k": "dapo_math_17k.parquet", "math_train": "math_train_7474.json"}
-# Rows in the files (SOURCES.md); math_train keeps 7,470 of its 7,474 rows (4 have no answer).
-EXPECTED_ROWS = {
-    "aime24": 30,
-    "aime25": 30,
-    "amc23": 40,
-    "math500": 500,
-    "minerva_math": 272,
-    "olympiadbench": 675,
-    "dapo_math_17k": 17917,
-    "math_train": 7474,
-}
-_INTEGER_SOURCES = frozenset({"aime24", "aime25", "amc23", "dapo_math_17k"})
 _INT_RE = re.compile(r"[+-]?\d+")
 
 OnBadRow = Literal["raise", "skip"]
@@ -170,9 +159,9 @@ def resolve_data_root(root: str | os.PathLike | None = None) -> Path:
 
 def benchmark_path(root: str | os.PathLike, name: str) -> Path:
     """``<root>/benchmarks/<name>/test.jsonl``.  Raises ``ValueError`` for an unknown name."""
-    if name not in BENCHMARKS:
+    if name not in BENCHMARK_BY_NAME:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
-    return Path(root) / "benchmarks" / name / "test.jsonl"
+    return Path(root) / BENCHMARK_BY_NAME[name].relpath
 
 
 def train_path(root: str | os.PathLike, name: str) -> Path:
@@ -214,7 +203,7 @@ def _whole_box_content(text: str) -> str | None:
     return None
 
 
-def normalize_gold(source: str, raw: Any) -> str:
+def normalize_gold(source: str, raw: Any, *, integer: bool | None = None) -> str:
     """Normalise a raw gold answer from ``source`` into the LaTeX string stored in :class:`Record`.
 
     Steps: numbers -> text (``27.0`` -> ``"27"``; a non-integral float keeps ``repr``); strip
@@ -223,8 +212,11 @@ def normalize_gold(source: str, raw: Any) -> str:
     string is canonicalised (``"025"`` -> ``"25"``, ``"+7"`` -> ``"7"``).
 
     Args:
-        source: dataset name (decides the integer canonicalisation).
+        source: dataset name (decides the integer canonicalisation: its registry entry's
+            ``integer_answers``).
         raw: ``str``, ``int`` or ``float`` (olympiadbench's list must be unpacked by the caller).
+        integer: canonicalise integer strings; ``None`` (default) = as the registry says for ``source``
+            (``False`` for a name not in the registry).
 
     Returns:
         Non-empty normalised string.
@@ -251,7 +243,7 @@ def normalize_gold(source: str, raw: Any) -> str:
     inner = _whole_box_content(text)
     if inner is not None:
         text = inner.strip()
-    if source in _INTEGER_SOURCES and _INT_RE.fullmatch(text):
+    if (source in _INTEGER_SOURCES if integer is None else integer) and _INT_RE.fullmatch(text):
         text = str(int(text))
     if not text:
         raise ValueError("answer is empty")
@@ -342,16 +334,71 @@ def _conv_math_train(row: dict, i: int) -> Record:
     return Record(f"math_train/{i}", _text_field(row, "problem"), _gold("math_train", _field(row, "answer"), "answer"), "math_train")
 
 
-_CONVERTERS: dict[str, Callable[[dict, int], Record]] = {
-    "aime24": _conv_aime24,
-    "aime25": _conv_aime25,
-    "amc23": _conv_amc23,
-    "math500": _conv_math500,
-    "minerva_math": _conv_minerva,
-    "olympiadbench": _conv_olympiad,
-    "dapo_math_17k": _conv_dapo,
-    "math_train": _conv_math_train,
-}
+# ---------------------------------------------------------------------------------------------
+# The registry: one entry per built-in data set; every table derives from it
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One evaluation benchmark: everything the loaders, the eval config and the reports know about it.
+
+    Attributes:
+        name: canonical name (config value, file folder, ``Record.source``).
+        display: column title in tables (``"AIME24"``).
+        samples: the paper's samples per problem N (METHOD.md §7).
+        aliases: other spellings accepted in eval configs (lower case).
+        expected_rows: rows of the reference file (SOURCES.md); :mod:`scripts.prepare_data` checks it.
+        integer_answers: canonicalise integer gold answers (``"025"`` -> ``"25"``).
+        convert: ``(row dict, row index) -> Record``; raises ``_RowError`` naming the field.
+        file: path under the data root (default ``benchmarks/<name>/test.jsonl``).
+    """
+
+    name: str
+    display: str
+    samples: int
+    aliases: tuple[str, ...]
+    expected_rows: int
+    integer_answers: bool
+    convert: Callable[[dict, int], Record]
+    file: str = ""
+
+    @property
+    def relpath(self) -> str:
+        """The file under the data root."""
+        return self.file or f"benchmarks/{self.name}/test.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainSet:
+    """One file-backed training set (``synthetic_arithmetic`` is generated, not registered here).
+
+    Attributes:
+        name: config value of ``data.train_set`` and ``Record.source``.
+        file: path under ``<root>/train``.
+        read: ``Path -> iterator of (row index, row dict or _RowError)``.
+        convert: as :attr:`Benchmark.convert`.
+        expected_rows: rows of the reference file.
+        integer_answers: as :attr:`Benchmark.integer_answers`.
+    """
+
+    name: str
+    file: str
+    read: Callable[[Path], Iterator[tuple[int, Any]]]
+    convert: Callable[[dict, int], Record]
+    expected_rows: int
+    integer_answers: bool
+
+
+#: The six benchmarks, in table order (METHOD.md §7; raw fields in SOURCES.md).
+BENCHMARK_REGISTRY: tuple[Benchmark, ...] = (
+    Benchmark("aime24", "AIME24", 32, ("aime2024",), 30, True, _conv_aime24),
+    Benchmark("aime25", "AIME25", 32, ("aime2025",), 30, True, _conv_aime25),
+    Benchmark("amc23", "AMC23", 32, ("amc2023", "amc"), 40, True, _conv_amc23),
+    Benchmark("math500", "MATH500", 4, ("math", "math_500", "math-500"), 500, False, _conv_math500),
+    Benchmark("minerva_math", "Minerva", 4, ("minerva", "minervamath"), 272, False, _conv_minerva),
+    Benchmark("olympiadbench", "OlympiadBench", 4, ("olympiad", "olympiad_bench"), 675, False, _conv_olympiad),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,6 +450,24 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
         if name not in table.column_names:
             raise DataError(f"{path}: missing column {name!r} (columns: {', '.join(table.column_names)})")
     yield from enumerate(table.to_pylist())
+
+
+#: The file-backed training sets.  math_train keeps 7,470 of its 7,474 rows (4 have no answer).
+TRAIN_REGISTRY: tuple[TrainSet, ...] = (
+    TrainSet("dapo_math_17k", "dapo_math_17k.parquet", _read_parquet, _conv_dapo, 17917, True),
+    TrainSet("math_train", "math_train_7474.json", _read_json_list, _conv_math_train, 7474, False),
+)
+
+# Derived tables (do not edit: add an entry to BENCHMARK_REGISTRY / TRAIN_REGISTRY instead).
+BENCHMARKS: tuple[str, ...] = tuple(b.name for b in BENCHMARK_REGISTRY)
+BENCHMARK_BY_NAME: dict[str, Benchmark] = {b.name: b for b in BENCHMARK_REGISTRY}
+TRAIN_SETS: tuple[str, ...] = tuple(t.name for t in TRAIN_REGISTRY) + ("synthetic_arithmetic",)
+TRAIN_FILES: dict[str, str] = {t.name: t.file for t in TRAIN_REGISTRY}
+TRAIN_BY_NAME: dict[str, TrainSet] = {t.name: t for t in TRAIN_REGISTRY}
+EXPECTED_ROWS: dict[str, int] = {e.name: e.expected_rows for e in (*BENCHMARK_REGISTRY, *TRAIN_REGISTRY)}
+_INTEGER_SOURCES = frozenset(e.name for e in (*BENCHMARK_REGISTRY, *TRAIN_REGISTRY) if e.integer_answers)
+_CONVERTERS: dict[str, Callable[[dict, int], Record]] = {
+    e.name: e.convert for e in (*BENCHMARK_REGISTRY, *TRAIN_REGISTRY)}
 
 
 def _load(
@@ -549,8 +614,8 @@ def load_train_set(
     if root is None:
         raise ValueError(f"training set {name!r} needs a data root")
     path = train_path(root, name)
-    loader = load_dapo_math_17k if name == "dapo_math_17k" else load_math_train
-    return loader(path, on_bad_row=on_bad_row)
+    _require_file(path, name)
+    return _load(name, path, TRAIN_BY_NAME[name].read(path), on_bad_row)
 
 
 def save_records_jsonl(records: Iterable[Record], path: str | os.PathLike) -> int:

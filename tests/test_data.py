@@ -258,3 +258,24 @@ def test_prepare_data_from_local_errors(subset_root, tmp_path, capsys):
     _write_jsonl(subset_root / "benchmarks" / "aime25" / "test.jsonl", [{"question": "q"}])
     assert prepare.main(["--from-local", str(subset_root), "--out", str(tmp_path / "o2"), "--only", "aime25"]) == 2
     assert "row 0: missing field 'answer'" in capsys.readouterr().err
+
+
+def test_every_benchmark_table_derives_from_the_registry():
+    """One registry entry per benchmark; the seven tables are views of it (values written out by hand)."""
+    from stapo.data import _CONVERTERS, _INTEGER_SOURCES, BENCHMARK_REGISTRY, EXPECTED_ROWS, TRAIN_REGISTRY
+    from stapo.evaluation.config import BENCHMARK_ALIASES, PAPER_SAMPLES
+    from stapo.evaluation.report import DISPLAY_NAMES
+
+    assert BENCHMARKS == ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
+    assert EXPECTED_ROWS == {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva_math": 272,
+                             "olympiadbench": 675, "dapo_math_17k": 17917, "math_train": 7474}
+    assert _INTEGER_SOURCES == {"aime24", "aime25", "amc23", "dapo_math_17k"}
+    assert set(_CONVERTERS) == set(EXPECTED_ROWS)
+    assert PAPER_SAMPLES == {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4,
+                             "olympiadbench": 4}
+    assert BENCHMARK_ALIASES["minerva"] == "minerva_math" and BENCHMARK_ALIASES["amc"] == "amc23"
+    assert len(BENCHMARK_ALIASES) == 11
+    assert DISPLAY_NAMES == {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500",
+                             "minerva_math": "Minerva", "olympiadbench": "OlympiadBench"}
+    assert [b.relpath for b in BENCHMARK_REGISTRY][0] == "benchmarks/aime24/test.jsonl"
+    assert [t.name for t in TRAIN_REGISTRY] == ["dapo_math_17k", "math_train"]

@@ -22,7 +22,7 @@ from typing import Any, Literal, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from stapo.config import ConfigError, merge_config
-from stapo.data import BENCHMARKS
+from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS
 from stapo.evaluation.errors import EvalError
 
 __all__ = [
@@ -46,15 +46,11 @@ __all__ = [
     "eval_config_to_dict",
 ]
 
-#: Samples per problem N (METHOD.md §7).
-PAPER_SAMPLES: dict[str, int] = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4,
-                                 "olympiadbench": 4}
+#: Samples per problem N (METHOD.md §7), from :data:`stapo.data.BENCHMARK_REGISTRY`.
+PAPER_SAMPLES: dict[str, int] = {b.name: b.samples for b in BENCHMARK_REGISTRY}
 
-BENCHMARK_ALIASES: dict[str, str] = {
-    "minerva": "minerva_math", "minervamath": "minerva_math", "olympiad": "olympiadbench",
-    "olympiad_bench": "olympiadbench", "math": "math500", "math_500": "math500", "math-500": "math500",
-    "aime2024": "aime24", "aime2025": "aime25", "amc2023": "amc23", "amc": "amc23",
-}
+#: Other spellings of the benchmark names (lower case), from :data:`stapo.data.BENCHMARK_REGISTRY`.
+BENCHMARK_ALIASES: dict[str, str] = {alias: b.name for b in BENCHMARK_REGISTRY for alias in b.aliases}
 
 
 @dataclass

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from stapo.data import BENCHMARKS
+from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES
 
@@ -34,8 +34,7 @@ __all__ = [
     "log_wandb",
 ]
 
-DISPLAY_NAMES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500",
-                 "minerva_math": "Minerva", "olympiadbench": "OlympiadBench"}
+DISPLAY_NAMES = {b.name: b.display for b in BENCHMARK_REGISTRY}  # column titles, from the registry
 AVERAGE = "average"
 _MISSING = "–"
 
