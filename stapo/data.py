@@ -36,7 +36,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Sequence
 
 from stapo.boxed import BOX_OPEN, last_boxed_content
 from stapo.records import Record
@@ -64,6 +64,8 @@ __all__ = [
     "load_dapo_math_17k",
     "load_math_train",
     "load_train_set",
+    "FileSetConfig",
+    "load_file_set",
     "save_records_jsonl",
     "load_records_jsonl",
 ]
@@ -475,10 +477,11 @@ def _load(
     path: Path,
     rows: Iterable[tuple[int, Any]],
     on_bad_row: OnBadRow,
+    convert: Callable[[dict, int], Record] | None = None,
 ) -> LoadedSet:
     if on_bad_row not in ("raise", "skip"):
         raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
-    convert = _CONVERTERS[source]
+    convert = convert if convert is not None else _CONVERTERS[source]
     stats = LoadStats(source=source, path=str(path))
     records: list[Record] = []
     seen_ids: set[str] = set()
@@ -616,6 +619,89 @@ def load_train_set(
     path = train_path(root, name)
     _require_file(path, name)
     return _load(name, path, TRAIN_BY_NAME[name].read(path), on_bad_row)
+
+
+@dataclass
+class FileSetConfig:
+    """A data set from the user's own JSONL / JSON / parquet file, by config (no code): which column holds what.
+
+    Used for ``data.train_file`` (train.py, with ``data.train_set: file``) and each entry of
+    ``data.custom_benchmarks`` (evaluate.py).  Read with Hugging Face ``datasets``; the format follows the suffix
+    (``.jsonl`` / ``.json``: JSON lines or a JSON list; ``.parquet``).
+
+    Attributes:
+        path: the file (``~`` expanded; relative paths from the working directory).
+        problem_key: column with the problem text (non-empty str).
+        answer_key: column with the gold answer (str or number; normalised by :func:`normalize_gold`).
+        id_key: column with a unique id (``Record.id`` = ``"<name>/<value>"``); ``None``: the row index.
+        integer_answers: canonicalise integer gold answers (``"025"`` -> ``"25"``) as for AIME.
+    """
+
+    path: Optional[str] = None
+    problem_key: str = "problem"
+    answer_key: str = "answer"
+    id_key: Optional[str] = None
+    integer_answers: bool = False
+
+
+_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_file_set(name: str, spec: FileSetConfig, *, key: str = "data.train_file",
+                  on_bad_row: OnBadRow = "skip") -> LoadedSet:
+    """Load a user data set described by ``spec`` (see :class:`FileSetConfig`) into records of source ``name``.
+
+    Args:
+        name: ``Record.source`` and id prefix (``"my_set"`` -> ids ``"my_set/0"``, ...).
+        spec: the file and its field mapping.
+        key: the config key of ``spec`` (``"data.train_file"``, ``"data.custom_benchmarks.my_set"``), for errors.
+        on_bad_row: ``"skip"`` (count rows without a usable problem/answer) or ``"raise"``.
+
+    Returns:
+        :class:`LoadedSet`, rows in file order.
+
+    Raises:
+        DataFileNotFoundError: ``spec.path`` unset or not a file.
+        DataError: one line naming the file and the problem: an unknown suffix, an unreadable file, a mapped
+            column that the file lacks (``"<file>: no column 'q' (<key>.problem_key); columns: ..."``) or whose
+            values mix types (strings and numbers: ``datasets`` would decode ``"007"`` to ``7``), or (with
+            ``on_bad_row="raise"``) a bad row (``"<file>: row <i>: <reason>"``).
+    """
+    if not spec.path:
+        raise DataFileNotFoundError(f"{key}.path is not set (the file of data set {name!r})")
+    path = Path(spec.path).expanduser()
+    _require_file(path, f"{key}.path")
+    fmt = _FILE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(f"{path}: unknown format {path.suffix!r} for {key}.path; use {', '.join(_FILE_FORMATS)}")
+    import datasets
+
+    try:
+        table = datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for a bad file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise DataError(f"{path}: cannot read as {fmt}: {type(exc).__name__}: {first}") from None
+    columns = list(table.column_names)
+    for attr in ("problem_key", "answer_key", "id_key"):
+        column = getattr(spec, attr)
+        if column is not None and column not in columns:
+            raise DataError(f"{path}: no column {column!r} ({key}.{attr}); columns: {', '.join(columns)}")
+        # a JSON column mixing types (strings and numbers) is read by datasets as JSON values, which decodes
+        # number-like strings ("007" -> 7): refuse it rather than change gold answers silently
+        if column is not None and type(table.features[column]).__name__ == "Json":
+            raise DataError(f"{path}: column {column!r} ({key}.{attr}) mixes value types (e.g. strings and "
+                            f"numbers); write every value of it with one type")
+
+    def convert(row: dict, i: int) -> Record:
+        rid = row[spec.id_key] if spec.id_key is not None else i
+        answer = _field(row, spec.answer_key)
+        try:
+            gold = normalize_gold(name, answer, integer=spec.integer_answers)
+        except ValueError as exc:
+            raise _RowError(f"field {spec.answer_key!r}: {exc}") from None
+        return Record(f"{name}/{rid}", _text_field(row, spec.problem_key), gold, name)
+
+    return _load(name, path, enumerate(table), on_bad_row, convert=convert)
 
 
 def save_records_jsonl(records: Iterable[Record], path: str | os.PathLike) -> int:

@@ -249,13 +249,16 @@ class Trainer:
 
     def _load_prompts(self) -> list[tuple[list[int], str, str]]:
         """Training records → (prompt ids, gold, id); prompts over ``data.max_prompt_length`` are dropped (counted)."""
-        from stapo.data import load_train_set
+        from stapo.data import load_file_set, load_train_set
         from stapo.prompts import encode_prompt
 
         dc = self.cfg.data
         if dc.train_set == "synthetic":
             records = load_train_set("synthetic", n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
                                      levels=tuple(dc.synthetic.levels))
+        elif dc.train_set == "file":  # the user's file (data.train_file); source name = the file's stem
+            name = Path(dc.train_file.path).stem if dc.train_file.path else "file"
+            records = load_file_set(name, dc.train_file, key="data.train_file")
         else:
             records = load_train_set(dc.train_set, dc.root)
         out, dropped = [], 0

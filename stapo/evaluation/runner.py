@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, resolve_data_root
+from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_set, resolve_data_root
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
@@ -151,8 +151,11 @@ def resolve_prompt(prompt_cfg: Any, source: ModelSource | None = None) -> Prompt
 
 # --- problems and blocks --------------------------------------------------------------------------------
 def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
-                  limit: int | None = None) -> dict[str, list[Problem]]:
+                  limit: int | None = None, custom: Mapping[str, Any] | None = None) -> dict[str, list[Problem]]:
     """The first ``limit`` problems (all when ``None``) of each benchmark, without prompts yet.
+
+    ``custom`` maps the names of user benchmarks to their :class:`stapo.data.FileSetConfig` (``data.custom_benchmarks``);
+    they are read from their own files (bad rows raise, as for the built-in benchmarks).
 
     Returns:
         ``{benchmark: [Problem]}`` in the order of ``benchmarks``.
@@ -164,12 +167,17 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
         data_root = resolve_data_root(root)
     except DataError as e:
         raise EvalError(str(e)) from None
+    custom = dict(custom or {})
     out: dict[str, list[Problem]] = {}
     for name in benchmarks:
-        if name not in BENCHMARKS:
-            raise EvalError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        if name not in BENCHMARKS and name not in custom:
+            raise EvalError(f"unknown benchmark {name!r}; known: {', '.join([*BENCHMARKS, *custom])}")
         try:
-            records = load_benchmark(name, data_root).records
+            if name in custom:
+                records = load_file_set(name, custom[name], key=f"data.custom_benchmarks.{name}",
+                                        on_bad_row="raise").records
+            else:
+                records = load_benchmark(name, data_root).records
         except DataError as e:
             raise EvalError(str(e)) from None
         records = records[:limit] if limit is not None else records
@@ -550,7 +558,7 @@ def run_evaluation(
     """
     validate_eval_config(cfg)
     source = resolve_model_source(cfg.model.path)
-    problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit)
+    problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit, cfg.data.custom_benchmarks)
     totals = {b: len(p) for b, p in problems.items()}
     prompt = resolve_prompt(cfg.prompt, source)
     run_dir = default_run_dir(cfg, source)
