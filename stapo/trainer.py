@@ -200,21 +200,19 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------
     def _engine_kwargs(self) -> dict[str, Any]:
+        """The rollout engine's keyword arguments (:func:`stapo.rollout.engine_kwargs`, shared with evaluation)."""
+        from stapo.rollout import EngineOptions, engine_kwargs
+
         rc = self.cfg.rollout
-        if rc.backend == "hf":
-            return {"compute_dtype": self.compute_dtype}  # generate() under autocast when mixed
-        extra: dict[str, Any] = {"dtype": self.compute_dtype}  # fp32 master → bf16 engine weights at each sync
-        if self.dist.enabled:  # one colocated engine per rank, inside torchrun's processes (as TRL / verl)
-            extra["distributed_executor_backend"] = "external_launcher"
-        return {**extra,
-            "max_model_len": self.cfg.data.max_prompt_length + rc.response_length,
-            "gpu_memory_utilization": rc.gpu_memory_utilization,
-            "kv_cache_gib": rc.kv_cache_gib,
-            "enforce_eager": rc.enforce_eager,
-            "tensor_parallel_size": rc.tensor_parallel_size,
-            "seed": self.cfg.trainer.seed,
-            "enable_sleep_mode": rc.sleep_during_update,
-        }
+        options = EngineOptions(
+            compute_dtype=self.compute_dtype,  # HF: generate() under autocast when mixed
+            dtype=self.compute_dtype,  # vLLM: fp32 master → bf16 engine weights at each sync
+            external_launcher=self.dist.enabled,  # one colocated engine per rank, inside torchrun's processes
+            max_model_len=self.cfg.data.max_prompt_length + rc.response_length,
+            gpu_memory_utilization=rc.gpu_memory_utilization, kv_cache_gib=rc.kv_cache_gib,
+            enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size, seed=self.cfg.trainer.seed,
+            enable_sleep_mode=rc.sleep_during_update)
+        return engine_kwargs(rc.backend, options)
 
     def _load_initial_model(self, dtype: torch.dtype):
         """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU →

@@ -493,7 +493,7 @@ def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
 def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: int) -> tuple[Any, dict[str, Any]]:
     import torch
 
-    from stapo.rollout import build_rollout_engine
+    from stapo.rollout import EngineOptions, build_rollout_engine, engine_kwargs
 
     ec = cfg.engine
     info: dict[str, Any] = {"backend": ec.backend}
@@ -502,7 +502,8 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
                                                                                    else ec.device)
         model.to(device)
         info["device"] = device
-        return build_rollout_engine("hf", model, tokenizer, max_batch_size=ec.hf_max_batch_size), info
+        return build_rollout_engine("hf", model, tokenizer,
+                                    **engine_kwargs("hf", EngineOptions(max_batch_size=ec.hf_max_batch_size))), info
     need = longest_prompt + cfg.generation.max_new_tokens
     cap = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_model_len = ec.max_model_len or (min(need, int(cap)) if cap else need)
@@ -513,11 +514,10 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
         log.warning("max_model_len %d < longest prompt %d + max_new_tokens %d: responses of long prompts are "
                     "capped at max_model_len - prompt length", max_model_len, longest_prompt,
                     cfg.generation.max_new_tokens)
-    kwargs: dict[str, Any] = dict(max_model_len=max_model_len, kv_cache_gib=ec.kv_cache_gib,
-                                  gpu_memory_utilization=ec.gpu_memory_utilization, enforce_eager=ec.enforce_eager,
-                                  tensor_parallel_size=ec.tensor_parallel_size, seed=cfg.generation.seed)
-    if ec.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = ec.max_num_seqs
+    kwargs = engine_kwargs("vllm", EngineOptions(
+        max_model_len=max_model_len, kv_cache_gib=ec.kv_cache_gib, gpu_memory_utilization=ec.gpu_memory_utilization,
+        enforce_eager=ec.enforce_eager, tensor_parallel_size=ec.tensor_parallel_size, seed=cfg.generation.seed,
+        max_num_seqs=ec.max_num_seqs))
     info["max_model_len"] = max_model_len
     try:
         return build_rollout_engine("vllm", model, tokenizer, **kwargs), info
@@ -603,9 +603,8 @@ def run_evaluation(
     finally:
         if owned_grader is not None:
             owned_grader.close()
-        close = getattr(engine, "close", None)
-        if callable(close):
-            close()
+        if engine is not None:
+            engine.close()
 
     import stapo
 
