@@ -7,6 +7,12 @@ Data root layout (``data.root`` in the configs; ``../shared/data`` in the sandbo
     <root>/train/dapo_math_17k.parquet    DAPO-Math-17k, deduplicated, verl format
     <root>/train/math_train_7474.json     MATH train with final answers (JSON list)
 
+Every built-in set is one entry of :data:`BENCHMARK_REGISTRY` (:class:`Benchmark`) or :data:`TRAIN_REGISTRY`
+(:class:`TrainSet`); the name tables (``BENCHMARKS``, ``EXPECTED_ROWS``, the eval config's ``PAPER_SAMPLES`` and
+``BENCHMARK_ALIASES``, the reports' ``DISPLAY_NAMES``, ...) derive from them.  A user's own JSONL / JSON / parquet
+file is loaded by config with :class:`FileSetConfig` / :func:`load_file_set` (read with Hugging Face
+``datasets``; see docs/extending.md).
+
 Every loader returns a :class:`LoadedSet`: ``records`` (:class:`Record`: ``id, problem, answer,
 source``) and ``stats`` (:class:`LoadStats`: rows read, rows kept, rows skipped by reason).
 Errors name the file and the row.  Benchmarks default to ``on_bad_row="raise"`` (an evaluation set
@@ -562,9 +568,7 @@ def load_dapo_math_17k(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip"
 
     Source: METHOD.md §6 (training set); SOURCES.md.
     """
-    path = Path(path)
-    _require_file(path, "dapo_math_17k")
-    return _load("dapo_math_17k", path, _read_parquet(path), on_bad_row)
+    return _load_train_file("dapo_math_17k", Path(path), on_bad_row)
 
 
 def load_math_train(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip") -> LoadedSet:
@@ -577,9 +581,13 @@ def load_math_train(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip") -
     Raises:
         DataFileNotFoundError / DataError: as :func:`load_dapo_math_17k`.
     """
-    path = Path(path)
-    _require_file(path, "math_train")
-    return _load("math_train", path, _read_json_list(path), on_bad_row)
+    return _load_train_file("math_train", Path(path), on_bad_row)
+
+
+def _load_train_file(name: str, path: Path, on_bad_row: OnBadRow) -> LoadedSet:
+    """Load ``path`` as the registered training set ``name`` (its reader and converter from the registry)."""
+    _require_file(path, name)
+    return _load(name, path, TRAIN_BY_NAME[name].read(path), on_bad_row)
 
 
 def load_train_set(
@@ -616,9 +624,7 @@ def load_train_set(
         raise ValueError(f"unknown training set {name!r}; known: {', '.join(TRAIN_SETS)}")
     if root is None:
         raise ValueError(f"training set {name!r} needs a data root")
-    path = train_path(root, name)
-    _require_file(path, name)
-    return _load(name, path, TRAIN_BY_NAME[name].read(path), on_bad_row)
+    return _load_train_file(name, train_path(root, name), on_bad_row)
 
 
 @dataclass
