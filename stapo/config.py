@@ -22,6 +22,8 @@ from typing import Any, Literal, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from stapo.data import FileSetConfig
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -70,7 +72,9 @@ class SyntheticConfig:
 @dataclass
 class DataConfig:
     root: str = "data"  # data root (benchmarks/, train/); tests use ../shared/data
-    train_set: Literal["synthetic", "dapo_math_17k", "math_train"] = "synthetic"
+    # "file": the user's own file, described by train_file (stapo.data.FileSetConfig; docs/extending.md)
+    train_set: Literal["synthetic", "dapo_math_17k", "math_train", "file"] = "synthetic"
+    train_file: FileSetConfig = field(default_factory=FileSetConfig)
     prompt_style: Literal["chat", "plain"] = "chat"  # chat template (instruct models) or plain text (base)
     system_prompt: Optional[str] = None  # chat only; the paper uses none (the CPU recipe adds a one-shot example)
     max_prompt_length: int = 1024  # tokens; longer prompts are dropped (and counted)

@@ -7,6 +7,12 @@ Data root layout (``data.root`` in the configs; ``../shared/data`` in the sandbo
     <root>/train/dapo_math_17k.parquet    DAPO-Math-17k, deduplicated, verl format
     <root>/train/math_train_7474.json     MATH train with final answers (JSON list)
 
+Every built-in set is one entry of :data:`BENCHMARK_REGISTRY` (:class:`Benchmark`) or :data:`TRAIN_REGISTRY`
+(:class:`TrainSet`); the name tables (``BENCHMARKS``, ``EXPECTED_ROWS``, the eval config's ``PAPER_SAMPLES`` and
+``BENCHMARK_ALIASES``, the reports' ``DISPLAY_NAMES``, ...) derive from them.  A user's own JSONL / JSON / parquet
+file is loaded by config with :class:`FileSetConfig` / :func:`load_file_set` (read with Hugging Face
+``datasets``; see docs/extending.md).
+
 Every loader returns a :class:`LoadedSet`: ``records`` (:class:`Record`: ``id, problem, answer,
 source``) and ``stats`` (:class:`LoadStats`: rows read, rows kept, rows skipped by reason).
 Errors name the file and the row.  Benchmarks default to ``on_bad_row="raise"`` (an evaluation set
@@ -36,11 +42,17 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Sequence
 
 from stapo.boxed import BOX_OPEN, last_boxed_content
+from stapo.records import Record
+from stapo.synthetic import generate_arithmetic
 
 __all__ = [
+    "Benchmark",
+    "TrainSet",
+    "BENCHMARK_REGISTRY",
+    "TRAIN_REGISTRY",
     "BENCHMARKS",
     "TRAIN_SETS",
     "EXPECTED_ROWS",
@@ -58,47 +70,17 @@ __all__ = [
     "load_dapo_math_17k",
     "load_math_train",
     "load_train_set",
+    "FileSetConfig",
+    "load_file_set",
     "save_records_jsonl",
     "load_records_jsonl",
 ]
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS: tuple[str, ...] = ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
-TRAIN_SETS: tuple[str, ...] = ("dapo_math_17k", "math_train", "synthetic_arithmetic")
-TRAIN_FILES = {"dapo_math_17k": "dapo_math_17k.parquet", "math_train": "math_train_7474.json"}
-# Rows in the files (SOURCES.md); math_train keeps 7,470 of its 7,474 rows (4 have no answer).
-EXPECTED_ROWS = {
-    "aime24": 30,
-    "aime25": 30,
-    "amc23": 40,
-    "math500": 500,
-    "minerva_math": 272,
-    "olympiadbench": 675,
-    "dapo_math_17k": 17917,
-    "math_train": 7474,
-}
-_INTEGER_SOURCES = frozenset({"aime24", "aime25", "amc23", "dapo_math_17k"})
 _INT_RE = re.compile(r"[+-]?\d+")
 
 OnBadRow = Literal["raise", "skip"]
-
-
-@dataclass(frozen=True)
-class Record:
-    """One problem.
-
-    Attributes:
-        id: unique within its source, ``"<source>/<original id or row index>"``.
-        problem: problem statement (no instruction suffix; see :mod:`stapo.prompts`).
-        answer: normalised gold answer (LaTeX, no ``$`` delimiters).
-        source: dataset name (``"aime24"``, ..., ``"dapo_math_17k"``, ``"synthetic_arithmetic"``).
-    """
-
-    id: str
-    problem: str
-    answer: str
-    source: str
 
 
 @dataclass
@@ -185,9 +167,9 @@ def resolve_data_root(root: str | os.PathLike | None = None) -> Path:
 
 def benchmark_path(root: str | os.PathLike, name: str) -> Path:
     """``<root>/benchmarks/<name>/test.jsonl``.  Raises ``ValueError`` for an unknown name."""
-    if name not in BENCHMARKS:
+    if name not in BENCHMARK_BY_NAME:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
-    return Path(root) / "benchmarks" / name / "test.jsonl"
+    return Path(root) / BENCHMARK_BY_NAME[name].relpath
 
 
 def train_path(root: str | os.PathLike, name: str) -> Path:
@@ -229,7 +211,7 @@ def _whole_box_content(text: str) -> str | None:
     return None
 
 
-def normalize_gold(source: str, raw: Any) -> str:
+def normalize_gold(source: str, raw: Any, *, integer: bool | None = None) -> str:
     """Normalise a raw gold answer from ``source`` into the LaTeX string stored in :class:`Record`.
 
     Steps: numbers -> text (``27.0`` -> ``"27"``; a non-integral float keeps ``repr``); strip
@@ -238,8 +220,11 @@ def normalize_gold(source: str, raw: Any) -> str:
     string is canonicalised (``"025"`` -> ``"25"``, ``"+7"`` -> ``"7"``).
 
     Args:
-        source: dataset name (decides the integer canonicalisation).
+        source: dataset name (decides the integer canonicalisation: its registry entry's
+            ``integer_answers``).
         raw: ``str``, ``int`` or ``float`` (olympiadbench's list must be unpacked by the caller).
+        integer: canonicalise integer strings; ``None`` (default) = as the registry says for ``source``
+            (``False`` for a name not in the registry).
 
     Returns:
         Non-empty normalised string.
@@ -266,7 +251,7 @@ def normalize_gold(source: str, raw: Any) -> str:
     inner = _whole_box_content(text)
     if inner is not None:
         text = inner.strip()
-    if source in _INTEGER_SOURCES and _INT_RE.fullmatch(text):
+    if (source in _INTEGER_SOURCES if integer is None else integer) and _INT_RE.fullmatch(text):
         text = str(int(text))
     if not text:
         raise ValueError("answer is empty")
@@ -357,16 +342,71 @@ def _conv_math_train(row: dict, i: int) -> Record:
     return Record(f"math_train/{i}", _text_field(row, "problem"), _gold("math_train", _field(row, "answer"), "answer"), "math_train")
 
 
-_CONVERTERS: dict[str, Callable[[dict, int], Record]] = {
-    "aime24": _conv_aime24,
-    "aime25": _conv_aime25,
-    "amc23": _conv_amc23,
-    "math500": _conv_math500,
-    "minerva_math": _conv_minerva,
-    "olympiadbench": _conv_olympiad,
-    "dapo_math_17k": _conv_dapo,
-    "math_train": _conv_math_train,
-}
+# ---------------------------------------------------------------------------------------------
+# The registry: one entry per built-in data set; every table derives from it
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One evaluation benchmark: everything the loaders, the eval config and the reports know about it.
+
+    Attributes:
+        name: canonical name (config value, file folder, ``Record.source``).
+        display: column title in tables (``"AIME24"``).
+        samples: the paper's samples per problem N (METHOD.md §7).
+        aliases: other spellings accepted in eval configs (lower case).
+        expected_rows: rows of the reference file (SOURCES.md); :mod:`scripts.prepare_data` checks it.
+        integer_answers: canonicalise integer gold answers (``"025"`` -> ``"25"``).
+        convert: ``(row dict, row index) -> Record``; raises ``_RowError`` naming the field.
+        file: path under the data root (default ``benchmarks/<name>/test.jsonl``).
+    """
+
+    name: str
+    display: str
+    samples: int
+    aliases: tuple[str, ...]
+    expected_rows: int
+    integer_answers: bool
+    convert: Callable[[dict, int], Record]
+    file: str = ""
+
+    @property
+    def relpath(self) -> str:
+        """The file under the data root."""
+        return self.file or f"benchmarks/{self.name}/test.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainSet:
+    """One file-backed training set (``synthetic_arithmetic`` is generated, not registered here).
+
+    Attributes:
+        name: config value of ``data.train_set`` and ``Record.source``.
+        file: path under ``<root>/train``.
+        read: ``Path -> iterator of (row index, row dict or _RowError)``.
+        convert: as :attr:`Benchmark.convert`.
+        expected_rows: rows of the reference file.
+        integer_answers: as :attr:`Benchmark.integer_answers`.
+    """
+
+    name: str
+    file: str
+    read: Callable[[Path], Iterator[tuple[int, Any]]]
+    convert: Callable[[dict, int], Record]
+    expected_rows: int
+    integer_answers: bool
+
+
+#: The six benchmarks, in table order (METHOD.md §7; raw fields in SOURCES.md).
+BENCHMARK_REGISTRY: tuple[Benchmark, ...] = (
+    Benchmark("aime24", "AIME24", 32, ("aime2024",), 30, True, _conv_aime24),
+    Benchmark("aime25", "AIME25", 32, ("aime2025",), 30, True, _conv_aime25),
+    Benchmark("amc23", "AMC23", 32, ("amc2023", "amc"), 40, True, _conv_amc23),
+    Benchmark("math500", "MATH500", 4, ("math", "math_500", "math-500"), 500, False, _conv_math500),
+    Benchmark("minerva_math", "Minerva", 4, ("minerva", "minervamath"), 272, False, _conv_minerva),
+    Benchmark("olympiadbench", "OlympiadBench", 4, ("olympiad", "olympiad_bench"), 675, False, _conv_olympiad),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,15 +460,34 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     yield from enumerate(table.to_pylist())
 
 
+#: The file-backed training sets.  math_train keeps 7,470 of its 7,474 rows (4 have no answer).
+TRAIN_REGISTRY: tuple[TrainSet, ...] = (
+    TrainSet("dapo_math_17k", "dapo_math_17k.parquet", _read_parquet, _conv_dapo, 17917, True),
+    TrainSet("math_train", "math_train_7474.json", _read_json_list, _conv_math_train, 7474, False),
+)
+
+# Derived tables (do not edit: add an entry to BENCHMARK_REGISTRY / TRAIN_REGISTRY instead).
+BENCHMARKS: tuple[str, ...] = tuple(b.name for b in BENCHMARK_REGISTRY)
+BENCHMARK_BY_NAME: dict[str, Benchmark] = {b.name: b for b in BENCHMARK_REGISTRY}
+TRAIN_SETS: tuple[str, ...] = tuple(t.name for t in TRAIN_REGISTRY) + ("synthetic_arithmetic",)
+TRAIN_FILES: dict[str, str] = {t.name: t.file for t in TRAIN_REGISTRY}
+TRAIN_BY_NAME: dict[str, TrainSet] = {t.name: t for t in TRAIN_REGISTRY}
+EXPECTED_ROWS: dict[str, int] = {e.name: e.expected_rows for e in (*BENCHMARK_REGISTRY, *TRAIN_REGISTRY)}
+_INTEGER_SOURCES = frozenset(e.name for e in (*BENCHMARK_REGISTRY, *TRAIN_REGISTRY) if e.integer_answers)
+_CONVERTERS: dict[str, Callable[[dict, int], Record]] = {
+    e.name: e.convert for e in (*BENCHMARK_REGISTRY, *TRAIN_REGISTRY)}
+
+
 def _load(
     source: str,
     path: Path,
     rows: Iterable[tuple[int, Any]],
     on_bad_row: OnBadRow,
+    convert: Callable[[dict, int], Record] | None = None,
 ) -> LoadedSet:
     if on_bad_row not in ("raise", "skip"):
         raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
-    convert = _CONVERTERS[source]
+    convert = convert if convert is not None else _CONVERTERS[source]
     stats = LoadStats(source=source, path=str(path))
     records: list[Record] = []
     seen_ids: set[str] = set()
@@ -509,9 +568,7 @@ def load_dapo_math_17k(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip"
 
     Source: METHOD.md §6 (training set); SOURCES.md.
     """
-    path = Path(path)
-    _require_file(path, "dapo_math_17k")
-    return _load("dapo_math_17k", path, _read_parquet(path), on_bad_row)
+    return _load_train_file("dapo_math_17k", Path(path), on_bad_row)
 
 
 def load_math_train(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip") -> LoadedSet:
@@ -524,9 +581,13 @@ def load_math_train(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip") -
     Raises:
         DataFileNotFoundError / DataError: as :func:`load_dapo_math_17k`.
     """
-    path = Path(path)
-    _require_file(path, "math_train")
-    return _load("math_train", path, _read_json_list(path), on_bad_row)
+    return _load_train_file("math_train", Path(path), on_bad_row)
+
+
+def _load_train_file(name: str, path: Path, on_bad_row: OnBadRow) -> LoadedSet:
+    """Load ``path`` as the registered training set ``name`` (its reader and converter from the registry)."""
+    _require_file(path, name)
+    return _load(name, path, TRAIN_BY_NAME[name].read(path), on_bad_row)
 
 
 def load_train_set(
@@ -554,8 +615,6 @@ def load_train_set(
     """
     name = {"synthetic": "synthetic_arithmetic"}.get(name, name)  # config spelling
     if name == "synthetic_arithmetic":
-        from stapo.synthetic import generate_arithmetic
-
         records = generate_arithmetic(**synthetic_kwargs)
         stats = LoadStats(source=name, path="", rows_read=len(records), rows_loaded=len(records))
         return LoadedSet(records=records, stats=stats)
@@ -565,9 +624,90 @@ def load_train_set(
         raise ValueError(f"unknown training set {name!r}; known: {', '.join(TRAIN_SETS)}")
     if root is None:
         raise ValueError(f"training set {name!r} needs a data root")
-    path = train_path(root, name)
-    loader = load_dapo_math_17k if name == "dapo_math_17k" else load_math_train
-    return loader(path, on_bad_row=on_bad_row)
+    return _load_train_file(name, train_path(root, name), on_bad_row)
+
+
+@dataclass
+class FileSetConfig:
+    """A data set from the user's own JSONL / JSON / parquet file, by config (no code): which column holds what.
+
+    Used for ``data.train_file`` (train.py, with ``data.train_set: file``) and each entry of
+    ``data.custom_benchmarks`` (evaluate.py).  Read with Hugging Face ``datasets``; the format follows the suffix
+    (``.jsonl`` / ``.json``: JSON lines or a JSON list; ``.parquet``).
+
+    Attributes:
+        path: the file (``~`` expanded; relative paths from the working directory).
+        problem_key: column with the problem text (non-empty str).
+        answer_key: column with the gold answer (str or number; normalised by :func:`normalize_gold`).
+        id_key: column with a unique id (``Record.id`` = ``"<name>/<value>"``); ``None``: the row index.
+        integer_answers: canonicalise integer gold answers (``"025"`` -> ``"25"``) as for AIME.
+    """
+
+    path: Optional[str] = None
+    problem_key: str = "problem"
+    answer_key: str = "answer"
+    id_key: Optional[str] = None
+    integer_answers: bool = False
+
+
+_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_file_set(name: str, spec: FileSetConfig, *, key: str = "data.train_file",
+                  on_bad_row: OnBadRow = "skip") -> LoadedSet:
+    """Load a user data set described by ``spec`` (see :class:`FileSetConfig`) into records of source ``name``.
+
+    Args:
+        name: ``Record.source`` and id prefix (``"my_set"`` -> ids ``"my_set/0"``, ...).
+        spec: the file and its field mapping.
+        key: the config key of ``spec`` (``"data.train_file"``, ``"data.custom_benchmarks.my_set"``), for errors.
+        on_bad_row: ``"skip"`` (count rows without a usable problem/answer) or ``"raise"``.
+
+    Returns:
+        :class:`LoadedSet`, rows in file order.
+
+    Raises:
+        DataFileNotFoundError: ``spec.path`` unset or not a file.
+        DataError: one line naming the file and the problem: an unknown suffix, an unreadable file, a mapped
+            column that the file lacks (``"<file>: no column 'q' (<key>.problem_key); columns: ..."``) or whose
+            values mix types (strings and numbers: ``datasets`` would decode ``"007"`` to ``7``), or (with
+            ``on_bad_row="raise"``) a bad row (``"<file>: row <i>: <reason>"``).
+    """
+    if not spec.path:
+        raise DataFileNotFoundError(f"{key}.path is not set (the file of data set {name!r})")
+    path = Path(spec.path).expanduser()
+    _require_file(path, f"{key}.path")
+    fmt = _FILE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(f"{path}: unknown format {path.suffix!r} for {key}.path; use {', '.join(_FILE_FORMATS)}")
+    import datasets
+
+    try:
+        table = datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for a bad file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise DataError(f"{path}: cannot read as {fmt}: {type(exc).__name__}: {first}") from None
+    columns = list(table.column_names)
+    for attr in ("problem_key", "answer_key", "id_key"):
+        column = getattr(spec, attr)
+        if column is not None and column not in columns:
+            raise DataError(f"{path}: no column {column!r} ({key}.{attr}); columns: {', '.join(columns)}")
+        # a JSON column mixing types (strings and numbers) is read by datasets as JSON values, which decodes
+        # number-like strings ("007" -> 7): refuse it rather than change gold answers silently
+        if column is not None and type(table.features[column]).__name__ == "Json":
+            raise DataError(f"{path}: column {column!r} ({key}.{attr}) mixes value types (e.g. strings and "
+                            f"numbers); write every value of it with one type")
+
+    def convert(row: dict, i: int) -> Record:
+        rid = row[spec.id_key] if spec.id_key is not None else i
+        answer = _field(row, spec.answer_key)
+        try:
+            gold = normalize_gold(name, answer, integer=spec.integer_answers)
+        except ValueError as exc:
+            raise _RowError(f"field {spec.answer_key!r}: {exc}") from None
+        return Record(f"{name}/{rid}", _text_field(row, spec.problem_key), gold, name)
+
+    return _load(name, path, enumerate(table), on_bad_row, convert=convert)
 
 
 def save_records_jsonl(records: Iterable[Record], path: str | os.PathLike) -> int:

@@ -1,7 +1,7 @@
 """Seeded synthetic integer-arithmetic task: the embedded default training set for CPU runs.
 
 Problems look like ``"What is 37 + 45?"`` with exact integer answers (``"82"``), in the same
-:class:`~stapo.data.Record` type as the real data, so the same prompts, strict-box reward and grader
+:class:`~stapo.records.Record` type as the real data, so the same prompts, strict-box reward and grader
 apply.  Difficulty grows with the digit count of the operands and the number of operands:
 
 ====== ============= ======== =========== ==================
@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from stapo.data import Record
+from stapo.records import Record
 
 __all__ = [
     "SOURCE",

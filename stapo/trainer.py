@@ -200,21 +200,19 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------
     def _engine_kwargs(self) -> dict[str, Any]:
+        """The rollout engine's keyword arguments (:func:`stapo.rollout.engine_kwargs`, shared with evaluation)."""
+        from stapo.rollout import EngineOptions, engine_kwargs
+
         rc = self.cfg.rollout
-        if rc.backend == "hf":
-            return {"compute_dtype": self.compute_dtype}  # generate() under autocast when mixed
-        extra: dict[str, Any] = {"dtype": self.compute_dtype}  # fp32 master → bf16 engine weights at each sync
-        if self.dist.enabled:  # one colocated engine per rank, inside torchrun's processes (as TRL / verl)
-            extra["distributed_executor_backend"] = "external_launcher"
-        return {**extra,
-            "max_model_len": self.cfg.data.max_prompt_length + rc.response_length,
-            "gpu_memory_utilization": rc.gpu_memory_utilization,
-            "kv_cache_gib": rc.kv_cache_gib,
-            "enforce_eager": rc.enforce_eager,
-            "tensor_parallel_size": rc.tensor_parallel_size,
-            "seed": self.cfg.trainer.seed,
-            "enable_sleep_mode": rc.sleep_during_update,
-        }
+        options = EngineOptions(
+            compute_dtype=self.compute_dtype,  # HF: generate() under autocast when mixed
+            dtype=self.compute_dtype,  # vLLM: fp32 master → bf16 engine weights at each sync
+            external_launcher=self.dist.enabled,  # one colocated engine per rank, inside torchrun's processes
+            max_model_len=self.cfg.data.max_prompt_length + rc.response_length,
+            gpu_memory_utilization=rc.gpu_memory_utilization, kv_cache_gib=rc.kv_cache_gib,
+            enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size, seed=self.cfg.trainer.seed,
+            enable_sleep_mode=rc.sleep_during_update)
+        return engine_kwargs(rc.backend, options)
 
     def _load_initial_model(self, dtype: torch.dtype):
         """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU →
@@ -249,13 +247,16 @@ class Trainer:
 
     def _load_prompts(self) -> list[tuple[list[int], str, str]]:
         """Training records → (prompt ids, gold, id); prompts over ``data.max_prompt_length`` are dropped (counted)."""
-        from stapo.data import load_train_set
+        from stapo.data import load_file_set, load_train_set
         from stapo.prompts import encode_prompt
 
         dc = self.cfg.data
         if dc.train_set == "synthetic":
             records = load_train_set("synthetic", n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
                                      levels=tuple(dc.synthetic.levels))
+        elif dc.train_set == "file":  # the user's file (data.train_file); source name = the file's stem
+            name = Path(dc.train_file.path).stem if dc.train_file.path else "file"
+            records = load_file_set(name, dc.train_file, key="data.train_file")
         else:
             records = load_train_set(dc.train_set, dc.root)
         out, dropped = [], 0

@@ -258,3 +258,89 @@ def test_prepare_data_from_local_errors(subset_root, tmp_path, capsys):
     _write_jsonl(subset_root / "benchmarks" / "aime25" / "test.jsonl", [{"question": "q"}])
     assert prepare.main(["--from-local", str(subset_root), "--out", str(tmp_path / "o2"), "--only", "aime25"]) == 2
     assert "row 0: missing field 'answer'" in capsys.readouterr().err
+
+
+def test_every_benchmark_table_derives_from_the_registry():
+    """One registry entry per benchmark; the seven tables are views of it (values written out by hand)."""
+    from stapo.data import _CONVERTERS, _INTEGER_SOURCES, BENCHMARK_REGISTRY, EXPECTED_ROWS, TRAIN_REGISTRY
+    from stapo.evaluation.config import BENCHMARK_ALIASES, PAPER_SAMPLES
+    from stapo.evaluation.report import DISPLAY_NAMES
+
+    assert BENCHMARKS == ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
+    assert EXPECTED_ROWS == {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva_math": 272,
+                             "olympiadbench": 675, "dapo_math_17k": 17917, "math_train": 7474}
+    assert _INTEGER_SOURCES == {"aime24", "aime25", "amc23", "dapo_math_17k"}
+    assert set(_CONVERTERS) == set(EXPECTED_ROWS)
+    assert PAPER_SAMPLES == {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4,
+                             "olympiadbench": 4}
+    assert BENCHMARK_ALIASES["minerva"] == "minerva_math" and BENCHMARK_ALIASES["amc"] == "amc23"
+    assert len(BENCHMARK_ALIASES) == 11
+    assert DISPLAY_NAMES == {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500",
+                             "minerva_math": "Minerva", "olympiadbench": "OlympiadBench"}
+    assert [b.relpath for b in BENCHMARK_REGISTRY][0] == "benchmarks/aime24/test.jsonl"
+    assert [t.name for t in TRAIN_REGISTRY] == ["dapo_math_17k", "math_train"]
+
+
+# --- user data sets by config (stapo.data.FileSetConfig) ---------------------------------------------------
+
+
+def _write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_file_set_jsonl_maps_columns_and_normalises_gold(tmp_path):
+    from stapo.data import FileSetConfig, load_file_set
+
+    path = _write_rows(tmp_path / "my.jsonl", [
+        {"question": "What is 1+1?", "sol": "$2$", "uid": "a"},
+        {"question": "What is 3*3?", "sol": "9", "uid": "b"},
+        {"question": "Pad?", "sol": "007", "uid": "c"},
+    ])
+    spec = FileSetConfig(path=str(path), problem_key="question", answer_key="sol", id_key="uid")
+    got = load_file_set("my", spec)
+    assert [(r.id, r.problem, r.answer, r.source) for r in got] == [
+        ("my/a", "What is 1+1?", "2", "my"), ("my/b", "What is 3*3?", "9", "my"), ("my/c", "Pad?", "007", "my")]
+    assert got.stats.rows_read == 3 and got.stats.rows_loaded == 3
+    spec.integer_answers, spec.id_key = True, None  # "007" -> "7"; ids from the row index
+    assert [(r.id, r.answer) for r in load_file_set("my", spec)] == [("my/0", "2"), ("my/1", "9"), ("my/2", "7")]
+
+
+def test_file_set_parquet_and_skipped_rows(tmp_path):
+    from stapo.data import FileSetConfig, load_file_set
+
+    path = tmp_path / "set.parquet"
+    pq.write_table(pa.table({"problem": ["p0", "p1", "p2"], "answer": ["\\frac{1}{2}", "", "x"]}), path)
+    got = load_file_set("pq", FileSetConfig(path=str(path)))
+    assert [(r.id, r.answer) for r in got] == [("pq/0", "\\frac{1}{2}"), ("pq/2", "x")]
+    assert got.stats.skipped_by_reason == {"field 'answer': answer is empty": 1}
+    with pytest.raises(DataError, match=r"set\.parquet: row 1: field 'answer': answer is empty"):
+        load_file_set("pq", FileSetConfig(path=str(path)), on_bad_row="raise")
+
+
+def test_file_set_bad_field_name_is_one_line_naming_file_and_key(tmp_path):
+    from stapo.data import FileSetConfig, load_file_set
+
+    path = _write_rows(tmp_path / "my.jsonl", [{"question": "q", "answer": "1"}])
+    with pytest.raises(DataError) as err:
+        load_file_set("my", FileSetConfig(path=str(path), problem_key="problem"), key="data.train_file")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg == f"{path}: no column 'problem' (data.train_file.problem_key); columns: question, answer"
+    with pytest.raises(DataFileNotFoundError, match=r"data.train_file.path is not set"):
+        load_file_set("my", FileSetConfig())
+    mixed = _write_rows(tmp_path / "mixed.jsonl", [{"problem": "q", "answer": "007"}, {"problem": "r", "answer": 9}])
+    with pytest.raises(DataError, match=r"mixed\.jsonl: column 'answer' \(data.train_file.answer_key\) mixes value types"):
+        load_file_set("m", FileSetConfig(path=str(mixed)))
+    with pytest.raises(DataError, match=r"unknown format '.csv'"):
+        (tmp_path / "x.csv").write_text("a\n1\n")
+        load_file_set("x", FileSetConfig(path=str(tmp_path / "x.csv")))
+
+
+def test_train_config_selects_a_user_file(tmp_path):
+    from stapo.config import load_config
+
+    path = _write_rows(tmp_path / "my.jsonl", [{"question": "q", "answer": "1"}])
+    cfg = load_config(None, ["data.train_set=file", f"data.train_file.path={path}", "data.train_file.problem_key=question"])
+    assert cfg.data.train_set == "file" and cfg.data.train_file.path == str(path)
+    assert cfg.data.train_file.problem_key == "question" and cfg.data.train_file.answer_key == "answer"

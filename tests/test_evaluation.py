@@ -431,3 +431,41 @@ def test_wandb_offline_summary_needs_no_api_key(shared_data_root, tmp_path, tok,
     run_evaluation(tiny_cfg(shared_data_root, out, "logging.wandb_mode=offline", "data.limit=1"), model=tiny,
                    tokenizer=tok, grader=grader)
     assert any((out / "wandb").glob("offline-run-*"))
+
+
+# --- a benchmark from the user's own file, by config ----------------------------------------------------------
+def test_custom_benchmark_from_a_jsonl_file(shared_data_root, tmp_path, tok, tiny, grader):
+    """data.custom_benchmarks.<name> maps a JSONL file's columns; listed in data.benchmarks it is evaluated
+    next to a built-in one, with its own N, and gets a column of its own in the paper table."""
+    bench = tmp_path / "mine.jsonl"
+    bench.write_text("".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1), "k": f"p{i}"}) + "\n"
+                             for i in range(3)))
+    out = tmp_path / "run"
+    cfg = tiny_cfg(shared_data_root, out, "data.benchmarks=[math500,mine]", "data.limit=1", "generation.settings=[{}]",
+                   f"data.custom_benchmarks.mine.path={bench}", "data.custom_benchmarks.mine.problem_key=q",
+                   "data.custom_benchmarks.mine.answer_key=a", "data.custom_benchmarks.mine.id_key=k",
+                   "data.custom_benchmarks.mine.samples=2")
+    assert cfg.data.benchmarks == ["math500", "mine"] and cfg.data.samples["mine"] == 2
+    run_evaluation(cfg, model=tiny, tokenizer=tok, grader=grader)
+    recs = read_jsonl(out / "generations" / "mine__t1.0_p1.0.jsonl")
+    assert sorted((r["problem_id"], r["sample"]) for r in recs) == [("mine/p0", 0), ("mine/p0", 1)]  # limit 1, N 2
+    assert {r["gold"] for r in recs} == {"1"}
+    from stapo.evaluation.report import paper_table
+
+    header, _ = paper_table([json.loads((out / "results.json").read_text())])
+    assert header == ["model", "MATH500", "mine", "Avg"]
+
+
+def test_custom_benchmark_errors_name_the_file_and_key(shared_data_root, tmp_path):
+    from stapo.evaluation.runner import load_problems
+
+    bench = tmp_path / "mine.jsonl"
+    bench.write_text(json.dumps({"q": "x", "a": "1"}) + "\n")
+    cfg = tiny_cfg(shared_data_root, tmp_path / "o", "data.benchmarks=[mine]", f"data.custom_benchmarks.mine.path={bench}")
+    with pytest.raises(EvalError) as err:  # problem_key defaults to "problem"
+        load_problems(cfg.data.root, cfg.data.benchmarks, None, cfg.data.custom_benchmarks)
+    assert str(err.value) == f"{bench}: no column 'problem' (data.custom_benchmarks.mine.problem_key); columns: q, a"
+    with pytest.raises(EvalError, match=r"data.custom_benchmarks.aime24.*built-in benchmark"):
+        tiny_cfg(shared_data_root, tmp_path / "o", f"data.custom_benchmarks.aime24.path={bench}")
+    with pytest.raises(EvalError, match=r"unknown benchmark 'mne' \(did you mean 'mine'\?\)"):
+        tiny_cfg(shared_data_root, tmp_path / "o", "data.benchmarks=[mne]", f"data.custom_benchmarks.mine.path={bench}")

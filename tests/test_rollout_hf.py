@@ -193,3 +193,52 @@ def test_seeded_responses_do_not_depend_on_the_other_prompts_of_the_call(tok):
     assert [r.response_ids for r in part] == [r.response_ids for r in whole[4:6] + whole[0:2]]
     assert [r.response_ids for r in chunked] == [r.response_ids for r in whole]
     assert len({tuple(r.response_ids) for r in whole}) > 1  # actually sampled
+
+
+# --- the backend table and the one engine-argument builder --------------------------------------------------
+def test_backend_table_and_close_on_every_engine():
+    from stapo.rollout import BACKENDS, RolloutEngine
+
+    assert list(BACKENDS) == ["vllm", "hf"]
+    assert [b.engine_class().__name__ for b in BACKENDS.values()] == ["VLLMRolloutEngine", "HFRolloutEngine"]
+    assert "close" in RolloutEngine.__dict__
+    for b in BACKENDS.values():
+        assert callable(getattr(b.engine_class(), "close", None)), b.name
+
+
+def test_trainer_and_evaluation_build_engine_arguments_with_one_builder(tok, monkeypatch):
+    """The trainer's and the evaluation runner's engine arguments (both via stapo.rollout.engine_kwargs) are
+    the dicts they were built by hand before, key for key."""
+    from types import SimpleNamespace
+
+    import stapo.rollout as rollout
+    from stapo.config import load_config
+    from stapo.evaluation.config import load_eval_config
+    from stapo.evaluation.runner import _build_engine
+    from stapo.trainer import Trainer
+
+    cfg = load_config(None, ["rollout.backend=vllm", "data.max_prompt_length=100", "rollout.response_length=28",
+                             "rollout.sleep_during_update=true", "trainer.seed=3"])
+    fake = SimpleNamespace(cfg=cfg, compute_dtype=torch.bfloat16, dist=SimpleNamespace(enabled=True))
+    assert Trainer._engine_kwargs(fake) == {
+        "dtype": torch.bfloat16, "distributed_executor_backend": "external_launcher", "max_model_len": 128,
+        "gpu_memory_utilization": 0.5, "kv_cache_gib": 2.0, "enforce_eager": True, "tensor_parallel_size": 1,
+        "seed": 3, "enable_sleep_mode": True}
+    fake.dist.enabled = False
+    assert "distributed_executor_backend" not in Trainer._engine_kwargs(fake)
+    cfg.rollout.backend = "hf"
+    assert Trainer._engine_kwargs(fake) == {"compute_dtype": torch.bfloat16}
+
+    seen = {}
+    monkeypatch.setattr(rollout, "build_rollout_engine", lambda backend, m, t, **kw: seen.update(b=backend, kw=kw))
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1000))
+    ecfg = load_eval_config(None, ["generation.max_new_tokens=50", "engine.max_num_seqs=7", "generation.seed=2"])
+    _, info = _build_engine(model, tok, ecfg, longest_prompt=30)
+    assert seen == {"b": "vllm", "kw": {"max_model_len": 80, "kv_cache_gib": 4.0, "gpu_memory_utilization": 0.85,
+                                        "enforce_eager": True, "tensor_parallel_size": 1, "seed": 2,
+                                        "max_num_seqs": 7}}
+    assert info == {"backend": "vllm", "max_model_len": 80}
+    ecfg = load_eval_config(None, ["engine.backend=hf", "engine.device=cpu", "engine.hf_max_batch_size=5"])
+    model = SimpleNamespace(to=lambda device: None)
+    _build_engine(model, tok, ecfg, longest_prompt=30)
+    assert seen == {"b": "hf", "kw": {"max_batch_size": 5}}

@@ -87,3 +87,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="non-negative"):
         generate_arithmetic(n=-1)
     assert generate_arithmetic(n=0) == []
+
+
+def test_record_has_one_home_and_no_import_cycle():
+    """Record lives in stapo.records; stapo.data re-exports the same class; synthetic does not import data."""
+    import subprocess
+    import sys
+
+    from stapo import data, records, synthetic
+
+    assert data.Record is records.Record is synthetic.Record
+    code = "import sys, stapo.synthetic; print('stapo.data' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"

@@ -208,3 +208,31 @@ def test_fused_forward_gives_the_same_masks_loss_and_update(tmp_path, objective,
     # ≤ 1.4e-5 on one weight of 2048; a wrong mask or denominator moves most weights by ~lr).
     for k in p0:
         torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)
+
+
+def test_training_prompts_from_a_user_file(tmp_path):
+    """data.train_set=file reads data.train_file with its column mapping: the trainer's (prompt ids, gold, id)
+    are those of encode_prompt on each row; a bad column name is one line naming the file and the key."""
+    from types import SimpleNamespace
+
+    from stapo.config import load_config
+    from stapo.data import DataError
+    from stapo.models import load_tokenizer
+    from stapo.prompts import encode_prompt
+    from stapo.trainer import Trainer
+
+    path = tmp_path / "my_set.jsonl"
+    path.write_text(json.dumps({"question": "What is 2 + 2?", "ans": "4"}) + "\n"
+                    + json.dumps({"question": "What is 5 - 3?", "ans": "$2$"}) + "\n")
+    tok = load_tokenizer("embedded:smollm2")
+    cfg = load_config(None, ["data.train_set=file", f"data.train_file.path={path}",
+                             "data.train_file.problem_key=question", "data.train_file.answer_key=ans"])
+    fake = SimpleNamespace(cfg=cfg, tokenizer=tok)
+    got = Trainer._load_prompts(fake)
+    assert got == [(encode_prompt("What is 2 + 2?", tok, use_chat_template="chat"), "4", "my_set/0"),
+                   (encode_prompt("What is 5 - 3?", tok, use_chat_template="chat"), "2", "my_set/1")]
+    assert fake.prompt_stats == {"data/num_prompts": 2.0, "data/num_dropped_too_long": 0.0, "data/num_skipped_rows": 0.0}
+    cfg.data.train_file.answer_key = "answer"
+    with pytest.raises(DataError) as err:
+        Trainer._load_prompts(fake)
+    assert str(err.value) == f"{path}: no column 'answer' (data.train_file.answer_key); columns: question, ans"

@@ -17,12 +17,12 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from stapo.config import ConfigError, merge_config
-from stapo.data import BENCHMARKS
+from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
 from stapo.evaluation.errors import EvalError
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "EvalModelConfig",
     "EvalPromptConfig",
     "EvalDataConfig",
+    "CustomBenchmarkConfig",
     "EvalGenerationConfig",
     "EvalEngineConfig",
     "EvalGraderConfig",
@@ -46,15 +47,11 @@ __all__ = [
     "eval_config_to_dict",
 ]
 
-#: Samples per problem N (METHOD.md §7).
-PAPER_SAMPLES: dict[str, int] = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4,
-                                 "olympiadbench": 4}
+#: Samples per problem N (METHOD.md §7), from :data:`stapo.data.BENCHMARK_REGISTRY`.
+PAPER_SAMPLES: dict[str, int] = {b.name: b.samples for b in BENCHMARK_REGISTRY}
 
-BENCHMARK_ALIASES: dict[str, str] = {
-    "minerva": "minerva_math", "minervamath": "minerva_math", "olympiad": "olympiadbench",
-    "olympiad_bench": "olympiadbench", "math": "math500", "math_500": "math500", "math-500": "math500",
-    "aime2024": "aime24", "aime2025": "aime25", "amc2023": "amc23", "amc": "amc23",
-}
+#: Other spellings of the benchmark names (lower case), from :data:`stapo.data.BENCHMARK_REGISTRY`.
+BENCHMARK_ALIASES: dict[str, str] = {alias: b.name for b in BENCHMARK_REGISTRY for alias in b.aliases}
 
 
 @dataclass
@@ -92,12 +89,23 @@ class EvalPromptConfig:
 
 
 @dataclass
+class CustomBenchmarkConfig(FileSetConfig):
+    """A benchmark from the user's own file (``data.custom_benchmarks.<name>``): the file and its field mapping
+    (:class:`stapo.data.FileSetConfig`) plus its samples per problem N (``data.samples.<name>`` wins when set).
+    It is evaluated when ``<name>`` is listed in ``data.benchmarks``."""
+
+    samples: int = 4
+
+
+@dataclass
 class EvalDataConfig:
     root: str = "data"  # data root with benchmarks/<name>/test.jsonl (tests use ../shared/data)
     benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS))
     limit: Optional[int] = None  # evaluate the first K problems of each benchmark
     samples: dict[str, int] = field(default_factory=lambda: dict(PAPER_SAMPLES))  # N per benchmark
     max_prompt_tokens: Optional[int] = None  # longer prompts are skipped (and counted); null keeps all
+    # {name: CustomBenchmarkConfig}: benchmarks from your own files (docs/extending.md); list them in benchmarks
+    custom_benchmarks: dict[str, CustomBenchmarkConfig] = field(default_factory=dict)
 
 
 @dataclass
@@ -170,19 +178,23 @@ class EvalConfig:
 
 
 # --- benchmark names ----------------------------------------------------------------------------------
-def canonical_benchmark(name: str) -> str:
-    """The canonical name of a benchmark (:data:`stapo.data.BENCHMARKS`) from any case or alias.
+def canonical_benchmark(name: str, custom: Iterable[str] = ()) -> str:
+    """The canonical name of a benchmark (:data:`stapo.data.BENCHMARKS`) from any case or alias, or ``name``
+    itself when it is one of the ``custom`` benchmark names (``data.custom_benchmarks``; exact spelling).
 
     Raises:
         EvalError: an unknown name (the message lists the known names and the closest one).
     """
+    custom = list(custom)
+    if str(name).strip() in custom:
+        return str(name).strip()
     key = str(name).strip().lower()
     key = BENCHMARK_ALIASES.get(key, key)
     if key in BENCHMARKS:
         return key
-    close = difflib.get_close_matches(key, list(BENCHMARKS) + list(BENCHMARK_ALIASES), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, list(BENCHMARKS) + list(BENCHMARK_ALIASES) + custom, n=1, cutoff=0.6)
     hint = f" (did you mean {BENCHMARK_ALIASES.get(close[0], close[0])!r}?)" if close else ""
-    raise EvalError(f"unknown benchmark {name!r}{hint}; known: {', '.join(BENCHMARKS)}")
+    raise EvalError(f"unknown benchmark {name!r}{hint}; known: {', '.join([*BENCHMARKS, *custom])}")
 
 
 # --- loading ------------------------------------------------------------------------------------------
@@ -218,12 +230,19 @@ def validate_eval_config(cfg: EvalConfig) -> None:
             raise EvalError(f"invalid value for '{key}': {msg}")
 
     need(len(cfg.data.benchmarks) > 0, "data.benchmarks", "at least one benchmark is needed")
-    names = [canonical_benchmark(b) for b in cfg.data.benchmarks]
+    custom = cfg.data.custom_benchmarks
+    for cname in custom:
+        need(bool(cname) and all(c.isalnum() or c in "._-" for c in cname), f"data.custom_benchmarks.{cname}",
+             "the name must be non-empty letters, digits, '.', '_' or '-' (it names files)")
+        clash = cname.lower() in BENCHMARKS or cname.lower() in BENCHMARK_ALIASES
+        need(not clash, f"data.custom_benchmarks.{cname}", "the name is a built-in benchmark or alias")
+        need(custom[cname].samples >= 1, f"data.custom_benchmarks.{cname}.samples", "N must be >= 1")
+    names = [canonical_benchmark(b, custom) for b in cfg.data.benchmarks]
     need(len(set(names)) == len(names), "data.benchmarks", f"duplicate benchmark in {cfg.data.benchmarks}")
     cfg.data.benchmarks = names
-    samples: dict[str, int] = {}
+    samples: dict[str, int] = {name: entry.samples for name, entry in custom.items()}
     for key, n in cfg.data.samples.items():
-        samples[canonical_benchmark(key)] = int(n)
+        samples[canonical_benchmark(key, custom)] = int(n)
     for name in names:
         need(name in samples, f"data.samples.{name}", "no samples-per-problem N for this benchmark")
         need(samples[name] >= 1, f"data.samples.{name}", f"N must be >= 1, got {samples[name]}")

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from stapo.data import BENCHMARKS
+from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES
 
@@ -34,10 +34,14 @@ __all__ = [
     "log_wandb",
 ]
 
-DISPLAY_NAMES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500",
-                 "minerva_math": "Minerva", "olympiadbench": "OlympiadBench"}
+DISPLAY_NAMES = {b.name: b.display for b in BENCHMARK_REGISTRY}  # column titles, from the registry
 AVERAGE = "average"
 _MISSING = "–"
+
+
+def _title(bench: str) -> str:
+    """Column title: the registry's display name, ``"Avg"`` for the average, a custom benchmark's own name."""
+    return "Avg" if bench == AVERAGE else DISPLAY_NAMES.get(bench, bench)
 
 
 def _finite(x: Any) -> bool:
@@ -92,9 +96,11 @@ def table_settings(results: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def table_columns(results: Sequence[dict[str, Any]]) -> list[str]:
-    """Benchmarks present in any result, in the canonical order (:data:`stapo.data.BENCHMARKS`)."""
-    present = {b for res in results for m in res["metrics"].values() for b in m["benchmarks"]}
-    return [b for b in BENCHMARKS if b in present]
+    """Benchmarks present in any result, in the canonical order (:data:`stapo.data.BENCHMARKS`), then custom
+    benchmarks (``data.custom_benchmarks``) in the order first seen."""
+    present = [b for res in results for m in res["metrics"].values() for b in m["benchmarks"]]
+    extra = [b for b in dict.fromkeys(present) if b not in BENCHMARKS]
+    return [b for b in BENCHMARKS if b in present] + extra
 
 
 def _value(res: dict[str, Any], setting: str, bench: str, metric: str) -> Any:
@@ -119,7 +125,7 @@ def paper_table(results: Sequence[dict[str, Any]], metric: str = "avg@N") -> tup
     """
     settings = table_settings(results)
     cols = table_columns(results)
-    header = ["model"] + [DISPLAY_NAMES[b] for b in cols] + ["Avg"]
+    header = ["model"] + [DISPLAY_NAMES.get(b, b) for b in cols] + ["Avg"]
     rows = []
     for res in results:
         row = [str(res["label"])]
@@ -179,7 +185,7 @@ def detail_markdown(res: dict[str, Any]) -> str:
         for bench, s in list(m["benchmarks"].items()) + [(AVERAGE, m["average"])]:
             g = s["grader"]
             lines.append("| " + " | ".join([
-                setting, DISPLAY_NAMES.get(bench, "Avg"), str(s.get("problems", "")), str(s.get("N", "")),
+                setting, _title(bench), str(s.get("problems", "")), str(s.get("N", "")),
                 _pct(s["avg@N"]), _pct(s["pass@1"]), _pct(s["pass@N"]), _pct(s["maj@N"]), str(s.get("maj_ties", "")),
                 str(g["no_answer"]), str(g["timeout"]), str(g["error"]), str(s["verifier_accepted"]),
                 f"{s['mean_response_tokens']:.1f}" if _finite(s["mean_response_tokens"]) else _MISSING,
@@ -229,7 +235,7 @@ def plot_bars(results: Sequence[dict[str, Any]], path: str | os.PathLike, metric
 
     settings = table_settings(results)
     cols = table_columns(results) + [AVERAGE]
-    names = [DISPLAY_NAMES.get(b, "Avg") for b in cols]
+    names = [_title(b) for b in cols]
     fig, axes = plt.subplots(len(settings), 1, figsize=(max(6.0, 1.3 * len(cols) + 1.5), 3.2 * len(settings)),
                              squeeze=False)
     width = 0.8 / max(1, len(results))

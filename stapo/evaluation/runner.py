@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, resolve_data_root
+from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_set, resolve_data_root
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
@@ -151,8 +151,11 @@ def resolve_prompt(prompt_cfg: Any, source: ModelSource | None = None) -> Prompt
 
 # --- problems and blocks --------------------------------------------------------------------------------
 def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
-                  limit: int | None = None) -> dict[str, list[Problem]]:
+                  limit: int | None = None, custom: Mapping[str, Any] | None = None) -> dict[str, list[Problem]]:
     """The first ``limit`` problems (all when ``None``) of each benchmark, without prompts yet.
+
+    ``custom`` maps the names of user benchmarks to their :class:`stapo.data.FileSetConfig` (``data.custom_benchmarks``);
+    they are read from their own files (bad rows raise, as for the built-in benchmarks).
 
     Returns:
         ``{benchmark: [Problem]}`` in the order of ``benchmarks``.
@@ -164,12 +167,17 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
         data_root = resolve_data_root(root)
     except DataError as e:
         raise EvalError(str(e)) from None
+    custom = dict(custom or {})
     out: dict[str, list[Problem]] = {}
     for name in benchmarks:
-        if name not in BENCHMARKS:
-            raise EvalError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        if name not in BENCHMARKS and name not in custom:
+            raise EvalError(f"unknown benchmark {name!r}; known: {', '.join([*BENCHMARKS, *custom])}")
         try:
-            records = load_benchmark(name, data_root).records
+            if name in custom:
+                records = load_file_set(name, custom[name], key=f"data.custom_benchmarks.{name}",
+                                        on_bad_row="raise").records
+            else:
+                records = load_benchmark(name, data_root).records
         except DataError as e:
             raise EvalError(str(e)) from None
         records = records[:limit] if limit is not None else records
@@ -485,7 +493,7 @@ def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
 def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: int) -> tuple[Any, dict[str, Any]]:
     import torch
 
-    from stapo.rollout import build_rollout_engine
+    from stapo.rollout import EngineOptions, build_rollout_engine, engine_kwargs
 
     ec = cfg.engine
     info: dict[str, Any] = {"backend": ec.backend}
@@ -494,7 +502,8 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
                                                                                    else ec.device)
         model.to(device)
         info["device"] = device
-        return build_rollout_engine("hf", model, tokenizer, max_batch_size=ec.hf_max_batch_size), info
+        return build_rollout_engine("hf", model, tokenizer,
+                                    **engine_kwargs("hf", EngineOptions(max_batch_size=ec.hf_max_batch_size))), info
     need = longest_prompt + cfg.generation.max_new_tokens
     cap = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_model_len = ec.max_model_len or (min(need, int(cap)) if cap else need)
@@ -505,11 +514,10 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
         log.warning("max_model_len %d < longest prompt %d + max_new_tokens %d: responses of long prompts are "
                     "capped at max_model_len - prompt length", max_model_len, longest_prompt,
                     cfg.generation.max_new_tokens)
-    kwargs: dict[str, Any] = dict(max_model_len=max_model_len, kv_cache_gib=ec.kv_cache_gib,
-                                  gpu_memory_utilization=ec.gpu_memory_utilization, enforce_eager=ec.enforce_eager,
-                                  tensor_parallel_size=ec.tensor_parallel_size, seed=cfg.generation.seed)
-    if ec.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = ec.max_num_seqs
+    kwargs = engine_kwargs("vllm", EngineOptions(
+        max_model_len=max_model_len, kv_cache_gib=ec.kv_cache_gib, gpu_memory_utilization=ec.gpu_memory_utilization,
+        enforce_eager=ec.enforce_eager, tensor_parallel_size=ec.tensor_parallel_size, seed=cfg.generation.seed,
+        max_num_seqs=ec.max_num_seqs))
     info["max_model_len"] = max_model_len
     try:
         return build_rollout_engine("vllm", model, tokenizer, **kwargs), info
@@ -550,7 +558,7 @@ def run_evaluation(
     """
     validate_eval_config(cfg)
     source = resolve_model_source(cfg.model.path)
-    problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit)
+    problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit, cfg.data.custom_benchmarks)
     totals = {b: len(p) for b, p in problems.items()}
     prompt = resolve_prompt(cfg.prompt, source)
     run_dir = default_run_dir(cfg, source)
@@ -595,9 +603,8 @@ def run_evaluation(
     finally:
         if owned_grader is not None:
             owned_grader.close()
-        close = getattr(engine, "close", None)
-        if callable(close):
-            close()
+        if engine is not None:
+            engine.close()
 
     import stapo
 

@@ -117,6 +117,10 @@ class RolloutEngine(Protocol):
         """Undo :meth:`sleep` (no-op where unsupported)."""
         ...
 
+    def close(self) -> None:
+        """Release what the engine holds (processes, memory, temporary files); the engine is unusable after."""
+        ...
+
 
 def check_prompts(prompts: Sequence[Sequence[int]], group_size: int, vocab_rows: int | None = None) -> None:
     """Validate ``generate()`` inputs; raise ``ValueError``/``TypeError`` naming the offending prompt."""

@@ -203,6 +203,9 @@ class HFRolloutEngine:
     def wake_up(self) -> None:
         """No-op."""
 
+    def close(self) -> None:
+        """No-op: the model is the caller's (used in place) and the engine holds nothing else."""
+
     # -- internals ------------------------------------------------------------------------------------------
     def _generate_rows(self, row_prompts: list[list[int]], keys: list[tuple[int, int]], sampling: SamplingParams,
                        device: torch.device, row_seeds: list[int] | None = None) -> list[Response]:
