@@ -95,7 +95,8 @@ def test_kl_k3_hand_value():
 
 
 def test_registry_definitions_follow_method_md():
-    assert set(OBJECTIVES) == {"grpo", "justrl", "entropy20", "stapo"}
+    assert set(OBJECTIVES) == {"grpo", "justrl", "entropy20", "stapo",
+                               "stapo_high_entropy", "stapo_random", "justrl_fullmask"}  # + the S2T ablations
     j, s, e, g = (get_objective(n) for n in ("justrl", "stapo", "entropy20", "grpo"))
     assert (j.loss_agg_mode, j.clip_ratio_low, j.clip_ratio_high, j.clip_ratio_c, j.kl_coef, j.token_mask) == \
         ("token-mean", 0.2, 0.28, 10.0, 0.0, "none")
@@ -105,7 +106,8 @@ def test_registry_definitions_follow_method_md():
     assert s.mask_params == {"prob_threshold": 0.002, "entropy_quantile": 0.75, "quantile_scope": "candidates"}
     assert e.mask_params == {"ratio": 0.2}
     assert (g.loss_agg_mode, g.clip_ratio_low, g.clip_ratio_high, g.kl_coef) == ("seq-mean-token-mean", 0.2, 0.2, 0.04)
-    with pytest.raises(KeyError, match=r"valid names: \['entropy20', 'grpo', 'justrl', 'stapo'\]"):
+    with pytest.raises(KeyError, match=r"valid names: \['entropy20', 'grpo', 'justrl', 'justrl_fullmask', 'stapo', "
+                                       r"'stapo_high_entropy', 'stapo_random'\]"):
         get_objective("dapo")
     with pytest.raises(KeyError, match="valid names"):
         Objective("x", "token-mean", 0.2, 0.2, None, 0.0, token_mask="s2t_v2")
