@@ -242,3 +242,44 @@ def test_s2t_silencing_a_whole_micro_batch_gives_finite_zero_loss_and_zero_gradi
     assert torch.isfinite(loss_a) and loss_a.item() == 0.0
     assert torch.equal(logp_a.grad, torch.zeros(1, 3))
     assert m["actor/num_kept_tokens"] == 0 and m["actor/pg_clipfrac"] == 0.0  # no 0/0 in the metrics either
+
+
+def test_build_objective_applies_overrides_and_mask_parameters_by_config_key():
+    from stapo.objectives import build_objective
+
+    # the docstring's example: ε_high 0.3 and q 0.8; the other S2T parameters keep the objective's values
+    obj = build_objective("stapo", {"clip_ratio_high": 0.3, "kl_coef": None},
+                          {"algorithm.s2t.entropy_quantile": 0.8}.get)
+    assert obj.clip_ratio_high == 0.3 and obj.kl_coef == 0.0
+    assert obj.mask_params == {"prob_threshold": 0.002, "entropy_quantile": 0.8, "quantile_scope": "candidates"}
+    assert build_objective("grpo") is get_objective("grpo")  # nothing to change: the registered objective itself
+    with pytest.raises(KeyError, match="cannot be overridden"):
+        build_objective("stapo", {"token_mask": "none"})
+
+
+def test_a_loss_formula_registered_by_name_replaces_the_clipped_surrogate():
+    from stapo.objectives import POLICY_LOSSES, register_policy_loss
+
+    @register_policy_loss("test_unclipped")
+    def unclipped(logprobs, old_logprobs, advantages, keep, objective):
+        ratio = torch.exp(logprobs - old_logprobs.detach())  # [B, T]
+        adv = advantages[:, None].expand_as(ratio)
+        return -adv * ratio, {"pg_clipfrac": torch.zeros_like(keep), "pg_clipfrac_lower": torch.zeros_like(keep)}
+
+    try:
+        obj = get_objective("justrl").replace(name="t", policy_loss="test_unclipped")
+        # 1 × 2 tokens, Â = 2, ρ = [1.5, 1] (the clipped surrogate would clip 1.5 to 1.28):
+        # loss = −2·(1.5 + 1) / 2 = −2.5; the clipped one: −2·(1.28 + 1) / 2 = −2.28
+        logp = torch.tensor([[math.log(0.75), math.log(0.5)]])
+        old = torch.tensor([[math.log(0.5), math.log(0.5)]])
+        keep = torch.ones(1, 2, dtype=torch.bool)
+        loss, m = policy_loss(obj, logp, old, torch.tensor([2.0]), keep, 2.0)
+        assert loss.item() == pytest.approx(-2.5) and m["actor/pg_clipfrac"] == 0.0
+        loss, m = policy_loss(get_objective("justrl"), logp, old, torch.tensor([2.0]), keep, 2.0)
+        assert loss.item() == pytest.approx(-2.28) and m["actor/pg_clipfrac"] == 0.5
+        with pytest.raises(ValueError, match="already registered"):
+            register_policy_loss("test_unclipped")(unclipped)
+    finally:
+        POLICY_LOSSES.pop("test_unclipped")
+    with pytest.raises(KeyError, match="unknown policy loss"):
+        get_objective("justrl").replace(policy_loss="test_unclipped")
