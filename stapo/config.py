@@ -139,7 +139,9 @@ class ActorConfig:
     grad_clip: float = 1.0
     ppo_mini_batch_size: int = 64  # prompts per optimizer step
     ppo_micro_batch_size: int = 8  # responses per forward/backward
-    sort_by_length: bool = True  # group micro-batches by length (restored afterwards)
+    # Group micro-batches by length (each row's results scattered back to its place); false keeps rollout order.
+    # Same masks, losses and update up to float rounding (another summation order; tested). Ignored with share_prompt.
+    sort_by_length: bool = True
     # Compute each prompt once per micro-batch and let its G responses attend to that KV cache (same values and
     # gradients as the plain forward; worth it when prompts are a large share of the tokens, as on CPU).
     # Micro-batches then hold whole groups in rollout order (not length-sorted); needs use_cache, so it is not
