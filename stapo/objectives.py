@@ -276,6 +276,30 @@ def clipped_surrogate_loss(
     return loss, {"pg_clipfrac": clipped, "pg_clipfrac_lower": dual_clipped}
 
 
+@register_policy_loss("gspo")
+def gspo_loss(logprobs, old_logprobs, advantages, keep, objective: "Objective"):
+    """A GSPO-style sequence-level ratio (arXiv 2507.18071): one ratio per response, s_i = exp(mean over its kept
+    tokens of log p − log p_old), clipped to [1 − ε_low, 1 + ε_high]; every token of the response gets the loss
+    −min(s_i Â, clip(s_i) Â) (aggregate with ``seq-mean-token-mean`` for GSPO's per-sequence mean). The token value
+    is s_i, its gradient s_i·∇log p_t (GSPO-token: sg(s_i)·p_t / sg(p_t)). No dual clip.
+
+    Shapes as :func:`clipped_surrogate_loss`; ``pg_clipfrac`` flags the tokens of clipped responses.
+    Example: kept log ρ = [ln 2, 0], Â = 1 → s = √2 > 1.28 = 1 + ε_high → loss −1.28 on both tokens, no gradient.
+    """
+    keep = as_bool_mask(keep, "keep")
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
+    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, keep=keep)
+    adv, logp = advantages.detach().float(), logprobs.float()  # [B, T]
+    d = torch.where(keep, logp.detach() - old_logprobs.detach().float(), torch.zeros((), device=logp.device))
+    seq = (d.sum(-1) / keep.sum(-1).clamp(min=1)).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B] log s_i
+    ratio = torch.exp(seq[:, None] + logp - logp.detach())  # [B, T]: value s_i, gradient s_i·∇log p_t
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - objective.clip_ratio_low, 1.0 + objective.clip_ratio_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
+    return loss, {"pg_clipfrac": loss_clipped > loss_unclipped, "pg_clipfrac_lower": torch.zeros_like(keep)}
+
+
 # --- the four objectives of the paper -------------------------------------------------------------------
 # JustRL (METHOD §3): DAPO clip-higher, dual clip, token-mean over the whole mini-batch, no KL.
 JUSTRL = register_objective(Objective(

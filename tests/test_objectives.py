@@ -283,3 +283,20 @@ def test_a_loss_formula_registered_by_name_replaces_the_clipped_surrogate():
         POLICY_LOSSES.pop("test_unclipped")
     with pytest.raises(KeyError, match="unknown policy loss"):
         get_objective("justrl").replace(policy_loss="test_unclipped")
+
+
+def test_gspo_style_sequence_ratio_by_hand():
+    # Response 0 (Â = +1): kept log ρ = [ln 2, 0] → s = exp(ln 2 / 2) = √2 ≈ 1.414 > 1 + ε_high = 1.28 → clipped:
+    #   loss −1.28 on both tokens, zero gradient.
+    # Response 1 (Â = −1): kept log ρ = [ln 0.9, ln 0.9], 3rd token padding with log ρ = 5 (must not count)
+    #   → s = 0.9 ∈ [0.8, 1.28] → loss +0.9 per token; ∂ℓ_t/∂log p_t = −Â·s = 0.9.
+    # seq-mean-token-mean, S = 2: loss = (−1.28 + 0.9) / 2 = −0.19; ∂loss/∂log p_{1,t} = 0.9 / 2 / 2 = 0.225.
+    obj = get_objective("grpo").replace(name="gspo_test", policy_loss="gspo", kl_coef=0.0, clip_ratio_high=0.28)
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[math.log(2.0), 0.0, 0.0], [math.log(0.9), math.log(0.9), 5.0]]).requires_grad_(True)
+    keep = torch.tensor([[True, True, False], [True, True, False]])
+    loss, m = policy_loss(obj, logp, old, torch.tensor([1.0, -1.0]), keep, loss_denominator(keep, obj.loss_agg_mode))
+    assert loss.item() == pytest.approx(-0.19, abs=1e-6)
+    assert m["actor/pg_clipfrac"] == 0.5  # the 2 tokens of response 0 out of 4 kept
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 0.0], [0.225, 0.225, 0.0]]))
