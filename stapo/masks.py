@@ -4,7 +4,7 @@ Every mask takes the per-token statistics of the WHOLE mini-batch (the S2T quant
 top-k are mini-batch quantities, not micro-batch ones) and returns a boolean keep-mask plus statistics.
 The objective then renormalises the loss over the kept tokens (:mod:`stapo.objectives`).
 
-Registry ``TOKEN_MASKS``: name → pure function with the common signature
+Registry ``MASKS`` (name → :class:`MaskSpec`; ``TOKEN_MASKS``: name → function): pure functions with the common signature
 
     fn(logprobs [B,T], entropy [B,T], advantages [B,T] or [B], response_mask [B,T], **params) -> TokenMask
 

@@ -80,7 +80,7 @@ class Objective:
         clip_ratio_high: ε_high, ρ is clipped above at 1 + ε_high (clip-higher when > ε_low).
         clip_ratio_c: dual-clip constant c for Â < 0 (the token loss is capped at −c·Â); None disables.
         kl_coef: β of the k3 KL penalty to a frozen reference policy; 0 disables (no reference model).
-        token_mask: key of :data:`stapo.masks.TOKEN_MASKS` (``none``, ``s2t``, ``top_entropy``).
+        token_mask: key of :data:`stapo.masks.MASKS` (``none``, ``s2t``, ``top_entropy``, the S2T ablations...).
         mask_params: keyword arguments for the token mask (e.g. ``prob_threshold``, ``entropy_quantile``).
         policy_loss: key of :data:`POLICY_LOSSES`, the per-token loss formula (default: the clipped surrogate).
     """
