@@ -388,10 +388,10 @@ def _validate_objective(cfg: TrainConfig) -> None:
         for param in params:
             key = f"algorithm.masks.{mask}.{param}"
             if key not in spec.config_keys.values():
-                moved = spec.config_keys.get(param)
+                moved = spec.config_keys.get(param)  # a parameter read from another section (algorithm.s2t...)
+                close = difflib.get_close_matches(param, list(spec.config_keys), n=1, cutoff=0.5)
                 hint = (f"; this parameter is read from '{moved}'" if moved else
-                        (lambda c: f"; did you mean 'algorithm.masks.{mask}.{c[0]}'?" if c else "")(
-                            difflib.get_close_matches(param, list(spec.config_keys), n=1, cutoff=0.5)))
+                        f"; did you mean '{spec.config_keys[close[0]]}'?" if close else "")
                 raise ConfigError(f"unknown config key '{key}'{hint} (parameters of {mask!r}: "
                                   f"{', '.join(spec.config_keys) or 'none'})")
     try:

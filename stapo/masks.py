@@ -314,7 +314,8 @@ class MaskSpec:
 
     def check_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` with every field of the params dataclass (defaults filled in), values cast to the type of
-        the default (float/int/str). Raises ``KeyError`` naming an unknown parameter."""
+        the default (float/int/str). Raises ``KeyError`` naming an unknown parameter, ``ValueError`` naming the config
+        key of a value that cannot be cast."""
         defaults = self.default_params()
         unknown = sorted(set(params) - set(defaults))
         if unknown:
@@ -322,7 +323,11 @@ class MaskSpec:
         out = {}
         for k, d in defaults.items():
             v = params.get(k, d)
-            out[k] = type(d)(v) if isinstance(d, (float, int, str)) and not isinstance(d, bool) else v
+            try:
+                out[k] = type(d)(v) if isinstance(d, (float, int, str)) and not isinstance(d, bool) else v
+            except (TypeError, ValueError):
+                raise ValueError(f"invalid value for '{self.config_keys[k]}' ({v!r}): token mask {self.name!r} needs "
+                                 f"a {type(d).__name__}") from None
         return out
 
 

@@ -108,6 +108,11 @@ def test_mask_parameters_come_from_their_registered_config_keys():
         load_config(REPO_ROOT / "configs/cpu_smollm2_stapo.yaml", ["algorithm.masks.s2t_random.prob_threshold=0.1"])
     with pytest.raises(ConfigError, match=r"'algorithm.masks.s2t_random.sed'; did you mean 'algorithm.masks.s2t_random.seed'"):
         load_config(REPO_ROOT / "configs/cpu_smollm2_stapo.yaml", ["algorithm.masks.s2t_random.sed=1"])
+    with pytest.raises(ConfigError, match=r"'algorithm.masks.s2t_random.prob_threshol'; did you mean "
+                                          r"'algorithm.s2t.prob_threshold'"):
+        load_config(REPO_ROOT / "configs/cpu_smollm2_stapo.yaml", ["algorithm.masks.s2t_random.prob_threshol=0.1"])
+    with pytest.raises(ConfigError, match=r"invalid value for 'algorithm.masks.s2t_random.seed' \('abc'\)"):
+        load_config(REPO_ROOT / "configs/cpu_smollm2_stapo_random.yaml", ["algorithm.masks.s2t_random.seed=abc"])
     with pytest.raises(ConfigError, match=r"'algorithm.masks.s2t_randm': no registered token mask; did you mean "
                                           r"'algorithm.masks.s2t_random'"):
         load_config(REPO_ROOT / "configs/cpu_smollm2_stapo.yaml", ["algorithm.masks.s2t_randm.seed=1"])
