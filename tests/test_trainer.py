@@ -326,3 +326,20 @@ def test_sort_by_length_false_keeps_rollout_order_with_the_same_results(tmp_path
             assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
     for k in p0:  # tolerance: see test_fused_forward_gives_the_same_masks_loss_and_update
         torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("objective, prefix", [("stapo_high_entropy", "s2t_high_entropy"),
+                                               ("stapo_random", "s2t_random"), ("justrl_fullmask", "full_low_prob")])
+def test_each_s2t_ablation_trains_from_its_config_name(tmp_path, objective, prefix):
+    """The ablations run from the config path, their statistics under their own prefix (the candidates are S2T's;
+    FullMask silences every candidate)."""
+    trainer = make_trainer(str(tmp_path), [f"algorithm.objective={objective}", "trainer.total_steps=1",
+                                           "trainer.save_every=0"])
+    m = trainer.train()[0]
+    n, cand, masked = m[f"{prefix}/num_response_tokens"], m[f"{prefix}/num_candidates"], m[f"{prefix}/num_masked"]
+    assert n == m["response_length/total_tokens"] and 0 < masked <= cand
+    assert m[f"{prefix}/masked_frac"] == pytest.approx(masked / n)
+    assert m["actor/num_kept_tokens"] == n - masked
+    if objective == "justrl_fullmask":
+        assert masked == cand
+    assert _rows(tmp_path / "toy" / "metrics.jsonl")[0][f"{prefix}/num_masked"] == masked
