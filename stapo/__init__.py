@@ -6,8 +6,8 @@ Package layout (one file per concern):
 Algorithm core (pure tensor functions, no model, no I/O)
   token_stats   log-prob, entropy (nats) and collision probability Σπ² of target tokens from logits, chunked
   advantages    GRPO group-normalised advantages
-  masks         token masks: S2T (STAPO) and top-entropy (20-Entropy), registry TOKEN_MASKS
-  objectives    clipped surrogate, k3 KL, loss aggregation, registry OBJECTIVES of the four named objectives
+  masks         token masks: S2T (STAPO), top-entropy (20-Entropy), the S2T ablations; registry MASKS
+  objectives    loss formulas (POLICY_LOSSES), k3 KL, loss aggregation, registry OBJECTIVES, build_objective
   analysis      the paper's token-level analysis (§9): gradient norms, entropy change, quadrants
   tensor_utils  boolean-mask checks, fp32 kthvalue quantile
 

@@ -38,6 +38,8 @@ __all__ = [
     "TrainConfig",
     "load_config",
     "validate",
+    "objective_from_config",
+    "get_key",
 ]
 
 
@@ -103,12 +105,13 @@ class S2TConfig:
     prob_threshold: float = 0.002  # τ_p
     entropy_quantile: float = 0.75  # q
     quantile_scope: Literal["candidates", "all"] = "candidates"
-    stats_source: Literal["current", "old"] = "current"  # Algorithm 1 (current π_θ) or the old-policy pass
 
 
 @dataclass
 class AlgorithmConfig:
-    objective: Literal["stapo", "justrl", "grpo", "entropy20"] = "stapo"
+    # A registered objective (stapo.objectives.OBJECTIVES: stapo, justrl, grpo, entropy20 and the ablations);
+    # checked by validate(), an unknown name fails with the closest registered one.
+    objective: str = "stapo"
     reward: Literal["strict_box", "math_verify"] = "strict_box"
     norm_adv_by_std: bool = True
     adv_eps: float = 1e-6
@@ -118,8 +121,17 @@ class AlgorithmConfig:
     clip_ratio_c: Optional[float] = None
     kl_coef: Optional[float] = None
     loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]] = None
+    # Parameters of the registered token masks (stapo.masks.MaskSpec.config_keys): S2T's in algorithm.s2t (also read
+    # by the S2T ablations), 20-Entropy's ratio in algorithm.top_entropy_ratio, any other mask's under
+    # algorithm.masks.<mask name>.<parameter> (e.g. algorithm.masks.s2t_random.seed=1).
     s2t: S2TConfig = field(default_factory=S2TConfig)
     top_entropy_ratio: float = 0.2
+    masks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Where a mask takes p and H from for the 2nd, 3rd... mini-batch of a step (the first one's are π_old's either
+    # way): "current" = a forward of the current π_θ (the paper's Algorithm 1), "old" = the old-policy pass of the
+    # step (free; METHOD.md §4 "an optimisation to offer"). Concerns every mask that reads statistics (S2T,
+    # 20-Entropy, the ablations); was algorithm.s2t.stats_source.
+    mask_stats_source: Literal["current", "old"] = "current"
 
 
 @dataclass
@@ -131,7 +143,9 @@ class ActorConfig:
     grad_clip: float = 1.0
     ppo_mini_batch_size: int = 64  # prompts per optimizer step
     ppo_micro_batch_size: int = 8  # responses per forward/backward
-    sort_by_length: bool = True  # group micro-batches by length (restored afterwards)
+    # Group micro-batches by length (each row's results scattered back to its place); false keeps rollout order.
+    # Same masks, losses and update up to float rounding (another summation order; tested). Ignored with share_prompt.
+    sort_by_length: bool = True
     # Compute each prompt once per micro-batch and let its G responses attend to that KV cache (same values and
     # gradients as the plain forward; worth it when prompts are a large share of the tokens, as on CPU).
     # Micro-batches then hold whole groups in rollout order (not length-sorted); needs use_cache, so it is not
@@ -211,6 +225,8 @@ def _valid_keys(schema: DictConfig, dotted_parent: str) -> list[str]:
 
 # Keys that were renamed: the error says what replaced them instead of guessing the closest key.
 RENAMED_KEYS = {
+    "algorithm.s2t.stats_source": "algorithm.mask_stats_source (it concerns every mask that reads p and H, "
+                                  "not only S2T)",
     "model.dtype": "model.param_dtype (master weights, gradients, AdamW state; float32) and model.compute_dtype "
                    "(forward/backward, rollout engine; bfloat16 on GPUs)",
 }
@@ -334,6 +350,7 @@ def validate(cfg: TrainConfig) -> None:
     need(0 < s2t.entropy_quantile < 1, "algorithm.s2t.entropy_quantile", "q must be in (0, 1)")
     need(0 < s2t.prob_threshold <= 1, "algorithm.s2t.prob_threshold", "τ_p must be in (0, 1]")
     need(0 < cfg.algorithm.top_entropy_ratio <= 1, "algorithm.top_entropy_ratio", "must be in (0, 1]")
+    _validate_objective(cfg)
     need(cfg.algorithm.adv_eps >= 0, "algorithm.adv_eps", "must be ≥ 0")
     for key in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):
         v = getattr(cfg.algorithm, key)
@@ -351,6 +368,61 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.validation.limit is None or cfg.validation.limit >= 1, "validation.limit", "must be ≥ 1 or null")
     need(cfg.validation.temperature > 0, "validation.temperature", "must be > 0")
     need(0 < cfg.validation.top_p <= 1, "validation.top_p", "must be in (0, 1]")
+
+
+def _validate_objective(cfg: TrainConfig) -> None:
+    """``algorithm.objective`` against the registry, ``algorithm.masks`` against the registered masks' parameters, and
+    the objective built from the config (:func:`stapo.objectives.build_objective`, the trainer's own call)."""
+    from stapo.masks import MASKS
+    from stapo.objectives import OBJECTIVES
+
+    alg = cfg.algorithm
+    if alg.objective not in OBJECTIVES:
+        close = difflib.get_close_matches(alg.objective, list(OBJECTIVES), n=1, cutoff=0.5)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"invalid value for 'algorithm.objective' ({alg.objective!r}): unknown objective; {hint}"
+                          f"(registered: {', '.join(sorted(OBJECTIVES))})")
+    for mask, params in alg.masks.items():
+        if mask not in MASKS:
+            close = difflib.get_close_matches(mask, list(MASKS), n=1, cutoff=0.5)
+            hint = f"; did you mean 'algorithm.masks.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key 'algorithm.masks.{mask}': no registered token mask{hint} "
+                              f"(registered: {', '.join(sorted(MASKS))})")
+        spec = MASKS[mask]
+        for param in params:
+            key = f"algorithm.masks.{mask}.{param}"
+            if key not in spec.config_keys.values():
+                moved = spec.config_keys.get(param)  # a parameter read from another section (algorithm.s2t...)
+                close = difflib.get_close_matches(param, list(spec.config_keys), n=1, cutoff=0.5)
+                hint = (f"; this parameter is read from '{moved}'" if moved else
+                        f"; did you mean '{spec.config_keys[close[0]]}'?" if close else "")
+                raise ConfigError(f"unknown config key '{key}'{hint} (parameters of {mask!r}: "
+                                  f"{', '.join(spec.config_keys) or 'none'})")
+    try:
+        objective_from_config(cfg)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"invalid mask or objective parameters for 'algorithm.objective' ({alg.objective!r}): "
+                          f"{e}") from None
+
+
+def get_key(cfg: TrainConfig, dotted: str) -> Any:
+    """The value of a dotted config key, or None when it is absent (an unset ``algorithm.masks.<name>.<param>``)."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def objective_from_config(cfg: TrainConfig) -> Any:
+    """The :class:`stapo.objectives.Objective` a train config asks for: :func:`stapo.objectives.build_objective` with
+    the ``algorithm.*`` overrides and the mask parameters read from their config keys."""
+    from stapo.objectives import OVERRIDABLE_FIELDS, build_objective
+
+    alg = cfg.algorithm
+    return build_objective(alg.objective, {k: getattr(alg, k) for k in OVERRIDABLE_FIELDS},
+                           lambda key: get_key(cfg, key))
 
 
 def _get(cfg: Any, dotted: str) -> Any:

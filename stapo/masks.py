@@ -4,19 +4,25 @@ Every mask takes the per-token statistics of the WHOLE mini-batch (the S2T quant
 top-k are mini-batch quantities, not micro-batch ones) and returns a boolean keep-mask plus statistics.
 The objective then renormalises the loss over the kept tokens (:mod:`stapo.objectives`).
 
-Registry ``TOKEN_MASKS``: name → pure function with the common signature
+Registry ``MASKS`` (name → :class:`MaskSpec`; ``TOKEN_MASKS``: name → function): pure functions with the common signature
 
     fn(logprobs [B,T], entropy [B,T], advantages [B,T] or [B], response_mask [B,T], **params) -> TokenMask
 
 - ``"none"``        every response token is kept (GRPO, JustRL).
 - ``"s2t"``         the S2T mask of STAPO (METHOD.md §4).
 - ``"top_entropy"`` keep the top 20 % highest-entropy tokens (20-Entropy, arXiv 2506.01939; METHOD.md §5).
+- Ablations of S2T (same candidates Â > 0, p < τ_p): ``"s2t_high_entropy"`` silences the HIGH-entropy candidates,
+  ``"s2t_random"`` random candidates at S2T's count, ``"full_low_prob"`` every candidate (JustRL-FullMask).
+
+A mask is registered once, with :func:`register_token_mask`: its function, its parameter dataclass (which defines
+its config keys), its "which rows can it touch" rule and its metric prefix (:class:`MaskSpec`, :data:`MASKS`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -28,6 +34,11 @@ __all__ = [
     "s2t_mask",
     "top_entropy_mask",
     "TOKEN_MASKS",
+    "MASKS",
+    "MaskSpec",
+    "register_token_mask",
+    "unregister_token_mask",
+    "get_mask_spec",
     "get_token_mask",
     "maskable_rows",
 ]
@@ -137,41 +148,57 @@ def s2t_mask(
         raise ValueError(f"entropy_quantile (q) must be in (0, 1), got {entropy_quantile}")
     if quantile_scope not in ("candidates", "all"):
         raise ValueError(f"quantile_scope must be 'candidates' or 'all', got {quantile_scope!r}")
+    c = _s2t_candidates(logprobs, entropy, advantages, response_mask, prob_threshold, "s2t_mask")
+    pool = c.candidates if quantile_scope == "candidates" else c.mask  # [B, T] bool
+    if not bool(c.candidates.any()) or not bool(pool.any()):
+        tau_h = float("nan")
+        silenced = torch.zeros_like(c.mask)  # [B, T] bool, nothing silenced
+    else:
+        tau_h_t = quantile(c.ent[pool], entropy_quantile)  # 0-dim fp32
+        tau_h = tau_h_t.item()
+        silenced = c.candidates & (c.ent < tau_h_t)  # [B, T] bool
+    return _silencing_mask(c, silenced, tau_h)
+
+
+@dataclass
+class _Candidates:
+    """The S2T candidate set of a mini-batch and its fp32 statistics, all [B, T]."""
+
+    mask: torch.Tensor  # response tokens, bool
+    logp: torch.Tensor
+    ent: torch.Tensor
+    adv: torch.Tensor
+    candidates: torch.Tensor  # mask & Â > 0 & p < τ_p, bool
+
+
+def _s2t_candidates(logprobs, entropy, advantages, response_mask, prob_threshold: float, who: str) -> _Candidates:
+    """Validated fp32 statistics and the candidates Â > 0 AND p < τ_p (strict) of METHOD.md §4."""
     mask, t = _prepare(logprobs, entropy, advantages, response_mask)
     logp, ent, adv = t["logprobs"].detach(), t["entropy"].detach(), t["advantages"].detach()  # [B, T] fp32
-
     bad = mask & ~(torch.isfinite(ent) & ~torch.isnan(logp))
     if bool(bad.any()):  # a NaN in the quantile pool would make τ_h NaN and silently silence nothing
         b, t_ = bad.nonzero()[0].tolist()
-        raise ValueError(f"s2t_mask: non-finite entropy or NaN log-prob at response token ({b}, {t_}); "
+        raise ValueError(f"{who}: non-finite entropy or NaN log-prob at response token ({b}, {t_}); "
                          f"{int(bad.sum())} such tokens")
-    log_tau_p = math.log(prob_threshold)
-    candidates = mask & (adv > 0) & (logp < log_tau_p)  # [B, T] bool
-    num_candidates = int(candidates.sum())
-    num_response = int(mask.sum())
+    candidates = mask & (adv > 0) & (logp < math.log(prob_threshold))  # [B, T] bool
+    return _Candidates(mask=mask, logp=logp, ent=ent, adv=adv, candidates=candidates)
 
-    pool = candidates if quantile_scope == "candidates" else mask  # [B, T] bool
-    if num_candidates == 0 or not bool(pool.any()):
-        tau_h = float("nan")
-        silenced = torch.zeros_like(mask)  # [B, T] bool, nothing silenced
-    else:
-        tau_h_t = quantile(ent[pool], entropy_quantile)  # 0-dim fp32
-        tau_h = tau_h_t.item()
-        silenced = candidates & (ent < tau_h_t)  # [B, T] bool
 
-    num_masked = int(silenced.sum())
+def _silencing_mask(c: _Candidates, silenced: torch.Tensor, tau_h: float) -> TokenMask:
+    """keep = response tokens not ``silenced`` ([B, T] bool), with the statistics of :func:`s2t_mask`."""
+    num_response, num_masked = int(c.mask.sum()), int(silenced.sum())
     nan = float("nan")
     stats = {
         "num_response_tokens": float(num_response),
-        "num_candidates": float(num_candidates),
+        "num_candidates": float(int(c.candidates.sum())),
         "num_masked": float(num_masked),
         "masked_frac": num_masked / max(num_response, 1),
         "entropy_threshold": tau_h,
-        "masked_prob_mean": logp[silenced].exp().mean().item() if num_masked else nan,
-        "masked_entropy_mean": ent[silenced].mean().item() if num_masked else nan,
-        "masked_adv_mean": adv[silenced].mean().item() if num_masked else nan,
+        "masked_prob_mean": c.logp[silenced].exp().mean().item() if num_masked else nan,
+        "masked_entropy_mean": c.ent[silenced].mean().item() if num_masked else nan,
+        "masked_adv_mean": c.adv[silenced].mean().item() if num_masked else nan,
     }
-    return TokenMask(keep=mask & ~silenced, stats=stats)
+    return TokenMask(keep=c.mask & ~silenced, stats=stats)
 
 
 def top_entropy_mask(
@@ -234,23 +261,252 @@ def top_entropy_mask(
 
 TokenMaskFn = Callable[..., TokenMask]
 
-TOKEN_MASKS: dict[str, TokenMaskFn] = {
-    "none": no_mask,
-    "s2t": s2t_mask,
-    "top_entropy": top_entropy_mask,
-}
+
+# --- "which rows can a mask touch" rules (MaskSpec.maskable_rows) ---------------------------------------
+def no_rows(advantages: torch.Tensor) -> torch.Tensor:
+    """No row: the mask keeps every response token (``none``). [B] → [B] bool, all False."""
+    return torch.zeros_like(advantages, dtype=torch.bool)
+
+
+def positive_advantage_rows(advantages: torch.Tensor) -> torch.Tensor:
+    """Rows with Â > 0: masks that silence only candidates of positive advantage (S2T). [B] → [B] bool."""
+    return advantages > 0
+
+
+def all_rows(advantages: torch.Tensor) -> torch.Tensor:
+    """Every row: masks where all tokens compete (20-Entropy's top-k). [B] → [B] bool, all True."""
+    return torch.ones_like(advantages, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Everything the rest of the code needs to know about a registered token mask.
+
+    Attributes:
+        name: registry key (``Objective.token_mask``).
+        fn: the pure mask function (common signature, see the module docstring).
+        params: a dataclass whose fields are the mask's keyword parameters, with the paper's defaults (or None:
+            no parameters). Its fields define the config keys (``config_keys``).
+        maskable_rows: ``fn(advantages [B]) -> [B] bool`` — rows whose keep-mask may differ from their response
+            mask whatever p and H turn out to be (used by the trainer's ``actor.fused_forward``).
+        prefix: metric prefix of the mask's statistics (``<prefix>/num_masked``...).
+        config_keys: parameter name → dotted key of :class:`stapo.config.TrainConfig` it is read from. Default
+            for a parameter: ``algorithm.masks.<name>.<param>``; the verl plugin reads the same key without
+            ``algorithm.`` / ``masks.`` and with ``_`` for ``.`` (``algorithm.s2t.prob_threshold`` →
+            ``policy_loss.s2t_prob_threshold``).
+        needs_stats: the mask reads log p / H (False for ``none``: no statistics pass is needed).
+        silences: the mask silences a few tokens (S2T-like) rather than keeping a subset; the trainer's examples
+            table then shows the tokens it silenced (else the tokens S2T would silence).
+    """
+
+    name: str
+    fn: TokenMaskFn
+    params: type | None
+    maskable_rows: Callable[[torch.Tensor], torch.Tensor]
+    prefix: str
+    config_keys: dict[str, str]
+    needs_stats: bool = True
+    silences: bool = True
+
+    def default_params(self) -> dict[str, Any]:
+        """The parameters' defaults as a dict (``{}`` without a params dataclass)."""
+        return {} if self.params is None else dataclasses.asdict(self.params())
+
+    def check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` with every field of the params dataclass (defaults filled in), values cast to the type of
+        the default (float/int/str). Raises ``KeyError`` naming an unknown parameter, ``ValueError`` naming the config
+        key of a value that cannot be cast."""
+        defaults = self.default_params()
+        unknown = sorted(set(params) - set(defaults))
+        if unknown:
+            raise KeyError(f"token mask {self.name!r} has no parameter {unknown[0]!r}; valid: {sorted(defaults)}")
+        out = {}
+        for k, d in defaults.items():
+            v = params.get(k, d)
+            try:
+                out[k] = type(d)(v) if isinstance(d, (float, int, str)) and not isinstance(d, bool) else v
+            except (TypeError, ValueError):
+                raise ValueError(f"invalid value for '{self.config_keys[k]}' ({v!r}): token mask {self.name!r} needs "
+                                 f"a {type(d).__name__}") from None
+        return out
+
+
+MASKS: dict[str, MaskSpec] = {}
+#: name → mask function, a view of :data:`MASKS` kept in step by :func:`register_token_mask`.
+TOKEN_MASKS: dict[str, TokenMaskFn] = {}
+
+_ROW_RULES = {"none": no_rows, "positive_advantage": positive_advantage_rows, "all": all_rows}
+
+
+def register_token_mask(
+    name: str,
+    *,
+    params: type | None = None,
+    maskable_rows: str | Callable[[torch.Tensor], torch.Tensor] = "all",
+    prefix: str | None = None,
+    config_keys: dict[str, str] | None = None,
+    needs_stats: bool = True,
+    silences: bool = True,
+) -> Callable[[TokenMaskFn], TokenMaskFn]:
+    """Decorator: register a mask function under ``name`` with its parameters, row rule and metric prefix.
+
+    Args:
+        name: registry key; a duplicate raises ``ValueError``.
+        params: dataclass of the keyword parameters (paper defaults), or None.
+        maskable_rows: ``"none"``, ``"positive_advantage"``, ``"all"`` or a function [B] → [B] bool.
+        prefix: metric prefix (default ``name``).
+        config_keys: parameter → dotted config key, for parameters not under ``algorithm.masks.<name>``.
+        needs_stats, silences: see :class:`MaskSpec`.
+
+    Example::
+
+        @dataclass
+        class MyParams:
+            prob_threshold: float = 0.002
+
+        @register_token_mask("my_mask", params=MyParams, maskable_rows="positive_advantage")
+        def my_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold=0.002) -> TokenMask: ...
+
+    registers ``my_mask`` with the config key ``algorithm.masks.my_mask.prob_threshold`` and metrics ``my_mask/...``.
+    """
+    rule = _ROW_RULES[maskable_rows] if isinstance(maskable_rows, str) else maskable_rows
+
+    def deco(fn: TokenMaskFn) -> TokenMaskFn:
+        if name in MASKS:
+            raise ValueError(f"token mask {name!r} is already registered")
+        fields = [] if params is None else [f.name for f in dataclasses.fields(params)]
+        keys = {f: (config_keys or {}).get(f, f"algorithm.masks.{name}.{f}") for f in fields}
+        MASKS[name] = MaskSpec(name=name, fn=fn, params=params, maskable_rows=rule, prefix=prefix or name,
+                               config_keys=keys, needs_stats=needs_stats, silences=silences)
+        TOKEN_MASKS[name] = fn
+        return fn
+
+    return deco
+
+
+def unregister_token_mask(name: str) -> None:
+    """Remove a registered mask (tests that register their own)."""
+    MASKS.pop(name, None)
+    TOKEN_MASKS.pop(name, None)
+
+
+@dataclass
+class S2TParams:
+    """Parameters of :func:`s2t_mask` (METHOD.md §4), config section ``algorithm.s2t``."""
+
+    prob_threshold: float = 0.002  # τ_p
+    entropy_quantile: float = 0.75  # q
+    quantile_scope: str = "candidates"  # "candidates" (v4) or "all" (v1 text)
+
+
+@dataclass
+class TopEntropyParams:
+    """Parameters of :func:`top_entropy_mask` (METHOD.md §5), config key ``algorithm.top_entropy_ratio``."""
+
+    ratio: float = 0.2
+
+
+_S2T_KEYS = {k: f"algorithm.s2t.{k}" for k in ("prob_threshold", "entropy_quantile", "quantile_scope")}
+register_token_mask("none", maskable_rows="none", needs_stats=False, silences=False)(no_mask)
+register_token_mask("s2t", params=S2TParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS)(s2t_mask)
+register_token_mask("top_entropy", params=TopEntropyParams, maskable_rows="all",
+                    config_keys={"ratio": "algorithm.top_entropy_ratio"}, silences=False)(top_entropy_mask)
+
+
+
+# --- the paper's ablations of S2T (each a registered mask; objectives in stapo.objectives) ---------------------
+@register_token_mask("s2t_high_entropy", params=S2TParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS)
+def s2t_high_entropy_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = 0.002,
+                          entropy_quantile: float = 0.75, quantile_scope: QuantileScope = "candidates") -> TokenMask:
+    """Ablation "high-entropy masking": the S2T candidates (Â > 0, p < τ_p) whose entropy is ABOVE the
+    (1 − q)-quantile of the pool (S2T silences those BELOW the q-quantile), so about the same number of tokens.
+
+    Args, returns, raises: as :func:`s2t_mask` (``entropy_threshold`` = the (1 − q)-quantile; strict ``>``).
+
+    Example (q = 0.75, candidates H = [0.1, 0.2, 0.3, 0.4]): τ = 0.25-quantile = 0.1 + 0.75·(0.2 − 0.1) = 0.175
+    → H 0.2, 0.3, 0.4 are silenced, 0.1 is kept (S2T would silence 0.1, 0.2, 0.3).
+    """
+    s2t_mask(logprobs, entropy, advantages, response_mask, prob_threshold=prob_threshold,
+             entropy_quantile=entropy_quantile, quantile_scope=quantile_scope)  # validates the arguments
+    c = _s2t_candidates(logprobs, entropy, advantages, response_mask, prob_threshold, "s2t_high_entropy_mask")
+    pool = c.candidates if quantile_scope == "candidates" else c.mask  # [B, T] bool
+    if not bool(c.candidates.any()) or not bool(pool.any()):
+        return _silencing_mask(c, torch.zeros_like(c.mask), float("nan"))
+    tau = quantile(c.ent[pool], 1.0 - entropy_quantile)  # 0-dim fp32
+    return _silencing_mask(c, c.candidates & (c.ent > tau), tau.item())
+
+
+@dataclass
+class S2TRandomParams(S2TParams):
+    """:class:`S2TParams` (read from ``algorithm.s2t``) plus the seed (``algorithm.masks.s2t_random.seed``)."""
+
+    seed: int = 0
+
+
+@register_token_mask("s2t_random", params=S2TRandomParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS)
+def s2t_random_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = 0.002,
+                    entropy_quantile: float = 0.75, quantile_scope: QuantileScope = "candidates",
+                    seed: int = 0) -> TokenMask:
+    """Ablation "random masking": silence k uniformly chosen S2T candidates, k = what :func:`s2t_mask` would silence.
+
+    Seed: a fresh ``torch.Generator`` seeded with ``seed·1_000_003 + 1009·N_resp + N_cand`` (response tokens and
+    candidates of this mini-batch) draws ``randperm(N_cand)[:k]`` over the candidates in row-major order. The mask
+    is thus a pure function of its inputs — identical on every data-parallel rank (which all see the same gathered
+    mini-batch), on resume and in tests — while different mini-batches (other counts) draw other permutations.
+    Stats as :func:`s2t_mask`; ``entropy_threshold`` is S2T's τ_h, whose silenced count is matched.
+
+    Example: 4 candidates, S2T silences 3 → 3 of the 4 candidates, chosen by the seeded permutation, are silenced.
+    """
+    ref = s2t_mask(logprobs, entropy, advantages, response_mask, prob_threshold=prob_threshold,
+                   entropy_quantile=entropy_quantile, quantile_scope=quantile_scope)
+    c = _s2t_candidates(logprobs, entropy, advantages, response_mask, prob_threshold, "s2t_random_mask")
+    cand = c.candidates.reshape(-1).nonzero().squeeze(1)  # [N_cand] flat indices, row-major
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + 1009 * int(c.mask.sum()) + cand.numel())
+    pick = cand[torch.randperm(cand.numel(), generator=g)[: int(ref.stats["num_masked"])].to(cand.device)]
+    silenced = torch.zeros(c.mask.numel(), dtype=torch.bool, device=c.mask.device)
+    silenced[pick] = True
+    return _silencing_mask(c, silenced.view(c.mask.shape), ref.stats["entropy_threshold"])
+
+
+@dataclass
+class FullLowProbParams:
+    """Parameter of :func:`full_low_prob_mask`: τ_p, read from ``algorithm.s2t.prob_threshold``."""
+
+    prob_threshold: float = 0.002
+
+
+@register_token_mask("full_low_prob", params=FullLowProbParams, maskable_rows="positive_advantage",
+                     config_keys={"prob_threshold": "algorithm.s2t.prob_threshold"})
+def full_low_prob_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = 0.002) -> TokenMask:
+    """Ablation "JustRL-FullMask": silence EVERY low-probability token of the correct responses — all S2T candidates
+    (Â > 0 and p < τ_p, strict), with no entropy condition. ``entropy`` only feeds the statistics (it must be finite on
+    response tokens, as for S2T); ``entropy_threshold`` is NaN (no entropy threshold is used).
+
+    Example: tokens with p = [0.001, 0.001, 0.5] in a response with Â = 1, and p = 0.001 with Â = −1 → the first two
+    are silenced; the Â < 0 token and the p = 0.5 token are kept.
+    """
+    if not 0.0 < prob_threshold <= 1.0:
+        raise ValueError(f"prob_threshold (tau_p) must be in (0, 1], got {prob_threshold}")
+    c = _s2t_candidates(logprobs, entropy, advantages, response_mask, prob_threshold, "full_low_prob_mask")
+    return _silencing_mask(c, c.candidates, float("nan"))
+
+def get_mask_spec(name: str) -> MaskSpec:
+    """The :class:`MaskSpec` of a registered mask. Raises ``KeyError`` listing the valid names."""
+    try:
+        return MASKS[name]
+    except KeyError:
+        raise KeyError(f"unknown token mask {name!r}; valid names: {sorted(MASKS)}") from None
 
 
 def get_token_mask(name: str) -> TokenMaskFn:
-    """Look up a token mask by name. Raises ``KeyError`` listing the valid names."""
-    try:
-        return TOKEN_MASKS[name]
-    except KeyError:
-        raise KeyError(f"unknown token mask {name!r}; valid names: {sorted(TOKEN_MASKS)}") from None
+    """Look up a token mask function by name. Raises ``KeyError`` listing the valid names."""
+    return get_mask_spec(name).fn
 
 
 def maskable_rows(name: str, advantages: torch.Tensor) -> torch.Tensor:
     """Rows whose keep-mask may differ from their response mask, whatever the token statistics turn out to be.
+
+    The rule is the mask's registered ``maskable_rows`` (:class:`MaskSpec`):
 
     - ``"none"``: no row.
     - ``"s2t"``: rows with Â > 0 — S2T silences only candidates, and candidates need Â > 0 (METHOD.md §4);
@@ -272,11 +528,7 @@ def maskable_rows(name: str, advantages: torch.Tensor) -> torch.Tensor:
 
     Example: ``maskable_rows("s2t", torch.tensor([0.5, 0.0, -0.5]))`` → ``[True, False, False]``.
     """
-    get_token_mask(name)  # validates the name
+    spec = get_mask_spec(name)
     if advantages.dim() != 1:
         raise ValueError(f"advantages must be [B] per-response values, got shape {tuple(advantages.shape)}")
-    if name == "none":
-        return torch.zeros_like(advantages, dtype=torch.bool)
-    if name == "s2t":
-        return advantages > 0
-    return torch.ones_like(advantages, dtype=torch.bool)
+    return spec.maskable_rows(advantages)

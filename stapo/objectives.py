@@ -9,6 +9,13 @@ Each named objective is a small declarative :class:`Objective` (aggregation, cli
 | ``entropy20``| token-mean              | 0.2, 0.28        | 10          | 0      | top_entropy   | METHOD §5       |
 | ``stapo``   | token-mean               | 0.2, 0.28        | 10          | 0      | s2t           | METHOD §4       |
 
+Ablations of S2T (JustRL settings; masks in :mod:`stapo.masks`): ``stapo_high_entropy`` (mask ``s2t_high_entropy``),
+``stapo_random`` (``s2t_random``), ``justrl_fullmask`` (``full_low_prob``).
+
+A new objective is one :func:`register_objective` call; a new per-token loss formula is one function decorated with
+:func:`register_policy_loss` and named in ``Objective.policy_loss``; a new mask is one function decorated with
+:func:`stapo.masks.register_token_mask`. train.py reaches all three through :func:`build_objective`.
+
 The loss of one optimizer mini-batch is accumulated over micro-batches. Its denominator is a property of
 the WHOLE mini-batch and is computed once, before the micro-batch loop, by :func:`loss_denominator`;
 :func:`policy_loss` then returns each micro-batch's share, so the shares add up to the mini-batch loss
@@ -27,11 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Callable, Literal, Mapping, get_args
 
 import torch
 
-from stapo.masks import TokenMask, get_token_mask
+from stapo.masks import TokenMask, get_mask_spec, get_token_mask
 from stapo.tensor_utils import as_bool_mask, check_same_shape, masked_mean
 
 __all__ = [
@@ -40,6 +47,10 @@ __all__ = [
     "OBJECTIVES",
     "register_objective",
     "get_objective",
+    "build_objective",
+    "POLICY_LOSSES",
+    "register_policy_loss",
+    "get_policy_loss",
     "clipped_surrogate",
     "kl_k3",
     "loss_denominator",
@@ -69,8 +80,9 @@ class Objective:
         clip_ratio_high: ε_high, ρ is clipped above at 1 + ε_high (clip-higher when > ε_low).
         clip_ratio_c: dual-clip constant c for Â < 0 (the token loss is capped at −c·Â); None disables.
         kl_coef: β of the k3 KL penalty to a frozen reference policy; 0 disables (no reference model).
-        token_mask: key of :data:`stapo.masks.TOKEN_MASKS` (``none``, ``s2t``, ``top_entropy``).
+        token_mask: key of :data:`stapo.masks.MASKS` (``none``, ``s2t``, ``top_entropy``, the S2T ablations...).
         mask_params: keyword arguments for the token mask (e.g. ``prob_threshold``, ``entropy_quantile``).
+        policy_loss: key of :data:`POLICY_LOSSES`, the per-token loss formula (default: the clipped surrogate).
     """
 
     name: str
@@ -81,6 +93,7 @@ class Objective:
     kl_coef: float
     token_mask: str
     mask_params: dict[str, Any] = field(default_factory=dict)
+    policy_loss: str = "clipped_surrogate"
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -95,6 +108,7 @@ class Objective:
         if self.kl_coef < 0.0:
             raise ValueError(f"objective {self.name!r}: kl_coef must be ≥ 0, got {self.kl_coef}")
         get_token_mask(self.token_mask)  # raises KeyError listing the valid names
+        get_policy_loss(self.policy_loss)
 
     def replace(self, **changes: Any) -> "Objective":
         """A copy with some fields changed (e.g. from a config), re-validated."""
@@ -120,22 +134,77 @@ def get_objective(name: str) -> Objective:
         raise KeyError(f"unknown objective {name!r}; valid names: {sorted(OBJECTIVES)}") from None
 
 
-# --- the four objectives of the paper -------------------------------------------------------------------
-# JustRL (METHOD §3): DAPO clip-higher, dual clip, token-mean over the whole mini-batch, no KL.
-JUSTRL = register_objective(Objective(
-    name="justrl", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
-    clip_ratio_c=10.0, kl_coef=0.0, token_mask="none"))
-# STAPO (METHOD §4) = JustRL + the S2T mask; the loss is renormalised over the kept tokens.
-STAPO = register_objective(JUSTRL.replace(
-    name="stapo", token_mask="s2t",
-    mask_params={"prob_threshold": 0.002, "entropy_quantile": 0.75, "quantile_scope": "candidates"}))
-# 20-Entropy (METHOD §5) = JustRL with only the top-20 % entropy tokens receiving gradient.
-ENTROPY20 = register_objective(JUSTRL.replace(
-    name="entropy20", token_mask="top_entropy", mask_params={"ratio": 0.2}))
-# GRPO (DeepSeekMath; METHOD §5): per-sequence token mean, symmetric clip, k3 KL with β = 0.04.
-GRPO = register_objective(Objective(
-    name="grpo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
-    clip_ratio_c=None, kl_coef=0.04, token_mask="none"))
+#: Objective fields a config may override (None there = keep the registered objective's value).
+OVERRIDABLE_FIELDS: tuple[str, ...] = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef", "loss_agg_mode")
+
+
+def build_objective(
+    name: str,
+    overrides: Mapping[str, Any] | None = None,
+    mask_param: Callable[[str], Any] | None = None,
+) -> Objective:
+    """The ONE mapping from a configuration to an :class:`Objective` (train.py's trainer and the verl plugin).
+
+    Args:
+        name: a registered objective.
+        overrides: values for :data:`OVERRIDABLE_FIELDS`; a missing key or None keeps the objective's value.
+        mask_param: ``fn(config_key) -> value or None``, asked for each parameter of the objective's token mask by
+            its config key (:attr:`stapo.masks.MaskSpec.config_keys`, e.g. ``"algorithm.s2t.prob_threshold"``);
+            None keeps the objective's value. The result holds every parameter of the mask
+            (:meth:`~stapo.masks.MaskSpec.check_params`).
+
+    Returns:
+        The objective itself when nothing changes, else a re-validated copy.
+
+    Raises:
+        KeyError: unknown objective name. ValueError: invalid values.
+
+    Example: ``build_objective("stapo", {"clip_ratio_high": 0.3}, {"algorithm.s2t.entropy_quantile": 0.8}.get)``
+    → stapo with ε_high 0.3 and mask_params ``{"prob_threshold": 0.002, "entropy_quantile": 0.8,
+    "quantile_scope": "candidates"}``.
+    """
+    obj = get_objective(name)
+    changes = {k: v for k, v in (overrides or {}).items() if v is not None}
+    unknown = sorted(set(changes) - set(OVERRIDABLE_FIELDS))
+    if unknown:
+        raise KeyError(f"objective field {unknown[0]!r} cannot be overridden; valid: {OVERRIDABLE_FIELDS}")
+    spec = get_mask_spec(obj.token_mask)
+    if spec.params is not None:
+        params = dict(obj.mask_params)
+        for param, key in spec.config_keys.items():
+            value = mask_param(key) if mask_param is not None else None
+            if value is not None:
+                params[param] = value
+        changes["mask_params"] = spec.check_params(params)
+    return obj.replace(**changes) if changes else obj
+
+
+# --- per-token loss formulas (verl's register_policy_loss) ----------------------------------------------
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+#: name → ``fn(logprobs [B,T], old_logprobs [B,T], advantages [B,T] or [B], keep [B,T] bool, objective)
+#: -> (loss [B,T] fp32, {"pg_clipfrac": [B,T] bool, "pg_clipfrac_lower": [B,T] bool})``; :func:`policy_loss`
+#: aggregates the loss over ``keep`` and reports the flags' kept-token means as ``actor/<flag>``.
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register a per-token loss formula under ``name`` (``Objective.policy_loss``); a duplicate raises
+    ``ValueError``. The formula reads its constants (clip ε, c...) from the :class:`Objective` it is given."""
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """Look up a registered loss formula. Raises ``KeyError`` listing the valid names."""
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise KeyError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}") from None
 
 
 # --- pure per-token functions ---------------------------------------------------------------------------
@@ -186,6 +255,78 @@ def clipped_surrogate(
         dual_clipped = (adv < 0) & (loss > loss_cap)  # [B, T] bool
         loss = torch.where(dual_clipped, loss_cap, loss)
     return loss, clipped, dual_clipped, ratio.detach()
+
+
+@register_policy_loss("clipped_surrogate")
+def clipped_surrogate_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    keep: torch.Tensor,
+    objective: "Objective",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The default formula: :func:`clipped_surrogate` with the objective's ε_low, ε_high and c (``keep`` unused).
+
+    Returns (loss [B, T] fp32, {"pg_clipfrac": clipped [B, T] bool, "pg_clipfrac_lower": dual-clipped [B, T] bool}).
+    Example: Â = 1, ρ = 1.5, ε_high = 0.28 → loss −1.28, pg_clipfrac flag True.
+    """
+    loss, clipped, dual_clipped, _ = clipped_surrogate(
+        logprobs, old_logprobs, advantages,
+        objective.clip_ratio_low, objective.clip_ratio_high, objective.clip_ratio_c)
+    return loss, {"pg_clipfrac": clipped, "pg_clipfrac_lower": dual_clipped}
+
+
+@register_policy_loss("gspo")
+def gspo_loss(logprobs, old_logprobs, advantages, keep, objective: "Objective"):
+    """A GSPO-style sequence-level ratio (arXiv 2507.18071): one ratio per response, s_i = exp(mean over its kept
+    tokens of log p − log p_old), clipped to [1 − ε_low, 1 + ε_high]; every token of the response gets the loss
+    −min(s_i Â, clip(s_i) Â) (aggregate with ``seq-mean-token-mean`` for GSPO's per-sequence mean). The token value
+    is s_i, its gradient s_i·∇log p_t (GSPO-token: sg(s_i)·p_t / sg(p_t)). No dual clip.
+
+    Shapes as :func:`clipped_surrogate_loss`; ``pg_clipfrac`` flags the tokens of clipped responses.
+    Example: kept log ρ = [ln 2, 0], Â = 1 → s = √2 > 1.28 = 1 + ε_high → loss −1.28 on both tokens, no gradient.
+    """
+    keep = as_bool_mask(keep, "keep")
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
+    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, keep=keep)
+    adv, logp = advantages.detach().float(), logprobs.float()  # [B, T]
+    d = torch.where(keep, logp.detach() - old_logprobs.detach().float(), torch.zeros((), device=logp.device))
+    seq = (d.sum(-1) / keep.sum(-1).clamp(min=1)).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B] log s_i
+    ratio = torch.exp(seq[:, None] + logp - logp.detach())  # [B, T]: value s_i, gradient s_i·∇log p_t
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - objective.clip_ratio_low, 1.0 + objective.clip_ratio_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
+    return loss, {"pg_clipfrac": loss_clipped > loss_unclipped, "pg_clipfrac_lower": torch.zeros_like(keep)}
+
+
+# --- the four objectives of the paper -------------------------------------------------------------------
+# JustRL (METHOD §3): DAPO clip-higher, dual clip, token-mean over the whole mini-batch, no KL.
+JUSTRL = register_objective(Objective(
+    name="justrl", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
+    clip_ratio_c=10.0, kl_coef=0.0, token_mask="none"))
+# STAPO (METHOD §4) = JustRL + the S2T mask; the loss is renormalised over the kept tokens.
+STAPO = register_objective(JUSTRL.replace(
+    name="stapo", token_mask="s2t",
+    mask_params={"prob_threshold": 0.002, "entropy_quantile": 0.75, "quantile_scope": "candidates"}))
+# 20-Entropy (METHOD §5) = JustRL with only the top-20 % entropy tokens receiving gradient.
+ENTROPY20 = register_objective(JUSTRL.replace(
+    name="entropy20", token_mask="top_entropy", mask_params={"ratio": 0.2}))
+# GRPO (DeepSeekMath; METHOD §5): per-sequence token mean, symmetric clip, k3 KL with β = 0.04.
+GRPO = register_objective(Objective(
+    name="grpo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
+    clip_ratio_c=None, kl_coef=0.04, token_mask="none"))
+
+# --- the paper's ablations of the S2T mask: STAPO with another mask over the same candidates (Â > 0, p < τ_p) -------
+# high-entropy masking: silence the candidates ABOVE the (1 − q)-quantile of entropy instead of below the q-quantile
+STAPO_HIGH_ENTROPY = register_objective(STAPO.replace(name="stapo_high_entropy", token_mask="s2t_high_entropy"))
+# random masking: silence as many candidates as S2T would, chosen at random (seeded, stapo.masks.s2t_random_mask)
+STAPO_RANDOM = register_objective(STAPO.replace(
+    name="stapo_random", token_mask="s2t_random", mask_params={**STAPO.mask_params, "seed": 0}))
+# JustRL-FullMask: silence every low-probability token (p < τ_p) of the correct responses (Â > 0)
+JUSTRL_FULLMASK = register_objective(JUSTRL.replace(
+    name="justrl_fullmask", token_mask="full_low_prob", mask_params={"prob_threshold": 0.002}))
+
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -292,11 +433,11 @@ def compute_token_mask(
 ) -> TokenMask:
     """Apply the objective's token mask to the statistics of a whole mini-batch (all [B, T] or [B] for Â).
 
-    Statistics come back prefixed with the mask's name (``s2t/num_masked``, ``top_entropy/kept_frac``...).
+    Statistics come back prefixed with the mask's registered prefix (``s2t/num_masked``, ``top_entropy/kept_frac``...).
     """
-    fn = get_token_mask(objective.token_mask)
-    tm = fn(logprobs, entropy, advantages, response_mask, **objective.mask_params)
-    prefix = f"{objective.token_mask}/"
+    spec = get_mask_spec(objective.token_mask)
+    tm = spec.fn(logprobs, entropy, advantages, response_mask, **objective.mask_params)
+    prefix = f"{spec.prefix}/"
     return TokenMask(keep=tm.keep, stats={prefix + k: v for k, v in tm.stats.items()})
 
 
@@ -312,8 +453,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's share of the objective's loss, with verl-named metrics.
 
-    loss = agg(clipped surrogate) + β · agg(k3 KL), both aggregated over ``keep`` with the same mini-batch
-    ``denominator`` (METHOD §3–§5).
+    loss = agg(per-token loss formula ``objective.policy_loss``, by default the clipped surrogate) + β · agg(k3 KL),
+    both aggregated over ``keep`` with the same mini-batch ``denominator`` (METHOD §3–§5).
 
     Args:
         objective: an :class:`Objective`.
@@ -334,19 +475,18 @@ def policy_loss(
         ValueError: shapes disagree, or ``ref_logprobs`` is missing while β > 0.
     """
     keep = as_bool_mask(keep, "keep")
-    pg_mat, clipped, dual_clipped, _ = clipped_surrogate(
-        logprobs, old_logprobs, advantages,
-        objective.clip_ratio_low, objective.clip_ratio_high, objective.clip_ratio_c)  # [B, T] each
+    pg_mat, flags = get_policy_loss(objective.policy_loss)(
+        logprobs, old_logprobs, advantages, keep, objective)  # [B, T] each
     check_same_shape("logprobs", logprobs, keep=keep)
     pg_loss = aggregate_loss(pg_mat, keep, objective.loss_agg_mode, denominator)
     loss = pg_loss
-    metrics: dict[str, float] = {
-        "actor/pg_loss": pg_loss.item(),
-        "actor/pg_clipfrac": masked_mean(clipped.float(), keep).item(),
-        "actor/pg_clipfrac_lower": masked_mean(dual_clipped.float(), keep).item(),
+    metrics: dict[str, float] = {"actor/pg_loss": pg_loss.item()}
+    for name in ("pg_clipfrac", "pg_clipfrac_lower"):
+        metrics[f"actor/{name}"] = masked_mean(flags[name].float(), keep).item()
+    metrics.update({
         "actor/ppo_kl": masked_mean(old_logprobs.detach().float() - logprobs.detach().float(), keep).item(),
         "actor/num_kept_tokens": float(keep.sum()),
-    }
+    })
     if objective.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError(f"objective {objective.name!r} has kl_coef={objective.kl_coef} > 0 "
@@ -391,7 +531,7 @@ def objective_loss(
         KeyError: unknown objective name (lists the valid ones). ValueError: see the functions above.
     """
     obj = get_objective(objective) if isinstance(objective, str) else objective
-    if obj.token_mask != "none" and entropy is None:
+    if get_mask_spec(obj.token_mask).needs_stats and entropy is None:
         raise ValueError(f"objective {obj.name!r} uses the {obj.token_mask!r} mask, which needs entropy")
     tm = compute_token_mask(obj, logprobs, entropy, advantages, response_mask)
     denom = loss_denominator(tm.keep, obj.loss_agg_mode, max_response_length=max_response_length)

@@ -35,9 +35,10 @@ from stapo.advantages import grpo_advantages
 from stapo.analysis import entropy_change_estimate, logit_grad_norm, quadrant_summary
 from stapo.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
                               rng_state, save_checkpoint, set_rng_state)
-from stapo.config import TrainConfig, to_dict
+from stapo.config import TrainConfig, objective_from_config, to_dict
 from stapo import distributed as dist
-from stapo.objectives import Objective, compute_token_mask, get_objective, policy_loss
+from stapo.masks import get_mask_spec
+from stapo.objectives import Objective, compute_token_mask, policy_loss
 from stapo.precision import PrecisionPolicy
 from stapo.tensor_utils import masked_mean
 from stapo.tracking import Tracker
@@ -48,20 +49,9 @@ ValidationHook = Callable[["Trainer", int], dict[str, float]]
 
 
 def build_objective(cfg: TrainConfig) -> Objective:
-    """The registered objective named by ``algorithm.objective`` with the config's overrides applied."""
-    alg = cfg.algorithm
-    obj = get_objective(alg.objective)
-    changes: dict[str, Any] = {}
-    for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef", "loss_agg_mode"):
-        if getattr(alg, key) is not None:
-            changes[key] = getattr(alg, key)
-    if obj.token_mask == "s2t":
-        changes["mask_params"] = {"prob_threshold": alg.s2t.prob_threshold,
-                                  "entropy_quantile": alg.s2t.entropy_quantile,
-                                  "quantile_scope": alg.s2t.quantile_scope}
-    elif obj.token_mask == "top_entropy":
-        changes["mask_params"] = {"ratio": alg.top_entropy_ratio}
-    return obj.replace(**changes) if changes else obj
+    """The registered objective named by ``algorithm.objective`` with the config's overrides and mask parameters
+    applied (:func:`stapo.config.objective_from_config`, the same mapping the verl plugin uses)."""
+    return objective_from_config(cfg)
 
 
 class PromptLoader:
@@ -491,7 +481,7 @@ class Trainer:
 
     def _num_micro_batches(self, B: int) -> int:
         """Forward passes of one step over ``B`` responses: old (+ reference) pass, current-policy statistics
-        of later mini-batches (S2T / 20-Entropy with ``stats_source=current``), and the update."""
+        of later mini-batches (a mask reading p and H with ``algorithm.mask_stats_source=current``), and the update."""
         micro, rows_per_mini = self.cfg.actor.ppo_micro_batch_size, self._mini_rows
         n_all = math.ceil(B / micro)
         n_mini = math.ceil(B / rows_per_mini)
@@ -499,9 +489,15 @@ class Trainer:
         if self.cfg.actor.fused_forward:  # no old pass over the first mini-batch, no separate current-stats pass
             return (math.ceil(max(B - rows_per_mini, 0) / micro) + n_all * int(self.ref_model is not None)
                     + n_mini * per_mini)
-        extra_stats = (self.objective.token_mask != "none" and self.cfg.algorithm.s2t.stats_source == "current")
+        extra_stats = self._mask_uses_current_stats()
         return (n_all * (2 if self.ref_model is not None else 1) + n_mini * per_mini
                 + (n_mini - 1) * per_mini * int(extra_stats))
+
+    def _mask_uses_current_stats(self) -> bool:
+        """Later mini-batches' masks need p and H of the current policy: the mask reads statistics
+        (:attr:`stapo.masks.MaskSpec.needs_stats`) and ``algorithm.mask_stats_source`` is ``current``."""
+        return (get_mask_spec(self.objective.token_mask).needs_stats
+                and self.cfg.algorithm.mask_stats_source == "current")
 
     def _tick(self, **postfix: str) -> None:
         """Advance the step's inner progress bar by one micro-batch."""
@@ -532,8 +528,7 @@ class Trainer:
             # actor.fused_forward: the statistics come from this mini-batch's own update forward — always for
             # the first mini-batch (its old-policy pass was skipped), and for later ones when the mask uses the
             # current policy's statistics.
-            fused = cfg.actor.fused_forward and (mb_i == 0 or (obj.token_mask != "none"
-                                                               and cfg.algorithm.s2t.stats_source == "current"))
+            fused = cfg.actor.fused_forward and (mb_i == 0 or self._mask_uses_current_stats())
             tm = (self._backward_fused(sb, rows, first=mb_i == 0, acc=acc) if fused
                   else self._backward_minibatch(sb, rows, first=mb_i == 0, acc=acc))
             self._last_keep[rows] = tm.keep
@@ -563,7 +558,7 @@ class Trainer:
         response_mask = sb.batch.response_mask.bool()  # [B, R]
         # Token mask over the WHOLE mini-batch. S2T statistics come from the current policy (Algorithm 1);
         # for the first mini-batch π_θ = π_old, so the old-policy pass is reused.
-        if obj.token_mask == "none" or cfg.algorithm.s2t.stats_source == "old" or first:
+        if not self._mask_uses_current_stats() or first:
             stat_logp, stat_ent = sb.old_logprobs[rows], sb.old_entropy[rows]  # [n, R]
         else:
             cur = self._forward_all(self.model, sb.batch, B, R, rows=rows)
@@ -771,12 +766,14 @@ class Trainer:
         return m
 
     def _log_silenced_examples(self, sb: StepBatch, max_rows: int = 20, context: int = 6) -> None:
-        """A table of silenced tokens (S2T) — or, for other objectives, tokens S2T *would* silence."""
+        """A table of silenced tokens (S2T, or any mask registered with ``silences=True``, under its prefix) — or, for
+        the other objectives, tokens S2T *would* silence."""
         from stapo.masks import s2t_mask
 
         s2t = self.cfg.algorithm.s2t
         mask = sb.batch.response_mask.bool()
-        if self.objective.token_mask == "s2t":
+        spec = get_mask_spec(self.objective.token_mask)
+        if spec.silences:  # S2T and masks like it: the tokens it silenced
             silenced = mask & ~self._last_keep
         else:
             tm = s2t_mask(sb.old_logprobs, sb.old_entropy, sb.advantages, mask, prob_threshold=s2t.prob_threshold,
@@ -791,21 +788,24 @@ class Trainer:
                 math.exp(sb.old_logprobs[b, t].item()), sb.old_entropy[b, t].item(), sb.advantages[b].item(),
             ])
         if self.tracker is not None:
-            self.tracker.log_table(self.step + 1, "s2t/examples", ["token", "context", "p", "H", "advantage"], rows)
+            table = f"{spec.prefix}/examples" if spec.silences else "s2t/examples"
+            self.tracker.log_table(self.step + 1, table, ["token", "context", "p", "H", "advantage"], rows)
 
 
 class _MetricAccumulator:
     """Combines per-mini-batch / per-micro-batch metrics into one value per step.
 
-    ``add_mean`` → weighted mean; ``add_sum`` → sum; ``add_mask_stats`` → counts (``…/num_*``) summed, fractions
-    recomputed from the sums, other statistics (thresholds, means) averaged over mini-batches. NaN values
-    (e.g. τ_h of an empty candidate set) are skipped.
+    ``add_mean`` → weighted mean; ``add_sum`` → sum; ``add_mask_stats`` (any mask, under its own prefix) → counts
+    (``<prefix>/num_*``) summed, fractions ``<prefix>/<X>_frac`` recomputed as ``Σ num_<X> / Σ num_response_tokens``,
+    other statistics (thresholds, means) averaged over mini-batches. NaN values (e.g. τ_h of an empty candidate
+    set) are skipped.
     """
 
     def __init__(self) -> None:
         self._sum: dict[str, float] = {}
         self._weight: dict[str, float] = {}
         self._plain: dict[str, float] = {}
+        self._fracs: dict[str, None] = {}  # "<prefix>/<X>_frac" keys seen, in order
 
     def add_mean(self, key: str, value: float, weight: float = 1.0) -> None:
         if isinstance(value, float) and math.isnan(value):
@@ -821,7 +821,9 @@ class _MetricAccumulator:
             leaf = k.rsplit("/", 1)[-1]
             if leaf.startswith("num_"):
                 self.add_sum(k, v)
-            elif leaf not in ("masked_frac", "kept_frac"):
+            elif leaf.endswith("_frac"):  # recomputed from the summed counts in result()
+                self._fracs[k] = None
+            else:
                 self.add_mean(k, v)
 
     def all_reduce(self, keys: tuple[str, ...], ctx: "dist.DistContext") -> None:
@@ -836,9 +838,9 @@ class _MetricAccumulator:
     def result(self) -> dict[str, float]:
         out = {k: self._sum[k] / self._weight[k] for k in self._sum if self._weight[k] > 0}
         out.update(self._plain)
-        for prefix, num in (("s2t/", "num_masked"), ("top_entropy/", "num_kept")):
-            total = self._plain.get(prefix + "num_response_tokens")
+        for key in self._fracs:  # <prefix>/<X>_frac = Σ <prefix>/num_<X> / Σ <prefix>/num_response_tokens
+            prefix, _, leaf = key.rpartition("/")
+            total = self._plain.get(f"{prefix}/num_response_tokens")
             if total is not None:
-                name = "masked_frac" if num == "num_masked" else "kept_frac"
-                out[prefix + name] = self._plain.get(prefix + num, 0.0) / max(total, 1.0)
+                out[key] = self._plain.get(f"{prefix}/num_{leaf[:-len('_frac')]}", 0.0) / max(total, 1.0)
         return out

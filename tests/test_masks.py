@@ -206,7 +206,7 @@ def test_top_entropy_integer_mask_and_empty():
 def test_no_mask_and_registry():
     mask = torch.tensor([[1, 0]])
     assert no_mask(None, None, None, mask).keep.tolist() == [[True, False]]
-    assert set(TOKEN_MASKS) == {"none", "s2t", "top_entropy"}
+    assert set(TOKEN_MASKS) == {"none", "s2t", "top_entropy", "s2t_high_entropy", "s2t_random", "full_low_prob"}
     with pytest.raises(KeyError, match="valid names"):
         get_token_mask("s2T")
 
@@ -233,3 +233,64 @@ def test_maskable_rows_by_mask():
     assert maskable_rows("top_entropy", adv).tolist() == [True, True, True]
     with pytest.raises(KeyError, match="unknown token mask"):
         maskable_rows("s2tt", adv)
+
+
+# --- the paper's ablations of S2T (same candidates as S2T: (0,1) H .2, (0,2) H .4, (0,4) H 1.3, (1,0) H .6,
+# (1,2) H .3 in _case_2x6; S2T with q = 0.75 silences (0,1), (0,2), (1,2)) ------------------------------------
+def test_high_entropy_masking_silences_candidates_above_the_1_minus_q_quantile():
+    from stapo.masks import s2t_high_entropy_mask
+
+    # candidate H sorted [0.2, 0.3, 0.4, 0.6, 1.3]; 1 − q = 0.25 → pos = 0.25·4 = 1 → τ = 0.3.
+    # silenced: H > 0.3 (strict): (0,2) .4, (0,4) 1.3, (1,0) .6; (1,2) has H = τ → kept; (0,1) .2 kept.
+    logp, h, adv, mask = _case_2x6()
+    out = s2t_high_entropy_mask(logp, h, adv, mask, entropy_quantile=0.75)
+    assert _positions(out.keep, mask) == [(0, 2), (0, 4), (1, 0)]
+    assert out.stats["entropy_threshold"] == pytest.approx(0.3)
+    assert (out.stats["num_candidates"], out.stats["num_masked"]) == (5, 3)
+    assert out.stats["masked_entropy_mean"] == pytest.approx((0.4 + 1.3 + 0.6) / 3, rel=1e-6)
+    # rows with Â ≤ 0 are never touched
+    out = s2t_high_entropy_mask(logp, h, torch.tensor([0.0, -1.0]), mask)
+    assert out.keep.equal(mask) and out.stats["num_candidates"] == 0
+
+
+def test_random_masking_silences_as_many_candidates_as_s2t_with_a_documented_seed():
+    from stapo.masks import s2t_random_mask
+
+    logp, h, adv, mask = _case_2x6()
+    out = s2t_random_mask(logp, h, adv, mask, seed=0)
+    silenced = _positions(out.keep, mask)
+    # S2T silences 3 of the 5 candidates → 3 random candidates here
+    assert out.stats["num_masked"] == 3 and len(silenced) == 3
+    assert set(silenced) <= {(0, 1), (0, 2), (0, 4), (1, 0), (1, 2)}
+    # the docstring's seed: seed·1_000_003 + 1009·N_resp + N_cand = 0 + 1009·11 + 5 = 11104; candidates in row-major
+    # order are (0,1), (0,2), (0,4), (1,0), (1,2); the first 3 of randperm(5) pick the silenced ones
+    perm = torch.randperm(5, generator=torch.Generator().manual_seed(11104))[:3].tolist()
+    cands = [(0, 1), (0, 2), (0, 4), (1, 0), (1, 2)]
+    assert silenced == sorted(cands[i] for i in perm)
+    assert out.stats["entropy_threshold"] == pytest.approx(0.6)  # S2T's τ_h, whose count is matched
+    assert _positions(s2t_random_mask(logp, h, adv, mask, seed=0).keep, mask) == silenced  # a pure function
+    draws = {tuple(_positions(s2t_random_mask(logp, h, adv, mask, seed=s).keep, mask)) for s in range(10)}
+    assert len(draws) > 1  # the seed matters (10 seeds, 10 possible 3-subsets)
+
+
+def test_justrl_fullmask_silences_every_low_probability_token_of_positive_advantage():
+    from stapo.masks import full_low_prob_mask
+
+    logp, h, adv, mask = _case_2x6()
+    out = full_low_prob_mask(logp, h, adv, mask, prob_threshold=0.002)
+    assert _positions(out.keep, mask) == [(0, 1), (0, 2), (0, 4), (1, 0), (1, 2)]  # all 5 candidates
+    assert out.stats["masked_frac"] == pytest.approx(5 / 11)
+    assert math.isnan(out.stats["entropy_threshold"])
+    # row 1 with Â = −0.5: its rare tokens (1,0), (1,2) are kept
+    out = full_low_prob_mask(logp, h, torch.tensor([1.0, -0.5]), mask)
+    assert _positions(out.keep, mask) == [(0, 1), (0, 2), (0, 4)]
+    with pytest.raises(ValueError, match="tau_p"):
+        full_low_prob_mask(logp, h, adv, mask, prob_threshold=0.0)
+
+
+def test_ablation_masks_touch_only_positive_advantage_rows():
+    from stapo.masks import maskable_rows
+
+    adv = torch.tensor([0.5, 0.0, -0.5])
+    for name in ("s2t_high_entropy", "s2t_random", "full_low_prob"):
+        assert maskable_rows(name, adv).tolist() == [True, False, False], name

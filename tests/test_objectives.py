@@ -95,7 +95,8 @@ def test_kl_k3_hand_value():
 
 
 def test_registry_definitions_follow_method_md():
-    assert set(OBJECTIVES) == {"grpo", "justrl", "entropy20", "stapo"}
+    assert set(OBJECTIVES) == {"grpo", "justrl", "entropy20", "stapo",
+                               "stapo_high_entropy", "stapo_random", "justrl_fullmask"}  # + the S2T ablations
     j, s, e, g = (get_objective(n) for n in ("justrl", "stapo", "entropy20", "grpo"))
     assert (j.loss_agg_mode, j.clip_ratio_low, j.clip_ratio_high, j.clip_ratio_c, j.kl_coef, j.token_mask) == \
         ("token-mean", 0.2, 0.28, 10.0, 0.0, "none")
@@ -105,7 +106,8 @@ def test_registry_definitions_follow_method_md():
     assert s.mask_params == {"prob_threshold": 0.002, "entropy_quantile": 0.75, "quantile_scope": "candidates"}
     assert e.mask_params == {"ratio": 0.2}
     assert (g.loss_agg_mode, g.clip_ratio_low, g.clip_ratio_high, g.kl_coef) == ("seq-mean-token-mean", 0.2, 0.2, 0.04)
-    with pytest.raises(KeyError, match=r"valid names: \['entropy20', 'grpo', 'justrl', 'stapo'\]"):
+    with pytest.raises(KeyError, match=r"valid names: \['entropy20', 'grpo', 'justrl', 'justrl_fullmask', 'stapo', "
+                                       r"'stapo_high_entropy', 'stapo_random'\]"):
         get_objective("dapo")
     with pytest.raises(KeyError, match="valid names"):
         Objective("x", "token-mean", 0.2, 0.2, None, 0.0, token_mask="s2t_v2")
@@ -240,3 +242,61 @@ def test_s2t_silencing_a_whole_micro_batch_gives_finite_zero_loss_and_zero_gradi
     assert torch.isfinite(loss_a) and loss_a.item() == 0.0
     assert torch.equal(logp_a.grad, torch.zeros(1, 3))
     assert m["actor/num_kept_tokens"] == 0 and m["actor/pg_clipfrac"] == 0.0  # no 0/0 in the metrics either
+
+
+def test_build_objective_applies_overrides_and_mask_parameters_by_config_key():
+    from stapo.objectives import build_objective
+
+    # the docstring's example: ε_high 0.3 and q 0.8; the other S2T parameters keep the objective's values
+    obj = build_objective("stapo", {"clip_ratio_high": 0.3, "kl_coef": None},
+                          {"algorithm.s2t.entropy_quantile": 0.8}.get)
+    assert obj.clip_ratio_high == 0.3 and obj.kl_coef == 0.0
+    assert obj.mask_params == {"prob_threshold": 0.002, "entropy_quantile": 0.8, "quantile_scope": "candidates"}
+    assert build_objective("grpo") is get_objective("grpo")  # nothing to change: the registered objective itself
+    with pytest.raises(KeyError, match="cannot be overridden"):
+        build_objective("stapo", {"token_mask": "none"})
+
+
+def test_a_loss_formula_registered_by_name_replaces_the_clipped_surrogate():
+    from stapo.objectives import POLICY_LOSSES, register_policy_loss
+
+    @register_policy_loss("test_unclipped")
+    def unclipped(logprobs, old_logprobs, advantages, keep, objective):
+        ratio = torch.exp(logprobs - old_logprobs.detach())  # [B, T]
+        adv = advantages[:, None].expand_as(ratio)
+        return -adv * ratio, {"pg_clipfrac": torch.zeros_like(keep), "pg_clipfrac_lower": torch.zeros_like(keep)}
+
+    try:
+        obj = get_objective("justrl").replace(name="t", policy_loss="test_unclipped")
+        # 1 × 2 tokens, Â = 2, ρ = [1.5, 1] (the clipped surrogate would clip 1.5 to 1.28):
+        # loss = −2·(1.5 + 1) / 2 = −2.5; the clipped one: −2·(1.28 + 1) / 2 = −2.28
+        logp = torch.tensor([[math.log(0.75), math.log(0.5)]])
+        old = torch.tensor([[math.log(0.5), math.log(0.5)]])
+        keep = torch.ones(1, 2, dtype=torch.bool)
+        loss, m = policy_loss(obj, logp, old, torch.tensor([2.0]), keep, 2.0)
+        assert loss.item() == pytest.approx(-2.5) and m["actor/pg_clipfrac"] == 0.0
+        loss, m = policy_loss(get_objective("justrl"), logp, old, torch.tensor([2.0]), keep, 2.0)
+        assert loss.item() == pytest.approx(-2.28) and m["actor/pg_clipfrac"] == 0.5
+        with pytest.raises(ValueError, match="already registered"):
+            register_policy_loss("test_unclipped")(unclipped)
+    finally:
+        POLICY_LOSSES.pop("test_unclipped")
+    with pytest.raises(KeyError, match="unknown policy loss"):
+        get_objective("justrl").replace(policy_loss="test_unclipped")
+
+
+def test_gspo_style_sequence_ratio_by_hand():
+    # Response 0 (Â = +1): kept log ρ = [ln 2, 0] → s = exp(ln 2 / 2) = √2 ≈ 1.414 > 1 + ε_high = 1.28 → clipped:
+    #   loss −1.28 on both tokens, zero gradient.
+    # Response 1 (Â = −1): kept log ρ = [ln 0.9, ln 0.9], 3rd token padding with log ρ = 5 (must not count)
+    #   → s = 0.9 ∈ [0.8, 1.28] → loss +0.9 per token; ∂ℓ_t/∂log p_t = −Â·s = 0.9.
+    # seq-mean-token-mean, S = 2: loss = (−1.28 + 0.9) / 2 = −0.19; ∂loss/∂log p_{1,t} = 0.9 / 2 / 2 = 0.225.
+    obj = get_objective("grpo").replace(name="gspo_test", policy_loss="gspo", kl_coef=0.0, clip_ratio_high=0.28)
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[math.log(2.0), 0.0, 0.0], [math.log(0.9), math.log(0.9), 5.0]]).requires_grad_(True)
+    keep = torch.tensor([[True, True, False], [True, True, False]])
+    loss, m = policy_loss(obj, logp, old, torch.tensor([1.0, -1.0]), keep, loss_denominator(keep, obj.loss_agg_mode))
+    assert loss.item() == pytest.approx(-0.19, abs=1e-6)
+    assert m["actor/pg_clipfrac"] == 0.5  # the 2 tokens of response 0 out of 4 kept
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 0.0], [0.225, 0.225, 0.0]]))

@@ -236,3 +236,138 @@ def test_training_prompts_from_a_user_file(tmp_path):
     with pytest.raises(DataError) as err:
         Trainer._load_prompts(fake)
     assert str(err.value) == f"{path}: no column 'answer' (data.train_file.answer_key); columns: question, ans"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, fused):
+    """A NEW mask, registered here only (function + parameter dataclass + row rule + prefix), selected by a config
+    (an objective registered here too), its parameter set by a dotted override of algorithm.masks.<name>.<param>:
+    one training step through load_config + Trainer, its statistics in metrics.jsonl under its own prefix."""
+    from dataclasses import dataclass
+
+    from stapo.masks import TokenMask, register_token_mask, unregister_token_mask
+    from stapo.objectives import OBJECTIVES, get_objective, register_objective
+
+    calls = []
+
+    @dataclass
+    class FirstKParams:
+        k: int = 1
+
+    @register_token_mask("test_first_k", params=FirstKParams, maskable_rows="positive_advantage", prefix="first_k")
+    def first_k(logprobs, entropy, advantages, response_mask, *, k=1):
+        """Silence the first k response tokens of every Â > 0 response."""
+        pos = response_mask.long().cumsum(dim=1)  # [B, T] 1-based position among the response tokens
+        adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(response_mask)
+        silenced = response_mask & (pos <= k) & (adv > 0)
+        calls.append((adv[:, 0].clone(), response_mask.sum(dim=1).clone()))
+        n = int(response_mask.sum())
+        return TokenMask(keep=response_mask & ~silenced, stats={
+            "num_response_tokens": float(n), "num_masked": float(silenced.sum()), "masked_frac": 0.0})
+
+    try:
+        register_objective(get_objective("justrl").replace(name="test_first_k_obj", token_mask="test_first_k"))
+        trainer = make_trainer(str(tmp_path), ["algorithm.objective=test_first_k_obj", "algorithm.masks.test_first_k.k=2",
+                                               "trainer.total_steps=1", f"actor.fused_forward={fused}"])
+        assert trainer.objective.mask_params == {"k": 2}
+        trainer.train()
+    finally:
+        OBJECTIVES.pop("test_first_k_obj", None)
+        unregister_token_mask("test_first_k")
+    row = _rows(tmp_path / "toy" / "metrics.jsonl")[0]
+    # expected by hand from what the mask saw: each Â > 0 response loses min(2, its length) tokens
+    assert len(calls) == 2  # tiny_test: 2 prompts, ppo_mini_batch_size=1 → 2 mini-batches of G = 4 responses
+    masked = sum(int(torch.minimum(lengths, torch.tensor(2))[adv > 0].sum()) for adv, lengths in calls)
+    total = sum(int(lengths.sum()) for _, lengths in calls)
+    assert masked > 0
+    assert row["first_k/num_masked"] == masked and row["first_k/num_response_tokens"] == total
+    assert row["first_k/masked_frac"] == pytest.approx(masked / total)  # recomputed from the summed counts
+    assert row["actor/num_kept_tokens"] == total - masked
+    assert total == row["response_length/total_tokens"]
+
+
+def _recording_trainer(tmp_path, overrides):
+    """A toy trainer whose mask inputs (per mini-batch) and step batches are recorded."""
+    trainer = make_trainer(str(tmp_path), ["trainer.save_every=0", "trainer.total_steps=1", *overrides])
+    seen = {"mask_logp": [], "batches": [], "forward_all": 0}
+    orig_mask, orig_prepare, orig_forward = trainer._dp_token_mask, trainer._prepare_batch, trainer._forward_all
+
+    def dp_token_mask(logprobs, entropy, advantages, response_mask):
+        seen["mask_logp"].append(logprobs.clone())
+        return orig_mask(logprobs, entropy, advantages, response_mask)
+
+    def prepare_batch(*a, **kw):
+        sb = orig_prepare(*a, **kw)
+        seen["batches"].append(sb)
+        return sb
+
+    def forward_all(*a, **kw):
+        seen["forward_all"] += 1
+        return orig_forward(*a, **kw)
+
+    trainer._dp_token_mask, trainer._prepare_batch, trainer._forward_all = dp_token_mask, prepare_batch, forward_all
+    return trainer, seen
+
+
+@pytest.mark.parametrize("objective", ["stapo", "entropy20"])
+def test_mask_stats_source_old_uses_the_old_policy_statistics_for_later_mini_batches(tmp_path, objective):
+    """tiny_test: 2 mini-batches per step (rows 0–3, 4–7). The first one's statistics are π_old's either way; the
+    second's are the old-policy pass itself with mask_stats_source=old (no extra forward), a forward of the policy
+    after the first optimizer step (lr 1e-3: different log-probs) with current (one more _forward_all)."""
+    runs = {}
+    for source in ("old", "current"):
+        trainer, seen = _recording_trainer(tmp_path / source, [f"algorithm.objective={objective}",
+                                                               f"algorithm.mask_stats_source={source}"])
+        trainer.train()
+        runs[source] = seen
+    for source, seen in runs.items():
+        sb = seen["batches"][0]
+        assert len(seen["mask_logp"]) == 2
+        assert torch.equal(seen["mask_logp"][0], sb.old_logprobs[0:4])  # first mini-batch: π_old = π_θ
+    old, cur = runs["old"], runs["current"]
+    assert torch.equal(old["mask_logp"][1], old["batches"][0].old_logprobs[4:8])
+    assert not torch.allclose(cur["mask_logp"][1], cur["batches"][0].old_logprobs[4:8])
+    assert (old["forward_all"], cur["forward_all"]) == (1, 2)  # the old pass; + the current-policy pass
+
+
+def test_sort_by_length_false_keeps_rollout_order_with_the_same_results(tmp_path):
+    from types import SimpleNamespace
+
+    trainer = make_trainer(str(tmp_path / "unit"), ["trainer.save_every=0"])
+    # prompt + response lengths 3, 5, 4, 5; micro-batches of 3 rows
+    batch = SimpleNamespace(attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1] * 5, [1, 1, 1, 1, 0], [1] * 5]))
+    rows = torch.arange(4)
+    # sorted: descending length, ties in rollout order (stable) → 1, 3 (5 tokens), 2 (4), 0 (3)
+    assert [m.tolist() for m in trainer._micro_batches(batch, rows)] == [[1, 3, 2], [0]]
+    trainer.cfg.actor.sort_by_length = False
+    assert [m.tolist() for m in trainer._micro_batches(batch, rows)] == [[0, 1, 2], [3]]
+    # two steps with and without sorting: other micro-batch groupings, the same masks, losses and update
+    runs = {}
+    for sort in (True, False):
+        t = make_trainer(str(tmp_path / str(sort)), ["trainer.save_every=0", f"actor.sort_by_length={sort}"])
+        runs[sort] = (_comparable(t.train()), {k: v.detach().clone() for k, v in t.model.named_parameters()})
+    (h0, p0), (h1, p1) = runs[True], runs[False]
+    assert h0[0]["s2t/num_masked"] > 0  # the mask is exercised
+    for m0, m1 in zip(h0, h1):
+        assert m0.keys() == m1.keys()
+        for k in m0:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
+    for k in p0:  # tolerance: see test_fused_forward_gives_the_same_masks_loss_and_update
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("objective, prefix", [("stapo_high_entropy", "s2t_high_entropy"),
+                                               ("stapo_random", "s2t_random"), ("justrl_fullmask", "full_low_prob")])
+def test_each_s2t_ablation_trains_from_its_config_name(tmp_path, objective, prefix):
+    """The ablations run from the config path, their statistics under their own prefix (the candidates are S2T's;
+    FullMask silences every candidate)."""
+    trainer = make_trainer(str(tmp_path), [f"algorithm.objective={objective}", "trainer.total_steps=1",
+                                           "trainer.save_every=0"])
+    m = trainer.train()[0]
+    n, cand, masked = m[f"{prefix}/num_response_tokens"], m[f"{prefix}/num_candidates"], m[f"{prefix}/num_masked"]
+    assert n == m["response_length/total_tokens"] and 0 < masked <= cand
+    assert m[f"{prefix}/masked_frac"] == pytest.approx(masked / n)
+    assert m["actor/num_kept_tokens"] == n - masked
+    if objective == "justrl_fullmask":
+        assert masked == cand
+    assert _rows(tmp_path / "toy" / "metrics.jsonl")[0][f"{prefix}/num_masked"] == masked

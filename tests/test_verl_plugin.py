@@ -509,3 +509,15 @@ def test_keep_mask_follows_a_jagged_response_mask():
     plugin._loss_fn_with_mask(loss_fn, 5, {})(model_output={}, data=td)
     assert seen["n"] == 5 and torch.equal(seen["keep"], keep_padded)
     assert plugin.current_mask_context() is None
+
+
+def test_mask_parameters_use_the_train_config_key_as_the_verl_field():
+    """One mapping config → objective (stapo.objectives.build_objective): a mask parameter's policy_loss field is its
+    train-config key without 'algorithm.' / 'masks.' and with '_' for '.'."""
+    assert plugin.verl_param_key("algorithm.s2t.prob_threshold") == "s2t_prob_threshold"
+    assert plugin.verl_param_key("algorithm.top_entropy_ratio") == "top_entropy_ratio"
+    assert plugin.verl_param_key("algorithm.masks.s2t_random.seed") == "s2t_random_seed"
+    from stapo.masks import MASKS
+    fields = {plugin.verl_param_key(k) for name in ("s2t", "top_entropy") for k in MASKS[name].config_keys.values()}
+    assert fields == {"s2t_prob_threshold", "s2t_entropy_quantile", "s2t_quantile_scope", "top_entropy_ratio"}
+    assert fields <= set(plugin.StapoPolicyLossConfig.__dataclass_fields__)

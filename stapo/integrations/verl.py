@@ -119,6 +119,7 @@ from stapo.objectives import (
     LOSS_AGG_MODES,
     OBJECTIVES,
     Objective,
+    build_objective,
     compute_token_mask,
     get_objective,
     loss_denominator,
@@ -145,6 +146,7 @@ __all__ = [
     "mask_context",
     "current_mask_context",
     "objective_from_verl_config",
+    "verl_param_key",
     "objective_of_verl_actor",
     "registered_objective_name",
     "VERL_MAX_RATIO",
@@ -205,6 +207,18 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
 _WARNED_CLIP: set[tuple] = set()
 
 
+def verl_param_key(config_key: str) -> str:
+    """The ``policy_loss`` field of a mask parameter, from its train-config key (:attr:`stapo.masks.MaskSpec.config_keys`).
+
+    Example: ``"algorithm.s2t.prob_threshold"`` → ``"s2t_prob_threshold"``, ``"algorithm.top_entropy_ratio"`` →
+    ``"top_entropy_ratio"``, ``"algorithm.masks.s2t_random.seed"`` → ``"s2t_random_seed"``.
+    """
+    parts = config_key.split(".")
+    parts = parts[1:] if parts[0] == "algorithm" else parts
+    parts = parts[1:] if parts and parts[0] == "masks" else parts
+    return "_".join(parts)
+
+
 def objective_from_verl_config(loss_mode: str, config: Any) -> Objective:
     """Our :class:`~stapo.objectives.Objective` for a verl ``loss_mode`` and actor config.
 
@@ -233,14 +247,13 @@ def objective_from_verl_config(loss_mode: str, config: Any) -> Objective:
     c = _cfg_get(config, "clip_ratio_c", base.clip_ratio_c)
     c = None if c is None else float(c)
     pl = _cfg_get(config, "policy_loss", None)
-    params = dict(base.mask_params)
-    if base.token_mask == "s2t":
-        params["prob_threshold"] = float(_cfg_get(pl, "s2t_prob_threshold", params["prob_threshold"]))
-        params["entropy_quantile"] = float(_cfg_get(pl, "s2t_entropy_quantile", params["entropy_quantile"]))
-        params["quantile_scope"] = str(_cfg_get(pl, "s2t_quantile_scope", params["quantile_scope"]))
-    elif base.token_mask == "top_entropy":
-        params["ratio"] = float(_cfg_get(pl, "top_entropy_ratio", params["ratio"]))
-    obj = base.replace(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c, mask_params=params)
+    # the trainer's mapping (stapo.objectives.build_objective); a mask parameter's verl key is its train-config key
+    # without "algorithm." / "masks." and with "_" for "." (algorithm.s2t.prob_threshold → s2t_prob_threshold)
+    obj = build_objective(PLUGIN_LOSSES[loss_mode],
+                          {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": c},
+                          lambda key: _cfg_get(pl, verl_param_key(key), None))
+    if c is None:  # build_objective reads None as "keep the objective's value"; here it means "dual clip off"
+        obj = obj.replace(clip_ratio_c=None)
     paper = (base.clip_ratio_low, base.clip_ratio_high, base.clip_ratio_c)
     if (low, high, c) != paper and (low, high, c) not in _WARNED_CLIP:
         _WARNED_CLIP.add((low, high, c))
