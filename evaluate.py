@@ -1,4 +1,5 @@
-"""Evaluate a checkpoint on the six math benchmarks under the paper's two decoding settings (METHOD.md §7).
+"""Evaluate a checkpoint on the six math benchmarks under the paper's two decoding settings
+(docs/method.md#evaluation-protocol).
 
     python evaluate.py --config configs/eval/cpu_smollm2.yaml --limit 2
     python evaluate.py --model runs/stapo_smollm2/checkpoints/step_000020 --benchmarks aime24 math500

@@ -8,7 +8,8 @@ Algorithm core (pure tensor functions, no model, no I/O)
   advantages    GRPO group-normalised advantages
   masks         token masks: S2T (STAPO), top-entropy (20-Entropy), the S2T ablations; registry MASKS
   objectives    loss formulas (POLICY_LOSSES), k3 KL, loss aggregation, registry OBJECTIVES, build_objective
-  analysis      the paper's token-level analysis (§9): gradient norms, entropy change, quadrants
+  analysis      the paper's token-level analysis (docs/method.md#token-analysis): gradient norms, entropy change,
+  quadrants
   tensor_utils  boolean-mask checks, fp32 kthvalue quantile
 
 Rewards and data

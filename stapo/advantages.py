@@ -1,4 +1,4 @@
-"""GRPO group-normalised advantages (METHOD.md §2).
+"""GRPO group-normalised advantages (docs/method.md#grpo-advantages).
 
     Â_i = (R_i − mean_j R_j) / (std_j R_j + ε)
 
@@ -79,7 +79,7 @@ def grpo_advantages(
     adv = r - mean  # [num_groups, G]
     if norm_by_std:
         adv = adv / (std + eps)
-    adv = torch.where(zero_std[:, None], torch.zeros_like(adv), adv)  # Â = 0 for all-equal groups (METHOD §2)
+    adv = torch.where(zero_std[:, None], torch.zeros_like(adv), adv)  # Â = 0 for all-equal groups (docs/method.md#grpo-advantages)
     frac_zero = zero_std.float().mean().item()
     adv = adv.reshape(-1)  # [num_groups * G]
     metrics = {

@@ -1,4 +1,4 @@
-"""The paper's token-level analysis framework (METHOD.md §9), computable from logged per-token tensors.
+"""The paper's token-level analysis framework (docs/method.md#token-analysis), computable from logged per-token tensors.
 
 For the token loss ℓ = −w · log π(y) with w = ρÂ (the gradient of the clipped surrogate −ρÂ w.r.t. the
 logits z = a / T is w · (π − e_y)), and w = 0 where the clip is active:
@@ -9,7 +9,7 @@ logits z = a / T is w · (π − e_y)), and w = 0 where the clip is active:
 (lower bound: Σπ² ≥ e^{−H} by Jensen; upper bound: the paper's). With a sampling temperature T the
 gradient w.r.t. the raw logits a is ∇_z / T.
 
-The paper's first-order entropy-change term of one token, step size η (METHOD §9; it is that token's
+The paper's first-order entropy-change term of one token, step size η (docs/method.md#token-analysis; it is that token's
 term of the covariance estimate of Cui et al., arXiv 2505.22617, not the exact first-order change of a
 single logit-gradient step, which also depends on Σ_v π² (log π + H)):
 
@@ -48,7 +48,8 @@ def logit_grad_norm(
     *,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Exact per-token ‖∇_a ℓ‖ of the token loss ℓ = −w log π(y) w.r.t. the raw logits a (METHOD §9).
+    """Exact per-token ‖∇_a ℓ‖ of the token loss ℓ = −w log π(y) w.r.t. the raw logits a
+    (docs/method.md#token-analysis).
 
         ‖∇_a ℓ‖ = |w| · sqrt(1 − 2p + Σ_v π(v)²) / T
 
@@ -77,7 +78,7 @@ def logit_grad_norm_bounds(
     *,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower and upper bounds of ‖∇_a ℓ‖ from p and H alone (METHOD §9).
+    """Lower and upper bounds of ‖∇_a ℓ‖ from p and H alone (docs/method.md#token-analysis).
 
         lower = |w| sqrt(1 − 2p + e^{−H}) / T,   upper = |w| sqrt(2 − 2p − C_V H²) / T,
         C_V = (|V| − 1) / (|V| (ln |V|)²)
@@ -117,7 +118,8 @@ def entropy_change_estimate(
     lr: float = 1.0,
     expected_advantage: torch.Tensor | float = 0.0,
 ) -> torch.Tensor:
-    """The paper's first-order entropy-change term of one token (METHOD §9; see the module docstring).
+    """The paper's first-order entropy-change term of one token (docs/method.md#token-analysis; see the module
+    docstring).
 
         ΔH ≈ −η · p · (log p − E_π[log π]) · (Â − E_π[Â]),  with E_π[log π] = −H.
 
@@ -150,7 +152,8 @@ def quadrant_summary(
     entropy_threshold: float | None = None,
     entropy_quantile: float = 0.5,
 ) -> dict[str, float]:
-    """Token share, mean gradient norm and mean entropy change per probability × entropy quadrant (§9).
+    """Token share, mean gradient norm and mean entropy change per probability × entropy quadrant
+    (docs/method.md#token-analysis).
 
     Tokens considered: response tokens with Â > 0. "low_p" means p < ``prob_threshold`` (τ_p);
     "low_h" means H < τ_h, with τ_h = ``entropy_threshold`` if given, else the ``entropy_quantile``-quantile

@@ -94,7 +94,7 @@ def strip_answer_decorations(answer: str) -> str:
     Raises:
         TypeError: ``answer`` is not a ``str``.
 
-    Source: METHOD.md §6 ("exact string after light normalisation"; verl applies none).
+    Source: docs/method.md#training-reward ("exact string after light normalisation"; verl applies none).
     """
     if not isinstance(answer, str):
         raise TypeError(f"answer must be str, got {type(answer).__name__}")

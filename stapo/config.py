@@ -129,7 +129,7 @@ class AlgorithmConfig:
     masks: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Where a mask takes p and H from for the 2nd, 3rd... mini-batch of a step (the first one's are π_old's either
     # way): "current" = a forward of the current π_θ (the paper's Algorithm 1), "old" = the old-policy pass of the
-    # step (free; METHOD.md §4 "an optimisation to offer"). Concerns every mask that reads statistics (S2T,
+    # step (free; docs/method.md#s2t-mask, "an optimisation to offer"). Concerns every mask that reads statistics (S2T,
     # 20-Entropy, the ablations); was algorithm.s2t.stats_source.
     mask_stats_source: Literal["current", "old"] = "current"
 

@@ -354,7 +354,7 @@ class Benchmark:
     Attributes:
         name: canonical name (config value, file folder, ``Record.source``).
         display: column title in tables (``"AIME24"``).
-        samples: the paper's samples per problem N (METHOD.md §7).
+        samples: the paper's samples per problem N (docs/method.md#evaluation-protocol).
         aliases: other spellings accepted in eval configs (lower case).
         expected_rows: rows of the reference file (SOURCES.md); :mod:`scripts.prepare_data` checks it.
         integer_answers: canonicalise integer gold answers (``"025"`` -> ``"25"``).
@@ -398,7 +398,7 @@ class TrainSet:
     integer_answers: bool
 
 
-#: The six benchmarks, in table order (METHOD.md §7; raw fields in SOURCES.md).
+#: The six benchmarks, in table order (docs/method.md#evaluation-protocol; raw fields in SOURCES.md).
 BENCHMARK_REGISTRY: tuple[Benchmark, ...] = (
     Benchmark("aime24", "AIME24", 32, ("aime2024",), 30, True, _conv_aime24),
     Benchmark("aime25", "AIME25", 32, ("aime2025",), 30, True, _conv_aime25),
@@ -542,7 +542,7 @@ def load_benchmark(name: str, root: str | os.PathLike, *, on_bad_row: OnBadRow =
         DataFileNotFoundError: the file is missing.
         DataError: unreadable file, or a bad row (``"<file>: row <i>: <reason>"``).
 
-    Source: METHOD.md §7 (the six benchmarks); SOURCES.md (raw fields).
+    Source: docs/method.md#evaluation-protocol (the six benchmarks); SOURCES.md (raw fields).
     """
     path = benchmark_path(root, name)
     _require_file(path, f"benchmark {name}")
@@ -566,7 +566,7 @@ def load_dapo_math_17k(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip"
         DataFileNotFoundError / DataError: missing or unreadable file, missing columns, or (with
             ``on_bad_row="raise"``) a bad row.
 
-    Source: METHOD.md §6 (training set); SOURCES.md.
+    Source: docs/method.md#training-recipe (training set); SOURCES.md.
     """
     return _load_train_file("dapo_math_17k", Path(path), on_bad_row)
 

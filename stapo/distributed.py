@@ -1,4 +1,5 @@
-"""Data parallelism for the trainer under ``torchrun`` (METHOD.md §3–§5 quantities stay mini-batch-global).
+"""Data parallelism for the trainer under ``torchrun`` (docs/method.md#data-parallelism quantities stay
+mini-batch-global).
 
     torchrun --nproc_per_node=N train.py --config ...
 

@@ -1,6 +1,7 @@
 """Evaluation grader: math-verify equivalence in a pool of worker processes with a hard timeout.
 
-Why a process pool (METHOD.md §7, §10): math-verify's own timeouts use ``signal.alarm``, which only
+Why a process pool (docs/method.md#grading, docs/method.md#pitfalls): math-verify's own timeouts use ``signal.alarm``,
+which only
 works on the main thread and cannot interrupt long C-level computations (sympy evaluating
 ``9^{9^{9^{9^{9}}}}`` never returns).  Here math-verify runs with its signal timeouts disabled inside
 dedicated worker processes; the parent enforces a hard wall-clock limit per answer by killing a
@@ -13,7 +14,7 @@ Verdicts: every answer gets a :class:`GradeResult` whose ``status`` is one of ``
 Only ``correct`` counts as correct; timeouts and errors are *also* counted in the returned
 :class:`GraderStats`, so they are never silently folded into "wrong".
 
-Extraction (METHOD.md §7): the response's last ``\\boxed{...}`` (nested braces handled, the whole
+Extraction (docs/method.md#grading): the response's last ``\\boxed{...}`` (nested braces handled, the whole
 response is searched; surrounding whitespace/``$`` and a trailing period removed from its content),
 parsed with math-verify's LaTeX extraction; when the response has no box at
 all, math-verify's own extraction (LaTeX, then plain expressions) is run on the full response.
@@ -201,7 +202,7 @@ def grade_answer(response: str, gold: str) -> GradeResult:
     Raises:
         TypeError: ``response`` or ``gold`` is not a ``str``.
 
-    Source: METHOD.md §7 (rule-based math equivalence with math-verify).
+    Source: docs/method.md#grading (rule-based math equivalence with math-verify).
     """
     if not isinstance(response, str):
         raise TypeError(f"response must be str, got {type(response).__name__}")
@@ -363,7 +364,7 @@ class MathGrader:
         ValueError: bad arguments.
         GraderError: a worker failed to start.
 
-    Source: METHOD.md §7 and §10 (worker-thread math-verify with signal timeouts raises).
+    Source: docs/method.md#grading, docs/method.md#pitfalls (worker-thread math-verify with signal timeouts raises).
     """
 
     def __init__(

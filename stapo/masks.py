@@ -9,8 +9,8 @@ Registry ``MASKS`` (name → :class:`MaskSpec`; ``TOKEN_MASKS``: name → functi
     fn(logprobs [B,T], entropy [B,T], advantages [B,T] or [B], response_mask [B,T], **params) -> TokenMask
 
 - ``"none"``        every response token is kept (GRPO, JustRL).
-- ``"s2t"``         the S2T mask of STAPO (METHOD.md §4).
-- ``"top_entropy"`` keep the top 20 % highest-entropy tokens (20-Entropy, arXiv 2506.01939; METHOD.md §5).
+- ``"s2t"``         the S2T mask of STAPO (docs/method.md#s2t-mask).
+- ``"top_entropy"`` keep the top 20 % highest-entropy tokens (20-Entropy, arXiv 2506.01939; docs/method.md#20-entropy).
 - Ablations of S2T (same candidates Â > 0, p < τ_p): ``"s2t_high_entropy"`` silences the HIGH-entropy candidates,
   ``"s2t_random"`` random candidates at S2T's count, ``"full_low_prob"`` every candidate (JustRL-FullMask).
 
@@ -106,7 +106,7 @@ def s2t_mask(
     entropy_quantile: float = 0.75,
     quantile_scope: QuantileScope = "candidates",
 ) -> TokenMask:
-    """The S2T (Silencing Spurious Tokens) mask of STAPO (METHOD.md §4, paper Algorithm 1).
+    """The S2T (Silencing Spurious Tokens) mask of STAPO (docs/method.md#s2t-mask, paper Algorithm 1).
 
     A response token is silenced iff  Â > 0  AND  p < τ_p  AND  H < τ_h  (strict inequalities), where
     τ_h is the ``entropy_quantile``-quantile of H over
@@ -172,7 +172,7 @@ class _Candidates:
 
 
 def _s2t_candidates(logprobs, entropy, advantages, response_mask, prob_threshold: float, who: str) -> _Candidates:
-    """Validated fp32 statistics and the candidates Â > 0 AND p < τ_p (strict) of METHOD.md §4."""
+    """Validated fp32 statistics and the candidates Â > 0 AND p < τ_p (strict) of docs/method.md#s2t-mask."""
     mask, t = _prepare(logprobs, entropy, advantages, response_mask)
     logp, ent, adv = t["logprobs"].detach(), t["entropy"].detach(), t["advantages"].detach()  # [B, T] fp32
     bad = mask & ~(torch.isfinite(ent) & ~torch.isnan(logp))
@@ -211,7 +211,7 @@ def top_entropy_mask(
 ) -> TokenMask:
     """20-Entropy: keep only the top ⌈ratio · n⌉ highest-entropy response tokens of the mini-batch.
 
-    Source: "Beyond the 80/20 Rule" (arXiv 2506.01939); METHOD.md §5. n = number of response tokens.
+    Source: "Beyond the 80/20 Rule" (arXiv 2506.01939); docs/method.md#20-entropy. n = number of response tokens.
     Ties are broken deterministically: among equal entropies, the token that comes first in row-major
     order of [B, T] (lower batch index, then lower position) is kept (stable descending sort).
 
@@ -392,7 +392,7 @@ def unregister_token_mask(name: str) -> None:
 
 @dataclass
 class S2TParams:
-    """Parameters of :func:`s2t_mask` (METHOD.md §4), config section ``algorithm.s2t``."""
+    """Parameters of :func:`s2t_mask` (docs/method.md#s2t-mask), config section ``algorithm.s2t``."""
 
     prob_threshold: float = 0.002  # τ_p
     entropy_quantile: float = 0.75  # q
@@ -401,7 +401,7 @@ class S2TParams:
 
 @dataclass
 class TopEntropyParams:
-    """Parameters of :func:`top_entropy_mask` (METHOD.md §5), config key ``algorithm.top_entropy_ratio``."""
+    """Parameters of :func:`top_entropy_mask` (docs/method.md#20-entropy), config key ``algorithm.top_entropy_ratio``."""
 
     ratio: float = 0.2
 
@@ -509,7 +509,7 @@ def maskable_rows(name: str, advantages: torch.Tensor) -> torch.Tensor:
     The rule is the mask's registered ``maskable_rows`` (:class:`MaskSpec`):
 
     - ``"none"``: no row.
-    - ``"s2t"``: rows with Â > 0 — S2T silences only candidates, and candidates need Â > 0 (METHOD.md §4);
+    - ``"s2t"``: rows with Â > 0 — S2T silences only candidates, and candidates need Â > 0 (docs/method.md#s2t-mask);
       rows with Â ≤ 0 keep every response token for any p, H and τ_h.
     - ``"top_entropy"``: every row (all tokens compete for the top 20 %).
 

@@ -4,10 +4,10 @@ Each named objective is a small declarative :class:`Objective` (aggregation, cli
 
 | name        | aggregation              | clip (low, high) | dual clip c | β (KL) | token mask    | source          |
 |-------------|--------------------------|------------------|-------------|--------|---------------|-----------------|
-| ``grpo``    | seq-mean-token-mean      | 0.2, 0.2         | none        | 0.04   | none          | METHOD §5       |
-| ``justrl``  | token-mean               | 0.2, 0.28        | 10          | 0      | none          | METHOD §3       |
-| ``entropy20``| token-mean              | 0.2, 0.28        | 10          | 0      | top_entropy   | METHOD §5       |
-| ``stapo``   | token-mean               | 0.2, 0.28        | 10          | 0      | s2t           | METHOD §4       |
+| ``grpo``    | seq-mean-token-mean      | 0.2, 0.2         | none        | 0.04   | none          | docs/method.md#grpo-baseline       |
+| ``justrl``  | token-mean               | 0.2, 0.28        | 10          | 0      | none          | docs/method.md#justrl       |
+| ``entropy20``| token-mean              | 0.2, 0.28        | 10          | 0      | top_entropy   | docs/method.md#20-entropy       |
+| ``stapo``   | token-mean               | 0.2, 0.28        | 10          | 0      | s2t           | docs/method.md#stapo-objective       |
 
 Ablations of S2T (JustRL settings; masks in :mod:`stapo.masks`): ``stapo_high_entropy`` (mask ``s2t_high_entropy``),
 ``stapo_random`` (``s2t_random``), ``justrl_fullmask`` (``full_low_prob``).
@@ -216,7 +216,7 @@ def clipped_surrogate(
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO clipped-surrogate loss with clip-higher and dual clip (METHOD §3; verl core_algos).
+    """Per-token PPO clipped-surrogate loss with clip-higher and dual clip (docs/method.md#justrl; verl core_algos).
 
         ρ = exp(clamp(log p − log p_old, ±20))
         L = max(−Â ρ, −Â clip(ρ, 1 − ε_low, 1 + ε_high))          (the usual −min(ρÂ, clip(ρ)Â))
@@ -301,18 +301,18 @@ def gspo_loss(logprobs, old_logprobs, advantages, keep, objective: "Objective"):
 
 
 # --- the four objectives of the paper -------------------------------------------------------------------
-# JustRL (METHOD §3): DAPO clip-higher, dual clip, token-mean over the whole mini-batch, no KL.
+# JustRL (docs/method.md#clipped-surrogate): DAPO clip-higher, dual clip, token-mean over the whole mini-batch, no KL.
 JUSTRL = register_objective(Objective(
     name="justrl", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
     clip_ratio_c=10.0, kl_coef=0.0, token_mask="none"))
-# STAPO (METHOD §4) = JustRL + the S2T mask; the loss is renormalised over the kept tokens.
+# STAPO (docs/method.md#stapo-objective) = JustRL + the S2T mask; the loss is renormalised over the kept tokens.
 STAPO = register_objective(JUSTRL.replace(
     name="stapo", token_mask="s2t",
     mask_params={"prob_threshold": 0.002, "entropy_quantile": 0.75, "quantile_scope": "candidates"}))
-# 20-Entropy (METHOD §5) = JustRL with only the top-20 % entropy tokens receiving gradient.
+# 20-Entropy (docs/method.md#20-entropy) = JustRL with only the top-20 % entropy tokens receiving gradient.
 ENTROPY20 = register_objective(JUSTRL.replace(
     name="entropy20", token_mask="top_entropy", mask_params={"ratio": 0.2}))
-# GRPO (DeepSeekMath; METHOD §5): per-sequence token mean, symmetric clip, k3 KL with β = 0.04.
+# GRPO (DeepSeekMath; docs/method.md#grpo-baseline): per-sequence token mean, symmetric clip, k3 KL with β = 0.04.
 GRPO = register_objective(Objective(
     name="grpo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
     clip_ratio_c=None, kl_coef=0.04, token_mask="none"))
@@ -353,7 +353,8 @@ def loss_denominator(
     *,
     max_response_length: int | None = None,
 ) -> float:
-    """The denominator of a mini-batch's loss, from the keep-mask of the WHOLE mini-batch (METHOD §3).
+    """The denominator of a mini-batch's loss, from the keep-mask of the WHOLE mini-batch
+    (docs/method.md#loss-aggregation).
 
     - ``token-mean``: N = number of kept tokens (clamped ≥ 1).
     - ``seq-mean-token-mean``: S = number of sequences with ≥ 1 kept token (clamped ≥ 1).
@@ -454,7 +455,7 @@ def policy_loss(
     """One micro-batch's share of the objective's loss, with verl-named metrics.
 
     loss = agg(per-token loss formula ``objective.policy_loss``, by default the clipped surrogate) + β · agg(k3 KL),
-    both aggregated over ``keep`` with the same mini-batch ``denominator`` (METHOD §3–§5).
+    both aggregated over ``keep`` with the same mini-batch ``denominator`` (docs/method.md#loss-aggregation).
 
     Args:
         objective: an :class:`Objective`.

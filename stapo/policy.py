@@ -1,8 +1,10 @@
 """Trainer-side forward: collate rollout responses into tensors, and recompute the response tokens'
 log-probs / entropies / collision probabilities from the policy's logits / T in fp32.
 
-METHOD.md §1: p_{i,t} and H_{i,t} come from logits / T in fp32 — always recomputed here, never taken from the
-rollout engine (whose log-probs only measure the train/inference mismatch). §10: log-probs and entropy use
+docs/method.md#token-statistics: p_{i,t} and H_{i,t} come from logits / T in fp32 — always recomputed here, never taken
+from the
+rollout engine (whose log-probs only measure the train/inference mismatch). docs/method.md#pitfalls: log-probs and
+entropy use
 the rollout temperature; logits of padded vocabulary rows are excluded (they are never sampled).
 
 Layout of a :class:`RolloutBatch` (B rows, P prompt columns, R response columns)::

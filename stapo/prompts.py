@@ -4,7 +4,7 @@
 
 This is the string JustRL appends to every training prompt (thunlp/JustRL
 ``train/verl/utils/dataset/rl_dataset.py``, ``use_boxed_suffix_prompt``: ``content + "\\n\\n" +
-suffix``) and that STAPO reuses (METHOD.md §6).  It is sent as the single user message through the
+suffix``) and that STAPO reuses (docs/method.md#training-recipe).  It is sent as the single user message through the
 tokenizer's chat template when the model has one (instruct models; verl does the same with
 ``apply_chat_template(..., add_generation_prompt=True)``), or used as plain text (base models).
 The switch is a config value: ``"auto"`` (template if the tokenizer has one), ``True`` or ``"chat"``
@@ -111,7 +111,7 @@ def format_prompt(
         TypeError / ValueError: bad problem or switch (see :func:`user_content`,
             :func:`uses_chat_template`); ``system_prompt`` given for a plain-text prompt.
 
-    Source: METHOD.md §6; JustRL ``rl_dataset.py``.
+    Source: docs/method.md#training-recipe; JustRL ``rl_dataset.py``.
     """
     if uses_chat_template(tokenizer, use_chat_template):
         text = tokenizer.apply_chat_template(

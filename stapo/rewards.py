@@ -3,7 +3,7 @@
 Both score the **response text only** (never the prompt) and return +1.0 (correct) / -1.0
 (incorrect, including "no answer").
 
-``dapo_strict_box`` (METHOD.md §6) follows verl's ``verl/utils/reward_score/math_dapo.py`` with
+``dapo_strict_box`` (docs/method.md#training-reward) follows verl's ``verl/utils/reward_score/math_dapo.py`` with
 ``strict_box_verify=True``, the reward JustRL trains with (thunlp/JustRL
 ``train/verl/utils/reward_score/math_dapo.py``, where ``compute_score`` defaults to the strict box):
 
@@ -13,7 +13,7 @@ Both score the **response text only** (never the prompt) and return +1.0 (correc
    (verl's ``last_boxed_only_string``; an unclosed last box counts as no box);
 4. compare its content with the gold answer as an exact string.
 
-Deviation (asked for by issue 3 / METHOD.md §6, "after light normalisation"): verl compares the
+Deviation (asked for by issue 3 / docs/method.md#training-reward, "after light normalisation"): verl compares the
 raw box content with the raw ground truth; here both sides first go through
 :func:`normalize_strict_box_answer` (surrounding whitespace, surrounding ``$``, a trailing period).
 verl's ``normalize_final_answer`` (unit stripping etc.) is *not* applied: that belongs to its
@@ -131,7 +131,7 @@ def normalize_strict_box_answer(answer: str) -> str:
     Raises:
         TypeError: ``answer`` is not a ``str``.
 
-    Source: METHOD.md §6 ("exact string after light normalisation"); verl applies none.
+    Source: docs/method.md#training-reward ("exact string after light normalisation"); verl applies none.
     """
     return strip_answer_decorations(answer)
 
@@ -172,7 +172,7 @@ def strict_box_reward(response: str, gold: str) -> float:
     Raises:
         TypeError: ``response`` or ``gold`` is not a ``str``.
 
-    Source: METHOD.md §6; verl/JustRL ``math_dapo.py`` (see the module docstring).
+    Source: docs/method.md#training-reward; verl/JustRL ``math_dapo.py`` (see the module docstring).
     """
     if not isinstance(gold, str):
         raise TypeError(f"gold must be str, got {type(gold).__name__}")

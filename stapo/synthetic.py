@@ -20,7 +20,7 @@ small model such as SmolLM2-135M-Instruct gets some right; the default mix (leve
 it problems it gets wrong, so GRPO groups have non-zero reward variance.  ``*`` binds tighter than
 ``+``/``-`` (the answer is the value of the printed expression under the usual precedence).
 
-Not from the paper: a CPU-scale stand-in for DAPO-Math-17k (METHOD.md §6 asks to scale the recipe
+Not from the paper: a CPU-scale stand-in for DAPO-Math-17k (docs/method.md#cpu-recipe asks to scale the recipe
 down with configs, not to change the algorithm).
 """
 from __future__ import annotations

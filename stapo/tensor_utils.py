@@ -1,6 +1,6 @@
 """Small tensor helpers shared by the masks, objectives and analysis modules.
 
-Pitfalls these helpers exist for (METHOD.md §10):
+Pitfalls these helpers exist for (docs/method.md#pitfalls):
 - an integer 0/1 tensor used as an index *gathers* rows instead of masking, so every mask that enters
   the core goes through :func:`as_bool_mask`;
 - ``torch.quantile`` rejects bf16 input, empty input and (on some versions) inputs over 2^24 elements,
@@ -75,7 +75,7 @@ def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     """The q-quantile of a 1-D tensor with linear interpolation (numpy's default ``method="linear"``).
 
     Computed in fp32 with ``torch.kthvalue`` — not ``torch.quantile``, which rejects bf16, empty input and,
-    on some torch versions, more than 2^24 elements (METHOD.md §10).
+    on some torch versions, more than 2^24 elements (docs/method.md#pitfalls).
 
     Args:
         values: 1-D float tensor [n], n ≥ 1, any float dtype (cast to fp32).

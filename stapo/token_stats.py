@@ -1,8 +1,8 @@
 """Per-token log-probability, entropy and collision probability from logits, chunked.
 
-Source: METHOD.md §1 (p_{i,t} and H_{i,t} are taken from ``logits / T`` in fp32, H in nats over the
-full vocabulary) and §9 (the collision probability Σ_v π(v)² enters the logit-gradient norm
-‖∇_a‖² = w²(1 − 2p + Σ_v π(v)²)); §10 (entropy from logits containing −inf must be finite; log-probs
+Source: docs/method.md#token-statistics (p_{i,t} and H_{i,t} are taken from ``logits / T`` in fp32, H in nats over the
+full vocabulary) and docs/method.md#token-analysis (the collision probability Σ_v π(v)² enters the logit-gradient norm
+‖∇_a‖² = w²(1 − 2p + Σ_v π(v)²)); docs/method.md#pitfalls (entropy from logits containing −inf must be finite; log-probs
 and entropy must use the rollout temperature).
 
 For one row of logits x ∈ R^V (one token position) at temperature T, with z = x / T:
@@ -534,8 +534,9 @@ def token_stats(
 ) -> TokenStats:
     """Log-prob of each target token, full-vocabulary entropy and collision probability.
 
-    The distribution is π = softmax(logits / temperature) over the last dimension (METHOD.md §1:
-    p_{i,t} and H_{i,t} use the rollout temperature, in fp32; §9: Σ_v π(v)²).  Computed in fp32, in
+    The distribution is π = softmax(logits / temperature) over the last dimension (docs/method.md#token-statistics:
+    p_{i,t} and H_{i,t} use the rollout temperature, in fp32; docs/method.md#token-analysis: Σ_v π(v)²).  Computed in
+    fp32, in
     chunks of rows, without a full fp32 copy of the logits or a full softmax, forward and backward.
 
     Args:

@@ -1,4 +1,4 @@
-"""The training loop: STAPO and its baselines (GRPO, 20-Entropy, JustRL) — METHOD.md §2–§6.
+"""The training loop: STAPO and its baselines (GRPO, 20-Entropy, JustRL) — docs/method.md.
 
 One training step, top to bottom in :meth:`Trainer.train_step`:
 
@@ -757,7 +757,7 @@ class Trainer:
             d = (v.engine_logprobs - v.old_logprobs)[reported].abs()  # row-major, as the per-response loop was
             m["rollout/logprob_diff_mean"] = d.mean().item()
             m["rollout/logprob_diff_max"] = d.max().item()
-        # §9 analysis at the old policy (ρ = 1 → w = Â): quadrant summary of Â > 0 tokens
+        # docs/method.md#token-analysis analysis at the old policy (ρ = 1 → w = Â): quadrant summary of Â > 0 tokens
         gnorm = logit_grad_norm(v.old_logprobs, v.old_collision, adv_tok, temperature=self.cfg.rollout.temperature)
         dh = entropy_change_estimate(v.old_logprobs, v.old_entropy, adv_tok)
         q = quadrant_summary(v.old_logprobs, v.old_entropy, adv_tok, mask, grad_norm=gnorm, entropy_change=dh,

@@ -1,4 +1,4 @@
-"""GRPO advantages (METHOD §2). Expected values worked out by hand."""
+"""GRPO advantages (docs/method.md#grpo-advantages). Expected values worked out by hand."""
 import pytest
 import torch
 
@@ -42,7 +42,8 @@ def test_broadcast_to_tokens():
 
 
 def test_equal_non_representable_rewards_give_exactly_zero_advantage():
-    # fp32 std of [0.1] * 8 is ~7e-9, not 0; the group must still count as zero-std with Â = 0 (METHOD §2)
+    # fp32 std of [0.1] * 8 is ~7e-9, not 0; the group must still count as zero-std with Â = 0
+    # (docs/method.md#grpo-advantages)
     out = grpo_advantages(torch.tensor([0.1] * 8 + [0.0, 1.0] * 4), group_size=8)
     assert out.advantages[:8].tolist() == [0.0] * 8
     assert out.frac_reward_zero_std == 0.5

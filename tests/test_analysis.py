@@ -1,4 +1,4 @@
-"""The §9 analysis: gradient norm w.r.t. logits, its bounds, entropy change, quadrants."""
+"""The docs/method.md#token-analysis analysis: gradient norm w.r.t. logits, its bounds, entropy change, quadrants."""
 import math
 
 import pytest

@@ -82,7 +82,7 @@ def test_called_from_worker_thread_respects_timeout(grader):
 
 
 def test_math_verify_default_timeout_fails_off_main_thread():
-    # The reason for the pool (METHOD.md §10): math-verify's signal-based timeout raises in a thread.
+    # The reason for the pool (docs/method.md#pitfalls): math-verify's signal-based timeout raises in a thread.
     from math_verify import parse
 
     caught: list = []

@@ -227,7 +227,7 @@ def test_nan_entropy_is_an_error_not_a_silent_no_op():
 def test_maskable_rows_by_mask():
     from stapo.masks import maskable_rows
 
-    adv = torch.tensor([0.5, 0.0, -0.5])  # S2T silences only Â > 0 tokens (METHOD §4): row 0 only
+    adv = torch.tensor([0.5, 0.0, -0.5])  # S2T silences only Â > 0 tokens (docs/method.md#s2t-mask): row 0 only
     assert maskable_rows("s2t", adv).tolist() == [True, False, False]
     assert maskable_rows("none", adv).tolist() == [False, False, False]
     assert maskable_rows("top_entropy", adv).tolist() == [True, True, True]

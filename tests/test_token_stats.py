@@ -1,4 +1,4 @@
-"""Tests for stapo.token_stats (METHOD.md §1, §9, §10).
+"""Tests for stapo.token_stats (docs/method.md#token-statistics, #token-analysis, #pitfalls).
 
 Every expected value comes from an independent float64 softmax reference written here (or from a
 hand computation), never from calling token_stats twice.  The compiled backend is exercised when
@@ -340,7 +340,7 @@ def test_empty_input():
 
 
 # --------------------------------------------------------------------------------------------------
-# Non-finite logits (METHOD.md §10).
+# Non-finite logits (docs/method.md#pitfalls).
 # --------------------------------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _actor_config(loss_mode: str = "stapo", *, dp_size: int = 1, batch_num_tokens=None, **policy_loss) -> ActorConfig:
-    """A real verl ActorConfig with the paper's clip values (METHOD §3) and our policy-loss config."""
+    """A real verl ActorConfig with the paper's clip values (docs/method.md#clipped-surrogate) and our policy-loss config."""
     cfg = ActorConfig(
         strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=2,
         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,

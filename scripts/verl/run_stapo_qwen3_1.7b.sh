@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# STAPO on verl (cluster scale): the paper's recipe (METHOD.md §6, identical to JustRL's script) for
+# STAPO on verl (cluster scale): the paper's recipe (docs/method.md#training-recipe, identical to JustRL's script) for
 # Qwen3-1.7B-Base on DAPO-Math-17k, with the S2T mask of stapo.integrations.verl.
 #
 # Written for verl==0.9.1 (python -m verl.trainer.main_ppo, hydra overrides). The training run has not been run
@@ -49,7 +49,8 @@ DATA_DIR=${DATA_DIR:-data/verl}          # written by scripts/verl/prepare_verl_
 NNODES=${NNODES:-1}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}        # the paper: 64 GPUs (NNODES=8)
 TOTAL_STEPS=${TOTAL_STEPS:-1000}         # the paper reports curves to ~1000+ steps
-# S2T (METHOD.md §4): τ_p absolute probability, q quantile over the candidates (v4). v1 text: SCOPE=all, Q=0.80.
+# S2T (docs/method.md#s2t-mask): τ_p absolute probability, q quantile over the candidates (v4). v1 text: SCOPE=all,
+# Q=0.80.
 TAU_P=${TAU_P:-0.002}
 Q=${Q:-0.75}
 SCOPE=${SCOPE:-candidates}
@@ -65,7 +66,8 @@ PROJECT=${PROJECT:-stapo}
 EXPERIMENT=${EXPERIMENT:-${LOSS_MODE}-qwen3-1.7b-base}
 CKPT_DIR=${CKPT_DIR:-checkpoints/${PROJECT}/${EXPERIMENT}}
 
-# the objective of each method (METHOD §3-§5); verl's own loss is `vanilla` for vanilla (JustRL) and grpo
+# the objective of each method (docs/method.md#objective-registry); verl's own loss is `vanilla` for vanilla (JustRL)
+# and grpo
 case "$LOSS_MODE" in
   stapo|entropy20|vanilla)  # JustRL: clip-higher 0.2 / 0.28, dual clip c = 10, token-mean, no KL
     POLICY_LOSS=$LOSS_MODE AGG=token-mean CLIP_HIGH=0.28 CLIP_C=10.0 USE_KL=False ;;
@@ -85,11 +87,12 @@ case "$ATTN_IMPL" in flash_attention_2|sdpa) ;;
 esac
 
 ARGS=(
-  # GRPO advantages, (R − mean) / (std + 1e-6) over the 8 responses of a prompt (METHOD §2); no KL in the reward
+  # GRPO advantages, (R − mean) / (std + 1e-6) over the 8 responses of a prompt (docs/method.md#grpo-advantages); no KL
+  # in the reward
   algorithm.adv_estimator=grpo
   algorithm.norm_adv_by_std_in_grpo=True
   algorithm.use_kl_in_reward=False
-  # 256 prompts × 8 responses per step, prompt ≤ 1024, response ≤ 15,360 tokens (METHOD §6)
+  # 256 prompts × 8 responses per step, prompt ≤ 1024, response ≤ 15,360 tokens (docs/method.md#training-recipe)
   data.train_files="$DATA_DIR/train.parquet"
   "data.val_files=['$DATA_DIR/aime24.parquet','$DATA_DIR/aime25.parquet','$DATA_DIR/amc23.parquet']"
   data.train_batch_size=256
@@ -103,7 +106,7 @@ ARGS=(
   actor_rollout_ref.model.use_remove_padding=True
   +actor_rollout_ref.model.override_config.attn_implementation="$ATTN_IMPL"
   actor_rollout_ref.model.enable_gradient_checkpointing=True
-  # AdamW, constant LR 1e-6, 10 warm-up steps, weight decay 0.1, grad-norm clip 1.0 (METHOD §6)
+  # AdamW, constant LR 1e-6, 10 warm-up steps, weight decay 0.1, grad-norm clip 1.0 (docs/method.md#training-recipe)
   actor_rollout_ref.actor.strategy=fsdp2
   actor_rollout_ref.actor.optim.lr=1e-6
   actor_rollout_ref.actor.optim.lr_warmup_steps=10
@@ -124,14 +127,15 @@ ARGS=(
   actor_rollout_ref.actor.use_kl_loss="$USE_KL"
   actor_rollout_ref.actor.kl_loss_coef="$KL_COEF"
   actor_rollout_ref.actor.kl_loss_type=low_var_kl
-  # verl's loss: stapo (S2T, METHOD §4) | entropy20 (METHOD §5) | vanilla (JustRL, GRPO), and the mask parameters
+  # verl's loss: stapo (S2T, docs/method.md#s2t-mask) | entropy20 (docs/method.md#20-entropy) | vanilla (JustRL, GRPO),
+  # and the mask parameters
   actor_rollout_ref.actor.policy_loss.loss_mode="$POLICY_LOSS"
   actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig
   +actor_rollout_ref.actor.policy_loss.s2t_prob_threshold="$TAU_P"
   +actor_rollout_ref.actor.policy_loss.s2t_entropy_quantile="$Q"
   +actor_rollout_ref.actor.policy_loss.s2t_quantile_scope="$SCOPE"
   +actor_rollout_ref.actor.policy_loss.top_entropy_ratio="$TOP_ENTROPY_RATIO"
-  # vLLM rollouts at T = 1.0, top-p = 1.0 (METHOD §6); in-training validation as JustRL's script
+  # vLLM rollouts at T = 1.0, top-p = 1.0 (docs/method.md#training-recipe); in-training validation as JustRL's script
   actor_rollout_ref.rollout.name=vllm
   actor_rollout_ref.rollout.n=8
   actor_rollout_ref.rollout.temperature=1.0
@@ -147,7 +151,7 @@ ARGS=(
   reward.custom_reward_function.path=pkg://stapo.integrations.verl_reward
   reward.custom_reward_function.name=compute_score
   +reward.custom_reward_function.reward_kwargs.reward="$REWARD"
-  # validation and checkpoints every 20 steps (METHOD §6)
+  # validation and checkpoints every 20 steps (docs/method.md#training-recipe)
   trainer.nnodes="$NNODES"
   trainer.n_gpus_per_node="$GPUS_PER_NODE"
   trainer.total_training_steps="$TOTAL_STEPS"

@@ -2,7 +2,8 @@
 
     python evaluate.py --config configs/eval/cpu_smollm2.yaml data.limit=2 generation.max_new_tokens=256
 
-The schema defaults are the paper's protocol (METHOD.md §7): the six benchmarks, N = 32 for AIME24, AIME25
+The schema defaults are the paper's protocol (docs/method.md#evaluation-protocol): the six benchmarks, N = 32 for
+AIME24, AIME25
 and AMC23 and N = 4 for MATH500, Minerva and OlympiadBench, the two decoding settings (T=1.0, top-p=1.0) and
 (T=0.7, top-p=0.9), at most 20,480 new tokens. As for train.py, a YAML file may name parent files with
 ``defaults: [...]``; an unknown key fails with the closest valid key, a bad value names the key
@@ -47,7 +48,7 @@ __all__ = [
     "eval_config_to_dict",
 ]
 
-#: Samples per problem N (METHOD.md §7), from :data:`stapo.data.BENCHMARK_REGISTRY`.
+#: Samples per problem N (docs/method.md#evaluation-protocol), from :data:`stapo.data.BENCHMARK_REGISTRY`.
 PAPER_SAMPLES: dict[str, int] = {b.name: b.samples for b in BENCHMARK_REGISTRY}
 
 #: Other spellings of the benchmark names (lower case), from :data:`stapo.data.BENCHMARK_REGISTRY`.

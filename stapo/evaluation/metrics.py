@@ -1,4 +1,5 @@
-"""Evaluation metrics over N graded samples per problem: avg@N, unbiased pass@k, maj@N (METHOD.md §7).
+"""Evaluation metrics over N graded samples per problem: avg@N, unbiased pass@k, maj@N
+(docs/method.md#evaluation-protocol).
 
 All metrics are fractions in [0, 1] (tables multiply by 100). For a benchmark of P problems where problem i
 has c_i correct samples out of N:
@@ -105,7 +106,8 @@ def avg_at_n(correct: Sequence[Sequence[bool]]) -> float:
     Raises:
         ValueError: a problem has no samples.
 
-    Source: METHOD.md §7 ("avg@N = mean over problems of the fraction of N samples graded correct").
+    Source: docs/method.md#evaluation-protocol ("avg@N = mean over problems of the fraction of N samples graded
+    correct").
     """
     if not correct:
         return math.nan

@@ -1,6 +1,7 @@
 """Reports from results.json dicts: the paper's table (Markdown), a long CSV, a bar chart (PNG) and W&B.
 
-Paper layout (METHOD.md §8): one row per checkpoint/method, one column per benchmark (AIME24, AIME25, AMC23,
+Paper layout (docs/method.md#headline-numbers): one row per checkpoint/method, one column per benchmark (AIME24,
+AIME25, AMC23,
 MATH500, Minerva, OlympiadBench) plus their average, each cell ``first-setting (second-setting)`` —
 T=1.0 first, T=0.7 in parentheses with the default settings — in percent with two decimals. The same
 functions serve ``evaluate.py`` (one row) and ``scripts/compare.py`` (several results.json merged).

@@ -1,4 +1,4 @@
-"""Optional LLM-verifier fallback for answers the rule-based grader rejects (off by default; METHOD.md §7).
+"""Optional LLM-verifier fallback for answers the rule-based grader rejects (off by default; docs/method.md#grading).
 
 The paper grades with math-verify and, for answers the rules reject, asks CompassVerifier-3B whether the
 response's final answer matches the gold answer. :class:`LLMVerifier` does that with any causal LM through a

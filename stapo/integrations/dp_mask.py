@@ -1,7 +1,8 @@
 """A token mask over an optimizer mini-batch whose rows are split across data-parallel ranks.
 
 The S2T entropy quantile τ_h, the 20-Entropy top-k and the kept-token denominator N are properties of the
-WHOLE mini-batch (METHOD.md §3–§5), not of one rank's share. :func:`minibatch_token_mask` all-gathers the
+WHOLE mini-batch (docs/method.md#data-parallelism), not of one rank's share. :func:`minibatch_token_mask` all-gathers
+the
 per-token statistics (log p, H, Â) of every rank's response tokens and applies the objective's own mask function
 (:func:`stapo.objectives.compute_token_mask`) once to the concatenation, so every rank computes the same global
 mask, and N follows from it without a further reduction. Used by the verl plugin

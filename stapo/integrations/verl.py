@@ -2,7 +2,8 @@
 
 Importing this module
 
-1. registers ``stapo`` (S2T mask, METHOD.md §4) and ``entropy20`` (top-20 %-entropy mask, METHOD.md §5) in
+1. registers ``stapo`` (S2T mask, docs/method.md#s2t-mask) and ``entropy20`` (top-20 %-entropy mask,
+docs/method.md#20-entropy) in
    verl's own policy-loss registry, ``verl.trainer.ppo.core_algos.register_policy_loss`` (core_algos.py:53;
    the registry dict ``POLICY_LOSS_REGISTRY`` is at :50 and ``get_policy_loss_fn`` at :70). Both use the
    registered-loss signature of the installed verl (``PolicyLossFn``, core_algos.py:37; same as the built-in
@@ -31,7 +32,7 @@ transformer_impl.py ``prepare_model_outputs``; ``model_output["entropy"]``, read
 but (a) verl's driver sets that flag for the update only when ``actor.calculate_entropy`` or
 ``entropy_coeff != 0`` (ray_trainer.py:1336), (b) ppo_loss does not pass it on, and (c) even then each call
 would see only its own micro-batch, while the S2T entropy quantile τ_h, the 20-Entropy top-k and the
-token-mean denominator N are mini-batch quantities (METHOD.md §3–§5). The old-policy entropy that verl
+token-mean denominator N are mini-batch quantities (docs/method.md#data-parallelism). The old-policy entropy that verl
 computes in ``_compute_old_log_prob`` is dropped before the update (ray_trainer.py:1601), and the paper's
 Algorithm 1 takes p and H from the CURRENT policy at each mini-batch anyway.
 
@@ -69,7 +70,7 @@ N from the hook and only ``dp_size`` from verl, with verl's convention for FSDP 
     pg_loss = Σ_{kept tokens of this micro-batch} ℓ / max(N, 1) · dp_size
 
 After FSDP averages the gradients over the ``dp_size`` ranks and the micro-batch gradients are summed, this is
-exactly the token-mean of METHOD.md §3 over the kept tokens of the whole mini-batch.
+exactly the token-mean of docs/method.md#loss-aggregation over the kept tokens of the whole mini-batch.
 
 Without the hook (a call outside verl's worker, e.g. in tests) the loss accepts per-token entropy through
 ``mask_context(entropy=...)`` and computes the mask itself — allowed only when the call provably covers the
@@ -175,7 +176,7 @@ class StapoPolicyLossConfig(_PolicyLossConfig):
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig``
     (hydra instantiates the actor config recursively, so the ``_target_`` import also loads this plugin).
 
-    Attributes (defaults = the paper's, METHOD.md §4–§5):
+    Attributes (defaults = the paper's, docs/method.md#s2t-mask, docs/method.md#20-entropy):
         s2t_prob_threshold: τ_p, absolute probability (0.002).
         s2t_entropy_quantile: q of the entropy quantile τ_h (0.75).
         s2t_quantile_scope: ``"candidates"`` (v4) or ``"all"`` (v1 text, used with q = 0.80).
@@ -292,11 +293,11 @@ def objective_of_verl_actor(config: Any) -> Objective:
     loss_mode = _cfg_get(pl, "loss_mode", "vanilla")
     if _cfg_get(config, "entropy_coeff", 0) not in (0, 0.0, None):
         raise ValueError(f"actor.entropy_coeff={_cfg_get(config, 'entropy_coeff')}: our objectives have no "
-                         "entropy bonus (METHOD.md §3); set it to 0")
+                         "entropy bonus (docs/method.md#justrl); set it to 0")
     use_kl = bool(_cfg_get(config, "use_kl_loss", False))
     if loss_mode in PLUGIN_LOSSES:
         if use_kl:
-            raise ValueError(f"verl loss {loss_mode!r} takes no KL term (METHOD.md §3-§5): set actor.use_kl_loss=False")
+            raise ValueError(f"verl loss {loss_mode!r} takes no KL term (docs/method.md#objective-registry): set actor.use_kl_loss=False")
         obj = objective_from_verl_config(loss_mode, config)
         agg = _cfg_get(config, "loss_agg_mode", "token-mean")
         if agg != obj.loss_agg_mode:
@@ -465,7 +466,7 @@ def compute_policy_loss_stapo(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """verl policy loss ``stapo``: JustRL's clipped surrogate over the tokens kept by the S2T mask, token-mean
-    renormalised over the kept tokens of the whole mini-batch (METHOD.md §3–§4; arXiv 2602.15620 Alg. 1).
+    renormalised over the kept tokens of the whole mini-batch (docs/method.md#stapo-objective; arXiv 2602.15620 Alg. 1).
 
     Args:
         old_log_prob: [b, T] fp32 log p under π_old (nats).
@@ -504,7 +505,8 @@ def compute_policy_loss_entropy20(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """verl policy loss ``entropy20``: JustRL's clipped surrogate over the top-20 %-entropy response tokens of the
-    whole mini-batch, token-mean renormalised over them ("Beyond the 80/20 Rule", arXiv 2506.01939; METHOD.md §5).
+    whole mini-batch, token-mean renormalised over them ("Beyond the 80/20 Rule", arXiv 2506.01939;
+    docs/method.md#20-entropy).
 
     Arguments, returns and errors as :func:`compute_policy_loss_stapo` (metrics ``actor/entropy20/num_kept_tokens``
     and ``actor/top_entropy/...``); the ratio is ``policy_loss.top_entropy_ratio`` (default 0.2).

@@ -11,7 +11,8 @@ calls it once per response from its reward loop
                   **reward.custom_reward_function.reward_kwargs)
 
 A returned dict must contain ``"score"``; its other keys become ``reward_extra_info`` columns (naive.py:89–95).
-The default reward is JustRL's "DAPO strict box" (METHOD.md §6, :func:`stapo.rewards.strict_box_reward`);
+The default reward is JustRL's "DAPO strict box" (docs/method.md#training-reward,
+:func:`stapo.rewards.strict_box_reward`);
 ``+reward.custom_reward_function.reward_kwargs.reward=math_verify`` selects the math-verify grader instead.
 """
 from __future__ import annotations
