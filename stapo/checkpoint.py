@@ -41,12 +41,15 @@ from typing import Any
 import numpy as np
 import torch
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from; the message names its folder and what to do."""
-
+from stapo.models import hf_class_name
 
 __all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
            "export_hf", "is_sharded", "DCP_DIR", "DEFAULT_MAX_SHARD_SIZE"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names its folder and what to do."""
+
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 #: The ``torch.distributed.checkpoint`` subfolder of a checkpoint.
@@ -227,18 +230,13 @@ def export_hf(model: torch.nn.Module, folder: str | Path, tokenizer: Any = None,
     if ctx.is_main:
         config = copy.deepcopy(model.config)
         config.dtype = str(out_dtype or _param_dtype(model)).removeprefix("torch.")
-        config.architectures = [_hf_class_name(model)]
+        config.architectures = [hf_class_name(model)]
         config.save_pretrained(folder)
         gen = getattr(model, "generation_config", None)
         if gen is not None and model.can_generate():
             gen.save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-
-
-def _hf_class_name(model: torch.nn.Module) -> str:
-    """The transformers class name (``fully_shard`` turns ``Qwen3ForCausalLM`` into ``FSDPQwen3ForCausalLM``)."""
-    return type(model).__name__.removeprefix("FSDP")
 
 
 def _param_dtype(model: torch.nn.Module) -> torch.dtype:

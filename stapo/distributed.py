@@ -43,8 +43,7 @@ Checkpoints (:mod:`stapo.checkpoint`), one format for every strategy: model + op
 replicated plain tensors once — into the shared checkpoint folder; nothing is gathered) and loaded with resharding
 (:func:`load_sharded_state`: 2 FSDP2 ranks ↔ 1 process ↔ replicate, any rank count). The HF export beside it is
 gathered one tensor at a time (:func:`full_tensor`). Checkpoints of the previous format (full optimizer state in
-``trainer_state.pt``) still load through :func:`load_full_state`; :func:`full_model_state_dict` /
-:func:`full_optimizer_state_dict` gather the full state to rank 0 (no longer used for saving).
+``trainer_state.pt``) still load through :func:`load_full_state`.
 
 Rollout seeds: prompt i of the step's global batch is sampled with the seed of its GLOBAL index
 (``SamplingParams.prompt_indices``), so N ranks sample what one process would (HF: one generator per row).
@@ -71,7 +70,7 @@ from stapo.integrations.dp_mask import all_gather_varlen
 __all__ = [
     "DistContext", "init_distributed", "teardown", "check_dp_config", "shard_prompt_indices",
     "wrap_policy", "average_gradients", "minibatch_loss_denominator", "all_reduce", "all_gather_rows",
-    "merge_stats", "full_model_state_dict", "full_optimizer_state_dict", "load_full_state",
+    "merge_stats", "load_full_state",
     "iter_full_state_dict", "full_tensor", "barrier", "sharded_state_dict", "save_sharded_state",
     "load_sharded_state",
 ]
@@ -390,30 +389,6 @@ def _sd_options(**kw: Any):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(**kw)
-
-
-def full_model_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tensor] | None:
-    """The policy's full (unsharded) state dict on CPU for rank 0 to save; ``None`` = use ``model`` as is.
-
-    FSDP2: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` — a collective; rank 0 receives
-    the tensors, the other ranks an empty dict. Other strategies: None (every replica holds the full model).
-    """
-    if ctx.strategy != "fsdp2":
-        return None
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_sd_options(full_state_dict=True, cpu_offload=True))
-
-
-def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                              ctx: DistContext) -> dict[str, Any]:
-    """The optimizer state to checkpoint. FSDP2: the full (FQN-keyed) state gathered on rank 0 — a collective;
-    replicate / W = 1: ``optimizer.state_dict()`` (replicas are identical, rank 0's is everyone's)."""
-    if ctx.strategy != "fsdp2":
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=_sd_options(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict[str, torch.Tensor],

@@ -36,6 +36,7 @@ __all__ = [
     "EMBEDDED_ALIASES",
     "build_tiny_model",
     "embedded_model_path",
+    "hf_class_name",
     "load_policy",
     "load_tokenizer",
     "resolve_dtype",
@@ -57,6 +58,12 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+
+
+def hf_class_name(model: Any) -> str:
+    """The transformers class name of ``model`` (``fully_shard`` turns ``Qwen3ForCausalLM`` into
+    ``FSDPQwen3ForCausalLM``): what ``config.architectures`` must say for transformers and vLLM."""
+    return type(model).__name__.removeprefix("FSDP")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -97,7 +97,3 @@ class PrecisionPolicy:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.param_dtype)
-
-    def low_precision_params(self) -> bool:
-        """True when the parameters themselves are 16-bit (only with ``model.allow_low_precision_params``)."""
-        return self.param_dtype != torch.float32

@@ -195,8 +195,7 @@ class Trainer:
 
         rc = self.cfg.rollout
         options = EngineOptions(
-            compute_dtype=self.compute_dtype,  # HF: generate() under autocast when mixed
-            dtype=self.compute_dtype,  # vLLM: fp32 master → bf16 engine weights at each sync
+            dtype=self.compute_dtype,  # vLLM: fp32 master → bf16 engine weights at each sync; HF: autocast
             external_launcher=self.dist.enabled,  # one colocated engine per rank, inside torchrun's processes
             max_model_len=self.cfg.data.max_prompt_length + rc.response_length,
             gpu_memory_utilization=rc.gpu_memory_utilization, kv_cache_gib=rc.kv_cache_gib,

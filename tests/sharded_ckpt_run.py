@@ -11,8 +11,8 @@ FSDP2 ranks compute bit-identical updates and any difference is the checkpoint's
 data loader and the torch RNG, which the checkpoint must restore too.
 
 ``save`` writes ``OUT/save.json`` (rank 0): the peak-minus-baseline resident memory of rank 0 during
-``Trainer.save()`` and during the old full gather (:func:`stapo.distributed.full_optimizer_state_dict`), the full
-optimizer state's bytes, and SHA-1 digests of every full tensor (model and optimizer) after steps 1 and 2.
+``Trainer.save()`` and during the old full gather (``get_optimizer_state_dict(full_state_dict=True)``, the
+trainer's previous save path), the full optimizer state's bytes, and SHA-1 digests of every full tensor (model and optimizer) after steps 1 and 2.
 ``resume`` writes ``OUT/resume_<world>.json``: the digests after loading and after its step 2 (one process: also
 the tensors of the HF export, loaded by transformers, that differ from the loaded parameters cast to bf16).
 Rank 0's peak comes from ``VmHWM`` after resetting it (``/proc/self/clear_refs``), or from sampling
@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import stapo.checkpoint  # noqa: E402
 import stapo.models  # noqa: E402
 from stapo import distributed as dist  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: E402
 
 #: the wider/deeper tiny model (vocab = the SmolLM2 tokenizer's 49152 ids)
 BIG = dict(num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=2048)
@@ -149,7 +150,9 @@ def run_save(out: str) -> None:
     with PeakRSS() as new:
         trainer.save()
     with PeakRSS() as old:
-        full = dist.full_optimizer_state_dict(trainer.model, trainer.optimizer, ctx)  # the previous save path
+        # the previous save path: the full optimizer state gathered to rank 0
+        full = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         del full
     res.update(save_extra=new.extra, save_baseline=new.baseline, full_gather_extra=old.extra, method=new.method)
     res["draws"].append(synthetic_step(trainer))

@@ -82,6 +82,16 @@ def _assert_same_weights(got: dict, ref: dict, atol: float) -> None:
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=atol, msg=k)
 
 
+def _train_one_thread(trainer) -> list[dict]:
+    """``trainer.train()`` with 1 torch thread (the one-process reference of the 2-rank runs, which use 1 each)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --- runs shared by the tests (module scope: each is run once) -------------------------------------------------
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
@@ -97,12 +107,7 @@ def one_rank(tmp_path_factory):
         return out
 
     trainer.reward_fn = recording
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
+    _train_one_thread(trainer)
     return out, calls
 
 
@@ -352,13 +357,7 @@ def test_two_ranks_with_vllm_engines_match_one_process(tmp_path):
 # --- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------------------
 def _train_in_process(run: Path, *overrides: str) -> None:
     """Resume / run the toy trainer in this process (1 thread, as the ``one_rank`` reference)."""
-    trainer = make_trainer(str(run), [*COMMON, *overrides], uneven_reward=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
+    _train_one_thread(make_trainer(str(run), [*COMMON, *overrides], uneven_reward=True))
 
 
 def test_fsdp2_sharded_checkpoint_resumes_exactly_on_2_ranks_and_1_process_and_rank_0_saves_in_little_memory(
@@ -518,13 +517,7 @@ def test_two_fsdp2_ranks_with_a_sharded_reference_model_match_one_process(tmp_pa
     (its no-grad forwards are collectives). 2 ranks give the KL, the loss and the weights of one process."""
     grpo = ["algorithm.objective=grpo", "trainer.total_steps=2"]
     _torchrun(tmp_path / "grpo_fsdp2", "trainer.data_parallel=fsdp2", *grpo)
-    ref = make_trainer(str(tmp_path / "grpo_one"), COMMON + grpo, uneven_reward=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref.train()
-    finally:
-        torch.set_num_threads(threads)
+    _train_in_process(tmp_path / "grpo_one", *grpo)
     got, want = _rows(tmp_path / "grpo_fsdp2"), _rows(tmp_path / "grpo_one")
     assert want[1]["actor/kl_loss"] > 0  # step 2: the policy has moved away from the reference
     _assert_same_metrics(got, want)

@@ -27,8 +27,8 @@ class EngineOptions:
     Attributes:
         max_model_len: vLLM: tokens of prompt + response per sequence.
         seed: vLLM engine seed.
-        dtype: vLLM: dtype of the engine's weights (``torch.dtype`` or name; the trainer's compute dtype).
-        compute_dtype: HF: ``generate`` under ``torch.autocast`` in this dtype.
+        dtype: the compute dtype (the trainer's ``model.compute_dtype``): vLLM holds its weights in it, HF runs
+            ``generate`` under ``torch.autocast`` in it (``compute_dtype=``).
         gpu_memory_utilization: vLLM on GPU: fraction of GPU memory (0, 1].
         kv_cache_gib: vLLM on CPU: KV-cache size in GiB.
         enforce_eager: vLLM: no CUDA graphs.
@@ -43,7 +43,6 @@ class EngineOptions:
     max_model_len: int | None = None
     seed: int = 0
     dtype: Any = None
-    compute_dtype: Any = None
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float = 2.0
     enforce_eager: bool = True
@@ -61,7 +60,7 @@ def _set(out: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
 
 
 def _hf_kwargs(o: EngineOptions) -> dict[str, Any]:
-    return _set({}, compute_dtype=o.compute_dtype, max_batch_size=o.max_batch_size)
+    return _set({}, compute_dtype=o.dtype, max_batch_size=o.max_batch_size)
 
 
 def _vllm_kwargs(o: EngineOptions) -> dict[str, Any]:

@@ -78,7 +78,9 @@ def _write_engine_folder(model: torch.nn.Module, tokenizer: Any, folder: Path, v
     path = folder / "config.json"
     config = json.loads(path.read_text())
     if not config.get("architectures"):
-        config["architectures"] = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the class
+        from stapo.models import hf_class_name
+
+        config["architectures"] = [hf_class_name(model)]
     config.pop("stapo_vocab_size", None)
     if vocab_limit is not None:
         config["stapo_vocab_size"] = int(vocab_limit)
