@@ -60,12 +60,10 @@ def test_one_paper_precision_update_moves_the_weights(tmp_path):
     assert low["dtypes"] == {torch.bfloat16}
 
 
-def test_bf16_compute_loss_and_gradient_match_fp32():
-    """The policy loss and its gradient with bf16 autocast vs plain fp32, same fp32 weights and batch.
-
-    Tolerances (stated): loss within 0.5 % relative, gradient cosine similarity ≥ 0.999 and norm within 1 %
-    (bf16 has an 8-bit mantissa: ~0.4 % relative error per matmul output, accumulated over 2 layers and the head).
-    """
+def bf16_vs_fp32_loss_and_grad():
+    """The stapo policy loss and its gradient on one fixed batch of the tiny model (same fp32 weights), computed with
+    fp32 and with bf16 autocast → ``(loss32, grad32, loss16, grad16, stats_dtype)``; grads flat fp32, stats_dtype the
+    bf16 run's token-statistics dtype. Also used by scripts/probe_precision.py."""
     from stapo.models import build_tiny_model
     from stapo.objectives import compute_token_mask, get_objective, policy_loss
     from stapo.policy import collate_responses, policy_token_stats
@@ -98,6 +96,16 @@ def test_bf16_compute_loss_and_gradient_match_fp32():
 
     loss32, g32, _ = loss_and_grad(PrecisionPolicy(torch.float32, torch.float32))
     loss16, g16, stats_dtype = loss_and_grad(PrecisionPolicy(torch.float32, torch.bfloat16))
+    return loss32, g32, loss16, g16, stats_dtype
+
+
+def test_bf16_compute_loss_and_gradient_match_fp32():
+    """The policy loss and its gradient with bf16 autocast vs plain fp32, same fp32 weights and batch.
+
+    Tolerances (stated): loss within 0.5 % relative, gradient cosine similarity ≥ 0.999 and norm within 1 %
+    (bf16 has an 8-bit mantissa: ~0.4 % relative error per matmul output, accumulated over 2 layers and the head).
+    """
+    loss32, g32, loss16, g16, stats_dtype = bf16_vs_fp32_loss_and_grad()
     assert stats_dtype == torch.float32  # token statistics keep their fp32 math on bf16 logits
     assert not torch.equal(g16, g32)  # the bf16 path really computed in bf16
     assert loss16 == pytest.approx(loss32, rel=5e-3)  # measured: 3e-4
