@@ -1,0 +1,54 @@
+"""Compare two runs' metrics.jsonl key by key (the "behaviour unchanged" check of a refactor).
+
+    python scripts/compare_metrics.py results/reference/cpu_smollm2_stapo_seed0_metrics.jsonl runs/x/metrics.jsonl [--steps K]
+
+Wall-clock keys (``timing_s/*``, ``perf/*``, ``reward/grader/seconds``) are skipped. Prints how many values differ,
+whether any count (``*/num_*``, ``*/count``, lengths) differs, the largest relative difference of the other keys
+and, separately, of the train/inference gap ``rollout/logprob_diff_*`` (itself a ~1e-5 rounding-level quantity).
+Exit 0 always; read the numbers.
+"""
+import argparse
+import json
+
+WALL = ("timing_s/", "perf/", "reward/grader/seconds")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--steps", type=int, default=None, help="compare only the first K steps (a partial run)")
+    args = ap.parse_args()
+    a = [json.loads(line) for line in open(args.a) if line.strip()]
+    b = [json.loads(line) for line in open(args.b) if line.strip()]
+    n = min(len(a), len(b)) if args.steps is None else args.steps
+    values = differ = 0
+    counts_differ, worst, worst_gap = [], (0.0, None), (0.0, None)
+    for x, y in zip(a[:n], b[:n]):
+        for k in sorted(set(x) | set(y)):
+            if k.startswith(WALL):
+                continue
+            values += 1
+            u, v = x.get(k), y.get(k)
+            if u == v:
+                continue
+            differ += 1
+            if "/num_" in k or k.endswith("/count") or k.startswith("response_length/") or not (
+                    isinstance(u, (int, float)) and isinstance(v, (int, float))):
+                counts_differ.append((x["step"], k, u, v))
+                continue
+            rel = abs(u - v) / max(abs(u), 1e-6)
+            if k.startswith("rollout/logprob_diff"):
+                worst_gap = max(worst_gap, (rel, (x["step"], k)))
+            else:
+                worst = max(worst, (rel, (x["step"], k)))
+    identical_steps = [x["step"] for x, y in zip(a[:n], b[:n])
+                       if all(x.get(k) == y.get(k) for k in set(x) | set(y) if not k.startswith(WALL))]
+    print(f"{n} steps, {values} values compared, {differ} differ; steps identical: {identical_steps}")
+    print(f"counts / lengths / non-numbers that differ: {counts_differ[:10] or 'none'}")
+    print(f"largest relative difference, other keys: {worst[0]:.1e} {worst[1] or ''}")
+    print(f"largest relative difference, rollout/logprob_diff_*: {worst_gap[0]:.1e} {worst_gap[1] or ''}")
+
+
+if __name__ == "__main__":
+    main()
