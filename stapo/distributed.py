@@ -5,7 +5,7 @@ mini-batch-global).
 
 Each of the N ranks rolls out its share of the step's prompts, computes rewards, GRPO advantages (a group never
 straddles ranks) and the old-policy pass for its rows; the token mask and the kept-token denominator are
-computed over the WHOLE mini-batch (:func:`stapo.integrations.dp_mask.minibatch_token_mask`,
+computed over the WHOLE mini-batch (:func:`stapo.dp_mask.minibatch_token_mask`,
 :func:`minibatch_loss_denominator`); every logged metric is reduced over the ranks.
 
 Policy wrapping (``trainer.data_parallel``):
@@ -65,7 +65,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from stapo.integrations.dp_mask import all_gather_varlen
+from stapo.dp_mask import all_gather_varlen
 
 __all__ = [
     "DistContext", "init_distributed", "teardown", "check_dp_config", "shard_prompt_indices",

@@ -50,13 +50,21 @@ QuantileScope = Literal["candidates", "all"]
 class TokenMask:
     """A keep-mask and its statistics.
 
+    The one result type of every mask: the registered mask functions return it, :func:`stapo.objectives.
+    compute_token_mask` adds the mask's prefix to the statistics and ``num_kept``, and
+    :func:`stapo.dp_mask.minibatch_token_mask` (data-parallel ranks) returns this rank's ``keep`` with the
+    ``num_kept`` of the whole mini-batch.
+
     Attributes:
         keep: [B, T] bool — True where the token is a response token that receives gradient.
         stats: scalar statistics (Python floats); keys depend on the mask (see each function).
+        num_kept: N, kept tokens of the whole mini-batch (over every data-parallel rank); None straight from a
+            mask function (then ``int(keep.sum())``).
     """
 
     keep: torch.Tensor
     stats: dict[str, float] = field(default_factory=dict)
+    num_kept: int | None = None
 
 
 def _prepare(

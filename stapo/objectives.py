@@ -439,7 +439,7 @@ def compute_token_mask(
     spec = get_mask_spec(objective.token_mask)
     tm = spec.fn(logprobs, entropy, advantages, response_mask, **objective.mask_params)
     prefix = f"{spec.prefix}/"
-    return TokenMask(keep=tm.keep, stats={prefix + k: v for k, v in tm.stats.items()})
+    return TokenMask(keep=tm.keep, stats={prefix + k: v for k, v in tm.stats.items()}, num_kept=int(tm.keep.sum()))
 
 
 def policy_loss(

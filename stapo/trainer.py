@@ -673,10 +673,10 @@ class Trainer:
                        response_mask: torch.Tensor):
         """The objective's token mask of the whole mini-batch: [n, R] inputs (this rank's rows) → ``.keep``
         [n, R] bool and ``.stats``, mini-batch-global (W > 1:
-        :func:`~stapo.integrations.dp_mask.minibatch_token_mask`, an all-gather of 12 bytes per response token)."""
+        :func:`~stapo.dp_mask.minibatch_token_mask`, an all-gather of 12 bytes per response token)."""
         if not self.dist.enabled:
             return compute_token_mask(self.objective, logprobs, entropy, advantages, response_mask)
-        from stapo.integrations.dp_mask import minibatch_token_mask
+        from stapo.dp_mask import minibatch_token_mask
 
         dev = self.dist.comm_device
         tm = minibatch_token_mask(self.objective, logprobs.to(dev), entropy.to(dev), advantages.to(dev),

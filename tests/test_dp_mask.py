@@ -1,4 +1,4 @@
-"""stapo.integrations.dp_mask: the mini-batch mask over data-parallel ranks equals the single-process mask.
+"""stapo.dp_mask: the mini-batch mask over data-parallel ranks equals the single-process mask.
 
 Two real gloo processes (CPU) with an uneven split: rank 0 holds 2 responses and every S2T candidate, rank 1 holds
 3 responses of different lengths and no candidate (all its advantages are negative).
@@ -10,7 +10,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from stapo.integrations.dp_mask import all_gather_varlen, minibatch_token_mask
+from stapo.dp_mask import all_gather_varlen, minibatch_token_mask
 from stapo.objectives import get_objective
 
 TAU_P_LOGP = -7.0  # log p < ln 0.002 ≈ −6.2146: a candidate when Â > 0

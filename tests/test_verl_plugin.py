@@ -26,7 +26,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 import stapo.integrations.verl as plugin  # noqa: E402
-from stapo.integrations.dp_mask import minibatch_token_mask  # noqa: E402
+from stapo.dp_mask import minibatch_token_mask  # noqa: E402
 from stapo.objectives import compute_token_mask, objective_loss  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -149,7 +149,7 @@ def test_precomputed_mask_split_into_micro_batches_and_dp_ranks_gives_the_whole_
 def test_minibatch_mask_over_ranks_equals_the_single_rank_mask():
     """Two ranks simulated by splitting the rows; the all-gather is replaced by the two shares in rank order
     (the real 2-process gloo all-gather is tested in tests/test_dp_mask.py)."""
-    import stapo.integrations.dp_mask as dp
+    import stapo.dp_mask as dp
 
     obj = plugin.objective_from_verl_config("stapo", _actor_config())
     full = minibatch_token_mask(obj, P.log().float(), H, ADV, MASK)

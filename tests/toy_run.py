@@ -33,7 +33,7 @@ def uneven_reward_for(cfg):
     prompt is recovered from this rank's share (:func:`stapo.distributed.shard_prompt_indices`).
     """
     from stapo.distributed import shard_prompt_indices
-    from stapo.integrations.dp_mask import dist_world
+    from stapo.dp_mask import dist_world
 
     G = cfg.rollout.n
 

@@ -45,7 +45,7 @@ So, per optimizer mini-batch, on every data-parallel rank, the hook (:func:`_sta
 2. all-gathers (log p, H, Â) of the response tokens of all ranks of the data-parallel group
    (``engine.get_data_parallel_group()``; 12 bytes per token, ≈ 25–95 MB per mini-batch for the paper's
    512 responses × 4k–15k tokens) and applies OUR mask function once to the concatenation
-   (:func:`stapo.integrations.dp_mask.minibatch_token_mask`) — every rank computes the same global mask: the
+   (:func:`stapo.dp_mask.minibatch_token_mask`) — every rank computes the same global mask: the
    same τ_h over the global candidate set, the same top-k with the same tie-break (rank-major, then row-major
    order); a rank with no candidates is fine;
 3. gets N = the number of kept tokens of the whole mini-batch from that global mask (no extra all-reduce);
@@ -126,7 +126,8 @@ from stapo.objectives import (
     loss_denominator,
     policy_loss,
 )
-from stapo.integrations.dp_mask import MinibatchMask, minibatch_token_mask
+from stapo.dp_mask import minibatch_token_mask
+from stapo.masks import TokenMask
 from stapo.tensor_utils import as_bool_mask
 
 try:  # verl is optional for `import stapo`, required for this module
@@ -143,7 +144,6 @@ __all__ = [
     "KEEP_KEY",
     "StapoPolicyLossConfig",
     "MaskContext",
-    "MinibatchMask",
     "mask_context",
     "current_mask_context",
     "objective_from_verl_config",
@@ -551,7 +551,7 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
     return x.to_padded_tensor(0) if x.is_nested else x
 
 
-def _minibatch_keep_for_worker(worker: Any, data: Any, loss_mode: str, config: Any) -> MinibatchMask:
+def _minibatch_keep_for_worker(worker: Any, data: Any, loss_mode: str, config: Any) -> TokenMask:
     """Steps 1–3 of the hook (module docstring): current-policy stats of the local mini-batch, global mask."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding

@@ -1,40 +1,25 @@
 """A token mask over an optimizer mini-batch whose rows are split across data-parallel ranks.
 
 The S2T entropy quantile τ_h, the 20-Entropy top-k and the kept-token denominator N are properties of the
-WHOLE mini-batch (docs/method.md#data-parallelism), not of one rank's share. :func:`minibatch_token_mask` all-gathers
-the
-per-token statistics (log p, H, Â) of every rank's response tokens and applies the objective's own mask function
+WHOLE mini-batch (docs/method.md#data-parallelism), not of one rank's share. :func:`minibatch_token_mask`
+all-gathers the per-token statistics (log p, H, Â) of every rank's response tokens and applies the objective's own mask function
 (:func:`stapo.objectives.compute_token_mask`) once to the concatenation, so every rank computes the same global
-mask, and N follows from it without a further reduction. Used by the verl plugin
+mask, and N follows from it without a further reduction. Used by the native trainer
+(:mod:`stapo.distributed`, :mod:`stapo.train`) and the verl plugin
 (:mod:`stapo.integrations.verl`); it has no verl dependency. Communication: 12 bytes per response token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from stapo.masks import TokenMask
 from stapo.objectives import Objective, compute_token_mask
 from stapo.tensor_utils import as_bool_mask
 
-__all__ = ["MinibatchMask", "dist_world", "all_gather_varlen", "minibatch_token_mask"]
-
-
-@dataclass(frozen=True)
-class MinibatchMask:
-    """Result of :func:`minibatch_token_mask`.
-
-    Attributes:
-        keep: [B, T] bool — this rank's keep-mask (response tokens that receive gradient).
-        num_kept: N, kept tokens of the whole mini-batch over all ranks of the group.
-        stats: mask statistics over the whole mini-batch, prefixed with the mask name (``s2t/...``).
-    """
-
-    keep: torch.Tensor
-    num_kept: int
-    stats: dict[str, float]
+__all__ = ["dist_world", "all_gather_varlen", "minibatch_token_mask"]
 
 
 def dist_world(group: Any = None) -> tuple[int, int]:
@@ -77,7 +62,7 @@ def minibatch_token_mask(
     response_mask: torch.Tensor,
     *,
     group: Any = None,
-) -> MinibatchMask:
+) -> TokenMask:
     """The objective's token mask over the whole mini-batch, whose rows are split across data-parallel ranks.
 
     Every rank contributes the (log p, H, Â) of its response tokens; they are all-gathered in rank order and
@@ -96,7 +81,8 @@ def minibatch_token_mask(
             torch.distributed is initialised, else no communication.
 
     Returns:
-        :class:`MinibatchMask` (this rank's keep [B, T] bool on ``response_mask``'s device, global N, stats).
+        :class:`stapo.masks.TokenMask`: this rank's ``keep`` [B, T] bool on ``response_mask``'s device, ``num_kept``
+        the global N, ``stats`` of the whole mini-batch (prefixed with the mask's name, ``s2t/...``).
 
     Raises:
         ValueError / TypeError: shapes disagree, or from the mask functions (NaN entropy, invalid parameters).
@@ -127,4 +113,4 @@ def minibatch_token_mask(
     offset = sum(p.shape[1] for p in parts[:rank])
     keep = torch.zeros_like(m)  # [B, T] bool
     keep[m] = keep_all[offset: offset + local.shape[1]]  # row-major, as m's extraction above
-    return MinibatchMask(keep=keep.to(mask.device), num_kept=int(keep_all.sum()), stats=dict(tm.stats))
+    return TokenMask(keep=keep.to(mask.device), stats=dict(tm.stats), num_kept=int(keep_all.sum()))
