@@ -3,7 +3,7 @@
     python train.py --config configs/cpu_smollm2_stapo.yaml [dotted.key=value ...] [--resume]
     torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/distributed.py)
 
-The config schema and its checks live in stapo/config.py; the training loop in stapo/trainer.py.
+The config schema and its checks live in stapo/config.py; the training loop in stapo/train/ (trainer.py: the loop and the step).
 """
 import argparse
 import os
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.data import DataError
     from stapo.distributed import teardown
     from stapo.evaluation import EvalError, make_validation_hook_from_config
-    from stapo.trainer import Trainer
+    from stapo.train import Trainer
 
     trainer = None
     try:  # under torchrun: every rank runs this; torch.distributed is set up by the Trainer (stapo/distributed.py)

@@ -8,7 +8,7 @@ Workload (issue 5): the CPU SmolLM2 config (configs/cpu_smollm2_stapo.yaml: embe
 the one-shot chat prompt, math-verify reward, STAPO) at 8 prompts × G = 8, ≤ 128 new tokens, T = 1, top-p = 1,
 one optimizer step per training step over micro-batches of 16 responses.
 
-* **ours**: :class:`stapo.trainer.Trainer` (vLLM-CPU rollouts; ``actor.fused_forward`` as in the CPU config: one
+* **ours**: :class:`stapo.train.Trainer` (vLLM-CPU rollouts; ``actor.fused_forward`` as in the CPU config: one
   mini-batch per step, so the S2T statistics and the old log-probs come from the update's own forward and there
   is no separate old-policy pass; shared-prompt forward, compiled token statistics), with its per-stage timings
   ``timing_s/*``. ``--ours-overrides actor.fused_forward=false`` measures the variant with the no-grad pass.
@@ -57,7 +57,7 @@ def _prompt_batches(cfg, tokenizer, n_steps: int) -> list[list[tuple[str, str]]]
     """The (prompt text, gold) of each step, in the order our trainer's PromptLoader yields them."""
     from stapo.data import load_train_set
     from stapo.prompts import encode_prompt
-    from stapo.trainer import PromptLoader
+    from stapo.train import PromptLoader
 
     dc = cfg.data
     recs = load_train_set("synthetic", n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
@@ -69,7 +69,7 @@ def _prompt_batches(cfg, tokenizer, n_steps: int) -> list[list[tuple[str, str]]]
 
 
 def run_ours(steps: int, overrides: list[str] = ()) -> dict:
-    from stapo.trainer import Trainer
+    from stapo.train import Trainer
 
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as tmp:
         cfg = _load_cfg([f"trainer.output_dir={tmp}", "trainer.run_name=bench", "logging.wandb_mode=disabled",

@@ -23,7 +23,7 @@ hangs past the budget + 60 s):
     T = 0.6, and of the logits-gradient of Σ a·log p + Σ b·H over 64 rows; first-call time (compilation),
     median forward and forward+backward time, effective bandwidth (logits bytes / forward time), peak extra memory.
 (b) Trainer: a few training steps of each objective (stapo, grpo, justrl, entropy20) with
-    :class:`stapo.trainer.Trainer` — tiny random Qwen3 (saved as an HF folder and loaded with ``model.path``), HF
+    :class:`stapo.train.Trainer` — tiny random Qwen3 (saved as an HF folder and loaded with ``model.path``), HF
     rollouts, ``model.param_dtype=float32`` + ``model.compute_dtype=bfloat16``, gradient checkpointing, the
     paper's lr 1e-6 (no warm-up, no weight decay, so every change is the gradient's), the toy reward of
     tests/toy_run.py (+1 for an even-length response text). Checks: parameters, gradients and AdamW moments fp32;
@@ -571,12 +571,12 @@ def _full(p):
 
 
 def run_trainer_and_measure(cfg_overrides: list[str], save: bool = False) -> dict[str, Any]:
-    """Build :class:`stapo.trainer.Trainer` from configs/tiny_test.yaml + ``cfg_overrides`` (toy reward), train, and
+    """Build :class:`stapo.train.Trainer` from configs/tiny_test.yaml + ``cfg_overrides`` (toy reward), train, and
     measure what moved. Returns numbers and check inputs (no pass/fail decided here)."""
     import torch
 
     from stapo.config import load_config
-    from stapo.trainer import Trainer
+    from stapo.train import Trainer
 
     t0 = time.perf_counter()
     cfg = load_config(REPO / "configs" / "tiny_test.yaml", cfg_overrides)
@@ -786,7 +786,7 @@ def fsdp2_worker(spec_path: str) -> None:
         # resume the sharded checkpoint (torch.distributed.checkpoint over this backend) into a fresh trainer:
         # its fp32 master weights must be the ones the run ended with
         from stapo.config import load_config
-        from stapo.trainer import Trainer
+        from stapo.train import Trainer
 
         again = Trainer(load_config(REPO / "configs" / "tiny_test.yaml", spec["overrides"] + ["trainer.resume=auto"]),
                         reward_fn=toy_reward)

@@ -65,12 +65,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from stapo.dp_mask import all_gather_varlen
+from stapo.dp_mask import all_gather_varlen, minibatch_token_mask
+from stapo.objectives import compute_token_mask
 
 __all__ = [
     "DistContext", "init_distributed", "teardown", "check_dp_config", "shard_prompt_indices",
     "wrap_policy", "average_gradients", "minibatch_loss_denominator", "all_reduce", "all_gather_rows",
-    "merge_stats", "load_full_state",
+    "merge_stats", "load_full_state", "local_prompts", "minibatch_mask", "rank_loss_denominator",
+    "sum_loss_shares", "sum_reward_stats",
     "iter_full_state_dict", "full_tensor", "barrier", "sharded_state_dict", "save_sharded_state",
     "load_sharded_state",
 ]
@@ -318,6 +320,52 @@ def minibatch_loss_denominator(keep: torch.Tensor, loss_agg_mode: str, ctx: Dist
         loss_denominator(keep, loss_agg_mode, max_response_length=max_response_length)  # validates mode / L
     total = max(all_reduce({"n": local}, ctx)["n"], 1.0)
     return total * max_response_length if loss_agg_mode == "seq-mean-token-sum-norm" else total
+
+
+def rank_loss_denominator(keep: torch.Tensor, loss_agg_mode: str, ctx: DistContext, *,
+                          max_response_length: int | None = None) -> float:
+    """The denominator each rank divides its loss share by: N / W, N = :func:`minibatch_loss_denominator` of the
+    whole mini-batch. Ranks' gradients are averaged (FSDP2 / :func:`average_gradients`), so the update is
+    Σ ∇ℓ / N. W = 1: N. Collective. ``keep``: [b, T] bool, this rank's rows."""
+    total = minibatch_loss_denominator(keep, loss_agg_mode, ctx, max_response_length=max_response_length)
+    return total / ctx.world
+
+
+def sum_loss_shares(shares: dict[str, float], ctx: DistContext) -> dict[str, float]:
+    """The mini-batch loss from every rank's share (each computed with denominator N / W): Σ_ranks / W.
+    W = 1: ``shares`` unchanged. Collective."""
+    if not ctx.enabled:
+        return shares
+    return {k: v / ctx.world for k, v in all_reduce(shares, ctx).items()}
+
+
+def local_prompts(prompts: list, mini_batch_size: int, ctx: DistContext) -> tuple[list, list[int] | None]:
+    """This rank's prompts of the step's global batch (:func:`shard_prompt_indices`) and their global indices;
+    W = 1: ``(prompts, None)``."""
+    if not ctx.enabled:
+        return prompts, None
+    idx = shard_prompt_indices(len(prompts), mini_batch_size, ctx.world, ctx.rank)
+    return [prompts[i] for i in idx], idx
+
+
+def minibatch_mask(objective: Any, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+                   response_mask: torch.Tensor, ctx: DistContext):
+    """The objective's token mask of the whole mini-batch → :class:`stapo.masks.TokenMask` (``keep`` [n, R] bool on
+    the CPU for this rank's rows, ``stats`` and ``num_kept`` mini-batch-global).
+
+    Inputs are this rank's rows: ``logprobs``, ``entropy`` [n, R] fp32, ``advantages`` [n], ``response_mask``
+    [n, R]. W = 1: :func:`stapo.objectives.compute_token_mask`; W > 1: :func:`stapo.dp_mask.minibatch_token_mask`
+    (an all-gather of 12 bytes per response token). Collective."""
+    if not ctx.enabled:
+        return compute_token_mask(objective, logprobs, entropy, advantages, response_mask)
+    dev = ctx.comm_device
+    tm = minibatch_token_mask(objective, logprobs.to(dev), entropy.to(dev), advantages.to(dev), response_mask.to(dev))
+    return dataclasses.replace(tm, keep=tm.keep.cpu())
+
+
+def sum_reward_stats(stats: Any, ctx: DistContext) -> Any:
+    """A reward function's counts (its ``.stats``, or None) summed over ranks (:func:`merge_stats`)."""
+    return merge_stats(gather_objects(stats, ctx)) if ctx.enabled else stats
 
 
 def all_gather_rows(per_row: dict[str, torch.Tensor], per_token: dict[str, torch.Tensor],

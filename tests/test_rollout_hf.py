@@ -215,7 +215,7 @@ def test_trainer_and_evaluation_build_engine_arguments_with_one_builder(tok, mon
     from stapo.config import load_config
     from stapo.evaluation.config import load_eval_config
     from stapo.evaluation.runner import _build_engine
-    from stapo.trainer import Trainer
+    from stapo.train import Trainer
 
     cfg = load_config(None, ["rollout.backend=vllm", "data.max_prompt_length=100", "rollout.response_length=28",
                              "rollout.sleep_during_update=true", "trainer.seed=3"])

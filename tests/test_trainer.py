@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -136,7 +137,7 @@ def test_validation_hook_from_the_config_runs_every_val_every_steps(tmp_path, sh
     """train.py's wiring: cfg.validation → stapo.evaluation hook; 2 steps, val_every=2 → one validation row."""
     from stapo.config import load_config
     from stapo.evaluation import make_validation_hook_from_config
-    from stapo.trainer import Trainer
+    from stapo.train import Trainer
     from toy_run import toy_reward
 
     cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
@@ -213,13 +214,11 @@ def test_fused_forward_gives_the_same_masks_loss_and_update(tmp_path, objective,
 def test_training_prompts_from_a_user_file(tmp_path):
     """data.train_set=file reads data.train_file with its column mapping: the trainer's (prompt ids, gold, id)
     are those of encode_prompt on each row; a bad column name is one line naming the file and the key."""
-    from types import SimpleNamespace
-
     from stapo.config import load_config
     from stapo.data import DataError
     from stapo.models import load_tokenizer
     from stapo.prompts import encode_prompt
-    from stapo.trainer import Trainer
+    from stapo.train import load_prompts
 
     path = tmp_path / "my_set.jsonl"
     path.write_text(json.dumps({"question": "What is 2 + 2?", "ans": "4"}) + "\n"
@@ -227,14 +226,13 @@ def test_training_prompts_from_a_user_file(tmp_path):
     tok = load_tokenizer("embedded:smollm2")
     cfg = load_config(None, ["data.train_set=file", f"data.train_file.path={path}",
                              "data.train_file.problem_key=question", "data.train_file.answer_key=ans"])
-    fake = SimpleNamespace(cfg=cfg, tokenizer=tok)
-    got = Trainer._load_prompts(fake)
+    got, stats = load_prompts(cfg, tok)
     assert got == [(encode_prompt("What is 2 + 2?", tok, use_chat_template="chat"), "4", "my_set/0"),
                    (encode_prompt("What is 5 - 3?", tok, use_chat_template="chat"), "2", "my_set/1")]
-    assert fake.prompt_stats == {"data/num_prompts": 2.0, "data/num_dropped_too_long": 0.0, "data/num_skipped_rows": 0.0}
+    assert stats == {"data/num_prompts": 2.0, "data/num_dropped_too_long": 0.0, "data/num_skipped_rows": 0.0}
     cfg.data.train_file.answer_key = "answer"
     with pytest.raises(DataError) as err:
-        Trainer._load_prompts(fake)
+        load_prompts(cfg, tok)
     assert str(err.value) == f"{path}: no column 'answer' (data.train_file.answer_key); columns: question, ans"
 
 
@@ -290,22 +288,23 @@ def _recording_trainer(tmp_path, overrides):
     """A toy trainer whose mask inputs (per mini-batch) and step batches are recorded."""
     trainer = make_trainer(str(tmp_path), ["trainer.save_every=0", "trainer.total_steps=1", *overrides])
     seen = {"mask_logp": [], "batches": [], "forward_all": 0}
-    orig_mask, orig_prepare, orig_forward = trainer._dp_token_mask, trainer._prepare_batch, trainer._forward_all
+    up = trainer.updater
+    orig_mask, orig_run, orig_forward = up.token_mask, up.run, up.no_grad_stats
 
-    def dp_token_mask(logprobs, entropy, advantages, response_mask):
+    def token_mask(logprobs, entropy, advantages, response_mask):
         seen["mask_logp"].append(logprobs.clone())
         return orig_mask(logprobs, entropy, advantages, response_mask)
 
-    def prepare_batch(*a, **kw):
-        sb = orig_prepare(*a, **kw)
-        seen["batches"].append(sb)
-        return sb
+    def run(*a, **kw):  # the update's result holds the step's complete old-policy statistics
+        result = orig_run(*a, **kw)
+        seen["batches"].append(SimpleNamespace(old_logprobs=result.old.logprobs))
+        return result
 
-    def forward_all(*a, **kw):
+    def no_grad_stats(*a, **kw):  # a no-grad pass over rows of the batch (old policy, or current-policy stats)
         seen["forward_all"] += 1
         return orig_forward(*a, **kw)
 
-    trainer._dp_token_mask, trainer._prepare_batch, trainer._forward_all = dp_token_mask, prepare_batch, forward_all
+    up.token_mask, up.run, up.no_grad_stats = token_mask, run, no_grad_stats
     return trainer, seen
 
 
@@ -331,16 +330,14 @@ def test_mask_stats_source_old_uses_the_old_policy_statistics_for_later_mini_bat
 
 
 def test_sort_by_length_false_keeps_rollout_order_with_the_same_results(tmp_path):
-    from types import SimpleNamespace
+    from stapo.train.plan import micro_batches
 
-    trainer = make_trainer(str(tmp_path / "unit"), ["trainer.save_every=0"])
     # prompt + response lengths 3, 5, 4, 5; micro-batches of 3 rows
-    batch = SimpleNamespace(attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1] * 5, [1, 1, 1, 1, 0], [1] * 5]))
-    rows = torch.arange(4)
+    attention_mask = torch.tensor([[1, 1, 1, 0, 0], [1] * 5, [1, 1, 1, 1, 0], [1] * 5])
+    lengths, rows = attention_mask.sum(dim=1), torch.arange(4)
     # sorted: descending length, ties in rollout order (stable) → 1, 3 (5 tokens), 2 (4), 0 (3)
-    assert [m.tolist() for m in trainer._micro_batches(batch, rows)] == [[1, 3, 2], [0]]
-    trainer.cfg.actor.sort_by_length = False
-    assert [m.tolist() for m in trainer._micro_batches(batch, rows)] == [[0, 1, 2], [3]]
+    assert [m.tolist() for m in micro_batches(lengths, rows, 3, sort_by_length=True)] == [[1, 3, 2], [0]]
+    assert [m.tolist() for m in micro_batches(lengths, rows, 3, sort_by_length=False)] == [[0, 1, 2], [3]]
     # two steps with and without sorting: other micro-batch groupings, the same masks, losses and update
     runs = {}
     for sort in (True, False):

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stapo.config import load_config  # noqa: E402
-from stapo.trainer import Trainer  # noqa: E402
+from stapo.train import Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """In-training validation: the evaluation harness on a small benchmark subset, as a ``Trainer`` hook.
 
-``stapo.trainer.Trainer(cfg, validation_hook=hook)`` calls ``hook(trainer, step)`` every ``trainer.val_every``
+``stapo.train.Trainer(cfg, validation_hook=hook)`` calls ``hook(trainer, step)`` every ``trainer.val_every``
 steps, after the new weights were synced into the rollout engine, and logs the returned dict. The hook samples
 with the trainer's own engine (``trainer.engine``), tokenizer and training prompt (``cfg.data.prompt_style``,
 ``cfg.data.system_prompt``), grades with math-verify and computes the same metrics as ``evaluate.py``

@@ -1,0 +1,97 @@
+"""Training prompts: loading and tokenising the training set, and their seeded, resumable order."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PromptLoader", "load_prompts"]
+
+Prompt = tuple[list[int], str, str]  # (prompt token ids, gold answer, record id)
+
+
+def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, float]]:
+    """The training set of ``cfg.data`` → (prompts, counts).
+
+    ``data.train_set``: ``synthetic`` (generated, ``data.synthetic``), ``file`` (the user's JSONL / parquet,
+    ``data.train_file`` with its field mapping; source name = the file's stem) or a registered training set read
+    from ``data.root``. Prompts are encoded with ``data.prompt_style`` / ``data.system_prompt``; those longer than
+    ``data.max_prompt_length`` tokens are dropped and counted.
+
+    Returns:
+        (list of (prompt ids, gold, record id), ``{"data/num_prompts", "data/num_dropped_too_long",
+        "data/num_skipped_rows"}`` as floats).
+
+    Raises:
+        stapo.data.DataError: unreadable file, missing column (naming the file and the key).
+    """
+    from stapo.data import load_file_set, load_train_set
+    from stapo.prompts import encode_prompt
+
+    dc = cfg.data
+    if dc.train_set == "synthetic":
+        records = load_train_set("synthetic", n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
+                                 levels=tuple(dc.synthetic.levels))
+    elif dc.train_set == "file":
+        name = Path(dc.train_file.path).stem if dc.train_file.path else "file"
+        records = load_file_set(name, dc.train_file, key="data.train_file")
+    else:
+        records = load_train_set(dc.train_set, dc.root)
+    out, dropped = [], 0
+    for rec in records:
+        ids = encode_prompt(rec.problem, tokenizer, use_chat_template=dc.prompt_style, system_prompt=dc.system_prompt)
+        if len(ids) > dc.max_prompt_length:
+            dropped += 1
+            continue
+        out.append((ids, rec.answer, rec.id))
+    stats = {"data/num_prompts": float(len(out)), "data/num_dropped_too_long": float(dropped),
+             "data/num_skipped_rows": float(records.stats.skipped)}
+    return out, stats
+
+
+class PromptLoader:
+    """Seeded, resumable iteration over training prompts: a fresh permutation each epoch.
+
+    Args:
+        prompts: list of (prompt token ids, gold answer, record id).
+        batch_size: prompts per step.
+        seed: the epoch-e permutation is ``np.random.default_rng([seed, e]).permutation``.
+        shuffle: False keeps file order.
+
+    Raises:
+        ValueError: no prompts.
+    """
+
+    def __init__(self, prompts: list[Prompt], batch_size: int, seed: int, shuffle: bool = True):
+        if not prompts:
+            raise ValueError("no training prompts (all dropped or empty data set)")
+        self.prompts = prompts
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        n = len(self.prompts)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def next_batch(self) -> list[Prompt]:
+        out = []
+        while len(out) < self.batch_size:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.prompts[int(self._order[self.position])])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,434 @@
+"""The trainer: STAPO and its baselines (GRPO, 20-Entropy, JustRL) — docs/method.md.
+
+One training step, top to bottom in :meth:`Trainer.train_step`:
+
+    rollout G responses per prompt → rewards → GRPO advantages (:class:`~stapo.train.batch.Rollout`) → the
+    update plan (:func:`~stapo.train.plan.build_plan`) → old-policy (and reference, β > 0) statistics, no grad,
+    fp32 → the update (:class:`~stapo.train.update.PolicyUpdate`: per mini-batch token mask → kept-token
+    denominator → micro-batch forward/backward → clip → AdamW step) → sync the weights into the rollout engine
+    → metrics (:mod:`stapo.train.metrics`) → [validation hook, checkpoint in :meth:`Trainer.train`].
+
+Under ``torchrun`` with W > 1 ranks (:mod:`stapo.distributed`) each rank does this for its share of the prompts;
+the mask, the denominator and the metrics are mini-batch / step-global, only rank 0 logs; every rank writes its
+shards of a checkpoint (``torch.distributed.checkpoint``) and rank 0 the HF export (:mod:`stapo.checkpoint`).
+
+Precision (:mod:`stapo.precision`): parameters, gradients and AdamW state in ``model.param_dtype`` (fp32 master
+weights), every policy forward under ``model.compute_dtype`` (bf16 autocast; FSDP2 ``MixedPrecisionPolicy``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from stapo import distributed as dist
+from stapo.advantages import grpo_advantages
+from stapo.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
+                              rng_state, save_checkpoint, set_rng_state)
+from stapo.config import TrainConfig, objective_from_config, to_dict
+from stapo.objectives import Objective
+from stapo.precision import PrecisionPolicy
+from stapo.token_stats import TokenStats
+from stapo.tracking import Tracker
+from stapo.train.batch import Rollout, StepBatch
+from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
+from stapo.train.plan import UpdatePlan, build_plan
+from stapo.train.prompts import PromptLoader, load_prompts
+from stapo.train.update import PolicyUpdate, Progress, UpdateResult
+
+__all__ = ["Trainer", "build_objective", "StepProgress"]
+
+ValidationHook = Callable[["Trainer", int], dict[str, float]]
+
+
+def build_objective(cfg: TrainConfig) -> Objective:
+    """The registered objective named by ``algorithm.objective`` with the config's overrides and mask parameters
+    applied (:func:`stapo.config.objective_from_config`, the same mapping the verl plugin uses)."""
+    return objective_from_config(cfg)
+
+
+class StepProgress:
+    """The step's inner progress bar: ``rollout`` until :meth:`start` sizes it with the plan's forwards, then one
+    tick per forward (a :data:`~stapo.train.update.Progress` callback: ``progress(phase, **postfix)``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = tqdm(total=None, desc="rollout", unit="fwd", position=1, leave=False, dynamic_ncols=True,
+                        disable=not enabled)
+
+    def start(self, total: int) -> None:
+        self.bar.reset(total=total)
+        self.bar.set_description("old_log_prob", refresh=False)
+
+    def __call__(self, phase: str, **postfix: str) -> None:
+        if self.bar.desc != phase:
+            self.bar.set_description(phase, refresh=False)
+        self.bar.update(1)
+        if postfix:
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@contextlib.contextmanager
+def _timed(timing: dict[str, float], stage: str) -> Iterator[None]:
+    """Wall-clock seconds of the block → ``timing["timing_s/<stage>"]``."""
+    t0 = time.perf_counter()
+    yield
+    timing[f"timing_s/{stage}"] = time.perf_counter() - t0
+
+
+class Trainer:
+    """Builds everything from a :class:`TrainConfig` and runs :meth:`train`.
+
+    Args:
+        cfg: a validated config (:func:`stapo.config.load_config`).
+        validation_hook: optional ``fn(trainer, step) -> metrics`` called every ``trainer.val_every`` steps
+            (the evaluation harness provides one).
+        reward_fn: optional ``fn(responses, golds) -> obj`` with ``obj.rewards`` (one float per response)
+            replacing ``algorithm.reward`` (tests use a toy reward; see :func:`stapo.rewards.make_reward_fn`).
+
+    Raises:
+        FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is not ``auto``.
+        stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key).
+    """
+
+    def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
+                 reward_fn: Callable[[list[str], list[str]], Any] | None = None) -> None:
+        from stapo.rollout import SamplingParams, build_rollout_engine
+
+        self.cfg = cfg
+        self.objective = build_objective(cfg)
+        self.validation_hook = validation_hook
+        tc = cfg.trainer
+        # data parallelism (torchrun, WORLD_SIZE > 1); W = 1: nothing is initialised and nothing below changes
+        self.dist = dist.init_distributed(tc.device, tc.data_parallel)
+        dist.check_dp_config(cfg, self.dist)  # ConfigError naming the key (train.py: exit 2)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = self.dist.device if self.dist.enabled else torch.device(auto if tc.device == "auto" else tc.device)
+        self._mini_rows = cfg.actor.ppo_mini_batch_size // self.dist.world * cfg.rollout.n  # this rank's rows
+        model_tag = cfg.model.path.rstrip("/").split("/")[-1].replace(":", "-")
+        self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
+        self.run_dir = Path(tc.output_dir) / self.run_name
+        self.ckpt_root = self.run_dir / "checkpoints"
+        if tc.resume != "auto" and latest_checkpoint(self.ckpt_root) is not None:  # before loading anything
+            raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
+                                  f"(trainer.resume=auto) or choose another trainer.run_name")
+        self._seed_everything(tc.seed)
+
+        # --- policy, reference, optimizer -------------------------------------------------------------
+        # Precision policy (stapo/precision.py): parameters, gradients and AdamW state in param_dtype (fp32 master
+        # weights), forward/backward in compute_dtype (autocast; FSDP2's MixedPrecisionPolicy).
+        self.precision = PrecisionPolicy.from_config(cfg.model)
+        self.compute_dtype = self.precision.compute_dtype
+        self.model, self.tokenizer = self._load_initial_model(self.precision.param_dtype)
+        if self.dist.strategy != "fsdp2":  # FSDP2: fully_shard moves each layer's shards to the device itself,
+            self.model.to(self.device)     # so the whole fp32 model never sits on one GPU
+        if cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.ref_model = None
+        if self.objective.kl_coef > 0:  # the initial policy, frozen, loaded again in the compute dtype (no fp32 copy)
+            ref, _ = self._load_initial_model(self.compute_dtype)
+            ref = ref.eval().requires_grad_(False)
+            # FSDP2: sharded like the policy (its no-grad forwards are collectives too); else on the device
+            self.ref_model = dist.wrap_policy(ref, self.dist) if self.dist.strategy == "fsdp2" else ref.to(self.device)
+        # FSDP2: sharded in place (bf16 all-gathers, fp32 reduce-scatter when mixed); before the optimizer
+        self.model = dist.wrap_policy(self.model, self.dist, mp_policy=self.precision.fsdp_mp_policy())
+        self._check_param_dtype()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
+            betas=tuple(cfg.actor.betas))
+        warmup = cfg.actor.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+
+        # --- data, reward, rollout engine -------------------------------------------------------------
+        prompts, self.prompt_stats = load_prompts(cfg, self.tokenizer)  # data/num_prompts, ... (logged each step)
+        self.loader = PromptLoader(prompts, cfg.data.train_batch_size, tc.seed, cfg.data.shuffle)
+        from stapo.rewards import make_reward_fn
+
+        self.reward_fn = reward_fn if reward_fn is not None else make_reward_fn(cfg.algorithm.reward)
+        self.engine = build_rollout_engine(
+            cfg.rollout.backend, self.model, self.tokenizer,
+            **self._engine_kwargs())
+        self._sampling_cls = SamplingParams
+        self._seed_everything(tc.seed)  # the vLLM engine reseeds the global RNGs when it starts
+        self.updater = PolicyUpdate(
+            self.model, self.optimizer, self.scheduler, self.objective, self.precision, self.device, self.dist,
+            temperature=cfg.rollout.temperature, share_prompt=cfg.actor.share_prompt, grad_clip=cfg.actor.grad_clip,
+            max_response_length=cfg.rollout.response_length)
+
+        self.step = 0
+        self.tracker: Tracker | None = None
+
+    # ------------------------------------------------------------------------------------------------
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """The rollout engine's keyword arguments (:func:`stapo.rollout.engine_kwargs`, shared with evaluation)."""
+        from stapo.rollout import EngineOptions, engine_kwargs
+
+        rc = self.cfg.rollout
+        options = EngineOptions(
+            dtype=self.compute_dtype,  # vLLM: fp32 master → bf16 engine weights at each sync; HF: autocast
+            external_launcher=self.dist.enabled,  # one colocated engine per rank, inside torchrun's processes
+            max_model_len=self.cfg.data.max_prompt_length + rc.response_length,
+            gpu_memory_utilization=rc.gpu_memory_utilization, kv_cache_gib=rc.kv_cache_gib,
+            enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size, seed=self.cfg.trainer.seed,
+            enable_sleep_mode=rc.sleep_during_update)
+        return engine_kwargs(rc.backend, options)
+
+    def _load_initial_model(self, dtype: torch.dtype):
+        """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU →
+        ``(model, tokenizer)``. Called for the policy (param dtype) and for the reference model (compute dtype)."""
+        from stapo.models import build_tiny_model, load_policy
+
+        mc = self.cfg.model
+        if mc.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model (the same for every call)
+            return build_tiny_model(seed=self.cfg.trainer.seed, dtype=dtype, cache_dir=mc.cache_dir)
+        return load_policy(mc.path, dtype=dtype, attn_implementation=mc.attn_implementation, cache_dir=mc.cache_dir)
+
+    def _check_param_dtype(self) -> None:
+        """Every trainable parameter holds at least ``model.param_dtype``'s precision (what the optimizer steps on).
+
+        Raises:
+            stapo.config.ConfigError: a trainable parameter in a 16-bit dtype while ``model.param_dtype`` is
+                float32 (a model class that forces some weights into bf16), naming the parameter.
+        """
+        from stapo.config import ConfigError
+
+        want = self.precision.param_dtype
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and p.dtype != want and torch.finfo(p.dtype).eps > torch.finfo(want).eps:
+                raise ConfigError(f"invalid value for 'model.param_dtype' ({str(want).removeprefix('torch.')}): "
+                                  f"the policy's parameter {name} is {str(p.dtype).removeprefix('torch.')}")
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def train(self) -> list[dict[str, float]]:
+        """Run (or resume) training to ``trainer.total_steps``. Returns each step's metrics."""
+        tc = self.cfg.trainer
+        if tc.resume == "auto":
+            self._maybe_resume()
+        elif latest_checkpoint(self.ckpt_root) is not None:
+            raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
+                                  f"(trainer.resume=auto) or choose another trainer.run_name")
+        main = self.dist.is_main  # only rank 0 writes the run directory, logs and shows progress bars
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+            self.tracker = Tracker(self.run_dir, to_dict(self.cfg), mode=self.cfg.logging.wandb_mode,
+                                   project=self.cfg.logging.project, entity=self.cfg.logging.entity,
+                                   name=self.run_name)
+            self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
+            self._drop_stale_validation()
+        history: list[dict[str, float]] = []
+        bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
+                   dynamic_ncols=True)
+        try:
+            while self.step < tc.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                if self.validation_hook is not None and tc.val_every and self.step % tc.val_every == 0:
+                    if main:  # rank 0 validates with its engine; the others wait
+                        metrics.update(self.validation_hook(self, self.step))
+                    dist.barrier(self.dist)
+                if self.tracker is not None:
+                    self.tracker.log(self.step, metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
+                                ent=f"{metrics['actor/entropy']:.3f}",
+                                masked=f"{metrics.get('s2t/masked_frac', 0.0):.2e}")
+                if (tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps:
+                    self.save()
+        finally:
+            bar.close()
+            if self.tracker is not None:
+                self.tracker.finish()
+            for owner in (self.reward_fn, self.validation_hook):  # grader process pools
+                close = getattr(owner, "close", None)
+                if callable(close):
+                    close()
+        return history
+
+    def close(self) -> None:
+        """Release the rollout engine (vLLM: its workers and, under torchrun, its process groups — before
+        :func:`stapo.distributed.teardown`). The trainer cannot generate afterwards."""
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
+
+    def _drop_stale_validation(self) -> None:
+        """Remove validation outputs of steps after ``self.step`` (a crashed or earlier run's), so the
+        evaluation store never resumes generations of other weights."""
+        import shutil
+
+        subdir = getattr(self.validation_hook, "subdir", "validation")
+        root = self.run_dir / subdir if subdir else None
+        if root is None or not root.is_dir():
+            return
+        for d in root.glob("step_*"):
+            try:
+                step = int(d.name.split("_", 1)[1])
+            except ValueError:
+                continue
+            if step > self.step:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _maybe_resume(self) -> None:
+        """Resume from the latest complete checkpoint, if any (every rank): model + optimizer from ``dcp/``,
+        re-sharded to this run's ranks and strategy (checkpoints of the previous format: weights from the HF files,
+        the full optimizer state from ``trainer_state.pt``); then scheduler, data loader, RNG (this rank's when the
+        rank count is unchanged, else rank 0's) and step."""
+        ckpt = latest_checkpoint(self.ckpt_root)
+        if ckpt is None:
+            return
+        try:
+            if is_sharded(ckpt):
+                state = load_trainer_state(ckpt)
+                dist.load_sharded_state(self.model, self.optimizer, ckpt / DCP_DIR)  # collective under torchrun
+            else:
+                state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: mmap)
+                self._load_full_checkpoint(ckpt, state)
+        except (ValueError, OSError, RuntimeError, EOFError, KeyError) as e:  # torn / damaged / foreign files
+            msg = " ".join(str(e).split())
+            raise CheckpointError(f"cannot resume from {ckpt}: {msg[:600]} — move that folder out of "
+                                  f"{self.ckpt_root} to resume from the previous checkpoint") from e
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        per_rank = state.get("rng_per_rank")
+        set_rng_state(per_rank[self.dist.rank] if per_rank and len(per_rank) == self.dist.world else state["rng"])
+        self.step = int(state["step"])
+        self.engine.sync_weights(self.model)
+        if self.dist.is_main:
+            tqdm.write(f"resumed from {ckpt} at step {self.step}")
+
+    def _load_full_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> None:
+        """Previous checkpoint format: weights from the HF files, ``state["optimizer"]`` the full optimizer state."""
+        from stapo.models import load_policy
+
+        model_sd: dict[str, torch.Tensor] = {}
+        if self.dist.is_main or self.dist.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast
+            model, _ = load_policy(str(ckpt), dtype=self.precision.param_dtype,
+                                   attn_implementation=self.cfg.model.attn_implementation)
+            model_sd = model.state_dict()
+            del model
+        dist.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"], self.dist)
+
+    def save(self) -> Path:
+        """Write the step's checkpoint (:func:`stapo.checkpoint.save_checkpoint`; collective under torchrun: every
+        rank writes its model/optimizer shards, rank 0 the HF export in ``compute_dtype`` — the parameters' dtype
+        when the trainer has none — and the trainer state). Every rank returns the folder once it is complete."""
+        rngs = dist.gather_objects(rng_state(), self.dist)
+        state = {"scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rngs[0],
+                 "config": to_dict(self.cfg)}
+        if self.dist.enabled:
+            state["rng_per_rank"] = rngs
+        return save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer, state,
+                               optimizer=self.optimizer, keep_last=self.cfg.trainer.keep_last,
+                               export_dtype=getattr(self, "compute_dtype", None), ctx=self.dist)
+
+    # ------------------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One step of rollout and update. Returns the step's metrics (verl names, ``s2t/…`` ours; docs/metrics.md)."""
+        timing: dict[str, float] = {}
+        t_step = time.perf_counter()
+        progress = StepProgress(self.cfg.trainer.progress_bar and self.dist.is_main)
+        try:
+            with _timed(timing, "rollout"):  # 1. G responses per prompt, sampled from π_old at temperature T
+                prompts, responses = self._generate()
+            with _timed(timing, "reward"):  # 2. rewards of the response text; 3. GRPO advantages
+                rollout = self._score(prompts, responses)
+            plan = self._plan(rollout)  # which rows are forwarded when (sizes the progress bar)
+            progress.start(plan.num_forwards)
+            with _timed(timing, "old_log_prob"):  # 4. old-policy (and reference) statistics: no grad, fp32
+                old, ref = self._old_policy_stats(rollout, plan, progress)
+            with _timed(timing, "update"):  # 5. one optimizer step per mini-batch
+                result = self._update(plan, rollout, old, ref, progress)
+            with _timed(timing, "sync"):  # 6. the new weights into the rollout engine
+                self._sync_engine()
+        finally:
+            progress.close()
+        timing["timing_s/step"] = time.perf_counter() - t_step
+        sb = StepBatch(rollout=rollout, old=result.old, ref_logprobs=ref, keep=result.keep)
+        return self._metrics(sb, result, timing)  # 7. metrics (+ the examples table)
+
+    # --- the stages of a step -------------------------------------------------------------------------
+    def _generate(self) -> tuple[list, list]:
+        """This rank's prompts of the step's batch and their G responses each (group-major)."""
+        cfg = self.cfg
+        prompts, prompt_indices = dist.local_prompts(self.loader.next_batch(), cfg.actor.ppo_mini_batch_size,
+                                                     self.dist)  # this rank's share (all when W = 1)
+        sampling = self._sampling_cls(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                      max_new_tokens=cfg.rollout.response_length,
+                                      seed=cfg.trainer.seed * 1_000_003 + self.step, prompt_indices=prompt_indices)
+        self.model.eval()
+        return prompts, self.engine.generate([p[0] for p in prompts], cfg.rollout.n, sampling)
+
+    def _score(self, prompts: list, responses: list) -> Rollout:
+        """Rewards (the response text only, never the prompt), GRPO advantages and the collated batch."""
+        from stapo.policy import collate_responses
+
+        alg = self.cfg.algorithm
+        reward_out = self.reward_fn([r.text for r in responses], [prompts[r.group][1] for r in responses])
+        rewards = torch.tensor(reward_out.rewards, dtype=torch.float32)  # [B]
+        adv = grpo_advantages(rewards, self.cfg.rollout.n, eps=alg.adv_eps, norm_by_std=alg.norm_adv_by_std)
+        return Rollout(batch=collate_responses(responses, self.tokenizer.pad_token_id), responses=responses,
+                       rewards=rewards, advantages=adv.advantages, reward_stats=getattr(reward_out, "stats", None))
+
+    def _plan(self, rollout: Rollout) -> UpdatePlan:
+        """The step's update schedule (:func:`stapo.train.plan.build_plan`) from the actor settings."""
+        ac = self.cfg.actor
+        return build_plan(
+            rollout.batch.attention_mask.sum(dim=1), rollout.advantages,  # [B] prompt + response tokens, [B] Â
+            mini_batch_rows=self._mini_rows, micro_batch_size=ac.ppo_micro_batch_size,
+            token_mask=self.objective.token_mask, mask_stats_source=self.cfg.algorithm.mask_stats_source,
+            fused_forward=ac.fused_forward, sort_by_length=ac.sort_by_length and not ac.share_prompt,
+            has_reference=self.ref_model is not None, keep_all_graphs=self.dist.strategy == "fsdp2")
+
+    def _old_policy_stats(self, rollout: Rollout, plan: UpdatePlan,
+                          progress: Progress) -> tuple[TokenStats, torch.Tensor | None]:
+        """The plan's no-grad passes → old-policy statistics ([B, R] each; the fused first mini-batch's rows are
+        computed by the update) and the reference log-probs [B, R] (β > 0) or None."""
+        old = self.updater.no_grad_stats(self.model, rollout.batch, plan.old_pass, progress, "old_log_prob")
+        if self.ref_model is None:
+            return old, None
+        return old, self.updater.no_grad_stats(self.ref_model, rollout.batch, plan.ref_pass, progress, "ref").logprobs
+
+    def _update(self, plan: UpdatePlan, rollout: Rollout, old: TokenStats, ref: torch.Tensor | None,
+                progress: Progress) -> UpdateResult:
+        """The policy update (the rollout engine sleeps meanwhile, if configured)."""
+        if self.cfg.rollout.sleep_during_update:
+            self.engine.sleep()
+        self.model.train()
+        return self.updater.run(plan, rollout, old, ref, progress)
+
+    def _sync_engine(self) -> None:
+        self.model.eval()
+        if self.cfg.rollout.sleep_during_update:
+            self.engine.wake_up()
+        self.engine.sync_weights(self.model)
+
+    def _metrics(self, sb: StepBatch, result: UpdateResult, timing: dict[str, float]) -> dict[str, float]:
+        """The step's metrics (whole batch, all ranks) with rank 0's timings; the examples table when due."""
+        reward_stats = dist.sum_reward_stats(sb.rollout.reward_stats, self.dist)
+        extra = {**(reward_stats.as_dict() if reward_stats else {}), **result.metrics, **self.prompt_stats,
+                 "data/epoch": float(self.loader.epoch)}
+        metrics = step_metrics(gather_metric_rows(sb, self.dist), self.cfg, extra)
+        metrics.update(timing)  # rank 0's wall-clock times
+        metrics["perf/tokens_per_s"] = metrics["response_length/total_tokens"] / timing["timing_s/step"]
+        every = self.cfg.trainer.log_examples_every
+        if every and (self.step + 1) % every == 0 and self.tracker is not None:  # rank 0's rows only
+            s2t = self.cfg.algorithm.s2t
+            self.tracker.log_table(self.step + 1, *silenced_examples(sb, self.tokenizer, self.objective.token_mask, s2t))
+        return metrics
