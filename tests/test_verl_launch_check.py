@@ -1,4 +1,4 @@
-"""The README's verl step 3, as a new user runs it: ``DRY_RUN=1 NNODES=8 bash scripts/verl/run_stapo_qwen3_1.7b.sh``
+"""The verl step 3 of docs/scaling.md, as a new user runs it: ``DRY_RUN=1 NNODES=8 bash scripts/verl/run_stapo_qwen3_1.7b.sh``
 for each of the four methods, in the check environment ``.venv-verl`` (scripts/verl/setup_check_env.sh: hydra-core
 1.3.8 + omegaconf 2.3 over the project's .venv; .ci/run creates it, and so does this module when it is missing).
 
@@ -26,7 +26,7 @@ HOOK = "worker hook installed on verl.workers.engine_workers.TrainingWorker.trai
 
 
 def _check_python() -> Path:
-    """.venv-verl's python; creates the environment (the README's one command) when it is missing."""
+    """.venv-verl's python; creates the environment (the one command of docs/scaling.md) when it is missing."""
     py = CHECK_ENV / "bin" / "python"
     if not py.exists():
         proc = subprocess.run(["bash", str(ROOT / "scripts" / "verl" / "setup_check_env.sh")], cwd=ROOT,

@@ -1,7 +1,7 @@
 """The verl plugin (stapo.integrations.verl) against verl's real registry and loss plumbing, on CPU.
 
 verl is an optional dependency: these tests are skipped when it is not installed (install line in
-stapo/integrations/verl.py's docstring / the README). Importing verl takes ~10 s of CPU; the tests themselves
+stapo/integrations/verl.py's docstring / docs/scaling.md). Importing verl takes ~10 s of CPU; the tests themselves
 take ~1-2 s. The launch script's dry run is tested in tests/test_verl_launch_check.py.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("verl", reason="verl is not installed (pip install --no-deps verl==0.9.1 + deps, see README)")
+pytest.importorskip("verl", reason="verl is not installed (pip install --no-deps verl==0.9.1 + deps, see docs/scaling.md)")
 pytest.importorskip("ray", reason="verl needs ray to import")
 
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn  # noqa: E402

@@ -107,7 +107,7 @@ def main(overrides: list[str]) -> int:
     have_fa = importlib.util.find_spec("flash_attn") is not None
     note = "" if attn != "flash_attention_2" or have_fa else (
         " -- WARNING: flash_attn is not importable in this environment; install it on every node or set "
-        "ATTN_IMPL=sdpa (README, Cluster)")
+        "ATTN_IMPL=sdpa (docs/scaling.md, Cluster)")
     print(f"attention (FSDP actor/ref): {attn}{note}")
     print(f"reward: {cfg.reward.custom_reward_function.path}:{cfg.reward.custom_reward_function.name} "
           f"{dict(cfg.reward.custom_reward_function.get('reward_kwargs', {}))}")

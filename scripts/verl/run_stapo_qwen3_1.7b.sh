@@ -9,7 +9,7 @@
 #
 # Setup, on EVERY node (a shared filesystem is simplest):
 #   pip install "verl[vllm]==0.9.1"              # verl's own GPU environment (torch 2.11, vllm 0.24 as verl pins;
-#                                                # NOT flash-attn: see ATTN_IMPL below and the README)
+#                                                # NOT flash-attn: see ATTN_IMPL below and docs/scaling.md)
 #   pip install --no-deps -e /path/to/stapo      # our package; its objectives/masks/rewards need only torch
 #                                                # (+ math-verify==0.9.0 for REWARD=math_verify)
 #   python scripts/verl/prepare_verl_data.py --data-root /path/to/data --out "$DATA_DIR"
@@ -32,7 +32,7 @@
 #              the reference model with β = KL_COEF (0.04); verl then also runs the reference model
 # Attention of the FSDP actor/reference (ATTN_IMPL): verl's default is flash_attention_2, which needs the flash-attn
 # package (not brought by verl[vllm]); `auto` uses it when `import flash_attn` works here, else PyTorch sdpa
-# (exact with verl's packed sequences, slower; see README, Cluster). vLLM rollouts have their own kernels.
+# (exact with verl's packed sequences, slower; see docs/scaling.md, Cluster). vLLM rollouts have their own kernels.
 #
 # Every setting can be changed by environment variable; extra hydra overrides go after the script name:
 #   LOSS_MODE=entropy20 NNODES=8 bash scripts/verl/run_stapo_qwen3_1.7b.sh trainer.logger='[console]'
@@ -79,7 +79,7 @@ if [[ "$ATTN_IMPL" == auto ]]; then
   if "$PYTHON" -c "import flash_attn" >/dev/null 2>&1; then ATTN_IMPL=flash_attention_2; else
     ATTN_IMPL=sdpa
     echo "note: flash_attn is not importable here: the FSDP actor/reference use attn_implementation=sdpa" \
-         "(set ATTN_IMPL=flash_attention_2 after installing flash-attn on every node; README, Cluster)" >&2
+         "(set ATTN_IMPL=flash_attention_2 after installing flash-attn on every node; docs/scaling.md, Cluster)" >&2
   fi
 fi
 case "$ATTN_IMPL" in flash_attention_2|sdpa) ;;
