@@ -152,7 +152,7 @@ class ActorConfig:
     # combined with gradient checkpointing.
     share_prompt: bool = False
     # Take the statistics a mini-batch's mask needs from the update's own forward instead of a separate no-grad
-    # pass (Trainer._backward_fused): rows whose mask may depend on them (S2T: Â > 0; 20-Entropy: all) are
+    # pass (stapo/train/update.py, own_forward): rows whose mask may depend on them (S2T: Â > 0; 20-Entropy: all) are
     # forwarded WITH grad and their graphs kept, the others are backwarded at once; the mask is built from the
     # detached p and H, then the kept graphs are backwarded. For the first mini-batch π_θ = π_old, so its
     # old-policy pass is skipped too (old log-probs = the update's, detached; ratio 1): with one mini-batch per

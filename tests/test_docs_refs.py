@@ -1,0 +1,50 @@
+"""Every code reference ``path.py::Name`` / ``path.py::Class.method`` in the README and docs/ names a file of the
+repository and a name defined in it (module-level def / class / assignment, or a method of that class), so the
+documents follow the code when it moves."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "results" / "README.md"]
+REF = re.compile(r"`([\w./-]+\.py)::([\w.]+)`")
+
+
+def _defined(tree: ast.Module, dotted: str) -> bool:
+    body = tree.body
+    for part in dotted.split("."):
+        found = None
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == part:
+                found = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == part for t in targets):
+                    found = node
+        if found is None:
+            return False
+        body = getattr(found, "body", [])
+    return True
+
+
+def _refs() -> list[tuple[str, str, str]]:
+    out = []
+    for doc in DOCS:
+        if doc.exists():
+            out += [(doc.relative_to(REPO).as_posix(), path, name) for path, name in REF.findall(doc.read_text())]
+    return out
+
+
+def test_the_documents_cite_code():
+    assert len(_refs()) > 40  # method.md and metrics.md cite the code of every rule and metric
+
+
+@pytest.mark.parametrize("doc, path, name", sorted(set(_refs())))
+def test_code_reference_resolves(doc, path, name):
+    file = REPO / path
+    assert file.is_file(), f"{doc}: {path} does not exist"
+    assert _defined(ast.parse(file.read_text()), name), f"{doc}: {path} defines no {name}"
