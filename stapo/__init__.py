@@ -22,7 +22,16 @@ Models and rollouts
   policy        RolloutBatch and trainer-side token statistics
 
 Training
-  config        typed OmegaConf schema; trainer: the loop; checkpoint; tracking (JSONL + W&B)
+  config        typed OmegaConf schema (registries validate objective, mask and backend names)
+  train/        the training loop: trainer (loop + train_step), plan (UpdatePlan), update (PolicyUpdate),
+                batch (Rollout, StepBatch), metrics, prompts (PromptLoader)
+  distributed   torchrun: replicate / FSDP2, the update's data-parallel helpers; dp_mask: the mini-batch mask
+                over ranks
+  precision, checkpoint, tracking   fp32 master weights + bf16 compute; sharded checkpoints; JSONL + W&B
+
+Evaluation and adapters
+  evaluation/   evaluate.py's harness (six benchmarks, two settings, avg@N / pass@k) and in-training validation
+  integrations/ the verl plugin (adapters import the core, never the reverse)
 """
 
 __version__ = "0.1.0"
