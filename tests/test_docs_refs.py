@@ -48,3 +48,23 @@ def test_code_reference_resolves(doc, path, name):
     file = REPO / path
     assert file.is_file(), f"{doc}: {path} does not exist"
     assert _defined(ast.parse(file.read_text()), name), f"{doc}: {path} defines no {name}"
+
+
+def _anchors(md: Path) -> set[str]:
+    """GitHub-style anchors of a page's headings (lower case, punctuation dropped, spaces → '-')."""
+    heads = re.findall(r"^#+ (.+)$", md.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_every_docs_anchor_cited_by_the_code_exists():
+    """``docs/<page>.md#<anchor>`` in stapo/, scripts/, configs/ and the entry points names a heading of that page."""
+    missing, cited = [], 0
+    files = [*(REPO / "stapo").rglob("*.py"), *(REPO / "scripts").rglob("*.py"), *(REPO / "configs").rglob("*.yaml"),
+             REPO / "train.py", REPO / "evaluate.py"]
+    for f in files:
+        for page, anchor in re.findall(r"docs/([\w-]+\.md)#([\w-]+)", f.read_text()):
+            cited += 1
+            md = REPO / "docs" / page
+            if not md.is_file() or anchor not in _anchors(md):
+                missing.append(f"{f.relative_to(REPO)}: docs/{page}#{anchor}")
+    assert cited > 50 and missing == []

@@ -26,7 +26,7 @@ class Rollout:
             response_mask [B, R].
         responses: list[:class:`stapo.rollout.Response`], length B (text, finish reason, engine log-probs).
         rewards: [B] fp32.
-        advantages: [B] fp32 GRPO advantages (docs/method.md#advantages).
+        advantages: [B] fp32 GRPO advantages (docs/method.md#grpo-advantages).
         reward_stats: the reward function's counts for this rank's responses (its ``.stats``), or None.
     """
 
