@@ -67,12 +67,15 @@ def minibatch_token_mask(
 
     Every rank contributes the (log p, H, Â) of its response tokens; they are all-gathered in rank order and
     :func:`stapo.objectives.compute_token_mask` is applied ONCE to the concatenation, viewed as a single row
-    [1, N_resp]. S2T does not depend on the layout; the 20-Entropy tie-break ("first in row-major order")
-    becomes rank-major then row-major, which is plain row-major order with one rank. A rank without response
+    [1, N_resp]. S2T and its ablations do not depend on the layout (``s2t_random``'s seeded draw depends only on
+    the row-major candidate sequence and the counts: :func:`stapo.masks.s2t_random_mask`); the 20-Entropy tie-break
+    ("first in row-major order") becomes rank-major then row-major, which is plain row-major order with one rank —
+    so the keep-mask is the one-process ``compute_token_mask`` of the [n, R] mini-batch. A rank without response
     tokens or without S2T candidates is fine. Collective: every rank of ``group`` must call it.
 
     Args:
-        objective: an :class:`Objective` (token mask ``s2t``, ``top_entropy`` or ``none``).
+        objective: an :class:`Objective` (any registered token mask: ``s2t``, ``top_entropy``, ``none``, the S2T
+            ablations...).
         logprobs: [B, T] log p of the sampled tokens under the current policy (nats), any float dtype.
         entropy: [B, T] entropy (nats), any float dtype.
         advantages: [B, T] or [B] advantages.

@@ -463,6 +463,13 @@ def s2t_random_mask(logprobs, entropy, advantages, response_mask, *, prob_thresh
     mini-batch), on resume and in tests — while different mini-batches (other counts) draw other permutations.
     Stats as :func:`s2t_mask`; ``entropy_threshold`` is S2T's τ_h, whose silenced count is matched.
 
+    Layout: the draw depends only on the candidates' order among the response tokens in row-major order and on
+    the counts N_resp (response tokens, not padded positions) and N_cand — not on the [B, T] shape, the padding or
+    the rank. The one-process trainer's [n, R] mini-batch and the [1, N_resp] rank-major concatenation of
+    :func:`stapo.dp_mask.minibatch_token_mask` (rank-major = the one-process row order) therefore silence the same
+    tokens (tests/test_masks.py, tests/test_dp_mask.py, tests/test_distributed.py); putting the rows in another
+    order changes the candidate sequence, and so the draw.
+
     Example: 4 candidates, S2T silences 3 → 3 of the 4 candidates, chosen by the seeded permutation, are silenced.
     """
     ref = s2t_mask(logprobs, entropy, advantages, response_mask, prob_threshold=prob_threshold,

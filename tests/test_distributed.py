@@ -70,7 +70,7 @@ def _assert_same_metrics(got: list[dict], ref: list[dict], rel: float = 1e-4, ab
         for k in keys:
             if r[k] is None or g[k] is None:  # NaN (e.g. a mean over an empty quadrant) is logged as null
                 assert g[k] is None and r[k] is None, (r["step"], k, g[k], r[k])
-            elif k.startswith(("s2t/num_", "actor/num_kept")) or k.endswith("/count"):
+            elif k.startswith(("s2t/num_", "s2t_random/num_", "actor/num_kept")) or k.endswith("/count"):
                 assert g[k] == r[k], (r["step"], k, g[k], r[k])  # token counts: exactly the same mask
             else:
                 assert g[k] == pytest.approx(r[k], rel=rel, abs=abs_, nan_ok=True), (r["step"], k, g[k], r[k])
@@ -522,3 +522,17 @@ def test_two_fsdp2_ranks_with_a_sharded_reference_model_match_one_process(tmp_pa
     assert want[1]["actor/kl_loss"] > 0  # step 2: the policy has moved away from the reference
     _assert_same_metrics(got, want)
     _assert_same_weights(_weights(tmp_path / "grpo_fsdp2", 2), _weights(tmp_path / "grpo_one", 2), atol=5e-5)
+
+
+def test_two_replicated_ranks_with_random_masking_match_one_process(tmp_path):
+    """stapo_random (S2T's count of candidates, chosen by a seeded draw): the 2 ranks draw over the all-gathered
+    rank-major candidate sequence ([1, N_resp]), the one process over its [n, R] mini-batch rows — the same tokens
+    (exact counts), hence the same loss, metrics and weights. As in the other comparisons, mini-batch 0 has every
+    candidate on rank 0 (uneven reward). ~25 s on 2 loaded cores."""
+    rand = ["algorithm.objective=stapo_random", "trainer.total_steps=2"]
+    _torchrun(tmp_path / "rand_2", "trainer.data_parallel=replicate", *rand)
+    _train_in_process(tmp_path / "rand_1", *rand)
+    got, want = _rows(tmp_path / "rand_2"), _rows(tmp_path / "rand_1")
+    assert all(0 < r["s2t_random/num_masked"] < r["s2t_random/num_candidates"] for r in want)
+    _assert_same_metrics(got, want)
+    _assert_same_weights(_weights(tmp_path / "rand_2", 2), _weights(tmp_path / "rand_1", 2), atol=5e-5)

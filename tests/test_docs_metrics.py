@@ -83,7 +83,7 @@ def test_the_pattern_matcher_rejects_unknown_keys():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("loss_mode", ["stapo", "entropy20"])
+@pytest.mark.parametrize("loss_mode", ["stapo", "entropy20", "stapo_high_entropy", "stapo_random", "justrl_fullmask"])
 def test_every_verl_plugin_metric_is_documented(loss_mode):
     """The metrics the registered verl losses return (verl optional; its import is shared with test_verl_plugin)."""
     pytest.importorskip("verl", reason="verl is not installed")
@@ -98,7 +98,7 @@ def test_every_verl_plugin_metric_is_documented(loss_mode):
     logp = torch.log(torch.rand(4, 6, generator=g) * 0.004 + 1e-5)  # p < τ_p: S2T candidates in the Â > 0 rows
     old = logp + 0.01 * torch.randn(4, 6, generator=g)
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])[:, None].expand(4, 6)
-    fn = {"stapo": plugin.compute_policy_loss_stapo, "entropy20": plugin.compute_policy_loss_entropy20}[loss_mode]
+    fn = plugin.PLUGIN_LOSS_FNS[loss_mode]
     with plugin.mask_context(entropy=torch.rand(4, 6, generator=g)):
         _, metrics = fn(old, logp, adv, mask, "token-mean", _actor_config(loss_mode))
     assert f"actor/{loss_mode}/num_kept_tokens" in metrics

@@ -273,6 +273,34 @@ def test_random_masking_silences_as_many_candidates_as_s2t_with_a_documented_see
     assert len(draws) > 1  # the seed matters (10 seeds, 10 possible 3-subsets)
 
 
+def test_random_masking_depends_on_the_candidate_sequence_not_on_the_layout():
+    """The one-process trainer masks the [n, R] mini-batch, the data-parallel path its [1, N_resp] flattening
+    (stapo.dp_mask.minibatch_token_mask): both, and any padding width, silence the same tokens. By hand: seed 11104 as
+    above (N_resp = 11 response tokens whatever the padding, N_cand = 5); the flattening puts row 0's 6 response
+    tokens at 0..5 and row 1's 5 at 6..10, so the candidates (0,1), (0,2), (0,4), (1,0), (1,2) are at 1, 2, 4, 6, 8."""
+    from stapo.masks import s2t_random_mask
+
+    logp, h, adv, mask = _case_2x6()
+    perm = torch.randperm(5, generator=torch.Generator().manual_seed(11104))[:3].tolist()
+    want = sorted([(0, 1), (0, 2), (0, 4), (1, 0), (1, 2)][i] for i in perm)
+    assert _positions(s2t_random_mask(logp, h, adv, mask).keep, mask) == want
+    # [1, 11]: the response tokens in row-major order, as minibatch_token_mask concatenates them
+    flat = s2t_random_mask(logp[mask][None], h[mask][None], adv[:, None].expand_as(mask)[mask][None],
+                           torch.ones(1, 11, dtype=torch.bool))
+    assert _positions(flat.keep, torch.ones(1, 11, dtype=torch.bool)) == sorted((0, [1, 2, 4, 6, 8][i]) for i in perm)
+    # more padding (width 9): same tokens
+    pad = lambda x, v: torch.nn.functional.pad(x, (0, 3), value=v)  # noqa: E731
+    wide = s2t_random_mask(pad(logp, -9.0), pad(h, 0.0), adv, pad(mask, False))
+    assert _positions(wide.keep, pad(mask, False)) == want
+    assert wide.stats == s2t_random_mask(logp, h, adv, mask).stats
+    # the rows in the other order: the candidate sequence is (1,0), (1,2), (0,1), (0,2), (0,4) and the same draw
+    # picks by position in it
+    rev = s2t_random_mask(logp.flip(0), h.flip(0), adv.flip(0), mask.flip(0))
+    swapped = [(1, 0), (1, 2), (0, 1), (0, 2), (0, 4)]  # original (row, col) of the reversed batch's candidates
+    got = sorted((1 - r, c) for r, c in _positions(rev.keep, mask.flip(0)))
+    assert got == sorted(swapped[i] for i in perm)
+
+
 def test_justrl_fullmask_silences_every_low_probability_token_of_positive_advantage():
     from stapo.masks import full_low_prob_mask
 

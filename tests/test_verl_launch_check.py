@@ -1,11 +1,11 @@
 """The verl step 3 of docs/scaling.md, as a new user runs it: ``DRY_RUN=1 NNODES=8 bash scripts/verl/run_stapo_qwen3_1.7b.sh``
-for each of the four methods, in the check environment ``.venv-verl`` (scripts/verl/setup_check_env.sh: hydra-core
+for each method (the four of the paper's table and the three S2T ablations), in the check environment ``.venv-verl`` (scripts/verl/setup_check_env.sh: hydra-core
 1.3.8 + omegaconf 2.3 over the project's .venv; .ci/run creates it, and so does this module when it is missing).
 
 Each dry run composes the launch line with hydra against verl 0.9.1's own config, imports the plugin the way the
 workers do, checks the hook on TrainingWorker.train_batch, instantiates the actor config, runs verl's
 validate_config and names the objective of stapo/objectives.py that verl's actor will optimise.
-Cost: ~15 s to create the environment once (pip cache warm), ~8 s of CPU per dry run; the five run at once.
+Cost: ~15 s to create the environment once (pip cache warm), ~8 s of CPU per dry run; the eight run at once.
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ pytest.importorskip("verl", reason="verl is not installed (bash scripts/setup.sh
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "verl" / "run_stapo_qwen3_1.7b.sh"
 CHECK_ENV = ROOT / ".venv-verl"
-METHODS = ("stapo", "entropy20", "vanilla", "grpo")
+ABLATIONS = ("stapo_high_entropy", "stapo_random", "justrl_fullmask")  # plugin losses, like stapo and entropy20
+METHODS = ("stapo", "entropy20", "vanilla", "grpo", *ABLATIONS)
+PLUGIN_METHODS = ("stapo", "entropy20", *ABLATIONS)
 HOOK = "worker hook installed on verl.workers.engine_workers.TrainingWorker.train_batch"
 
 
@@ -49,7 +51,7 @@ BAD = ("stapo-seq-mean", {"LOSS_MODE": "stapo", "ATTN_IMPL": "sdpa"},
 
 @pytest.fixture(scope="module")
 def dry_runs() -> dict[str, subprocess.CompletedProcess]:
-    """The four methods' dry runs and the BAD one, all at once (each is one CPU-bound python process importing
+    """The methods' dry runs and the BAD one, all at once (each is one CPU-bound python process importing
     verl, ~8 s of CPU; the machine's cores are the limit, not the order)."""
     env = _env()
     cases = [(m, {"LOSS_MODE": m}, []) for m in METHODS] + [BAD]
@@ -69,6 +71,7 @@ EXPECTED = {  # method → (verl policy loss function, our objective, reference 
     "vanilla": ("verl.trainer.ppo.core_algos.compute_policy_loss_vanilla", "justrl", "reference model: off"),
     "grpo": ("verl.trainer.ppo.core_algos.compute_policy_loss_vanilla", "grpo",
              "reference model: on (KL loss β = 0.04, low_var_kl)"),
+    **{m: (f"stapo.integrations.verl.compute_policy_loss_{m}", m, "reference model: off") for m in ABLATIONS},
 }
 
 
@@ -80,7 +83,7 @@ def test_dry_run_of_the_launch_script(dry_runs, method):
     fn, objective, ref = EXPECTED[method]
     assert "verl 0.9.1: config composes and validates (8 node(s) × 8 GPUs)" in out
     assert HOOK in out  # the external_lib import installed the hook in this process, as in every worker
-    assert ("(active)" in out) == (method in ("stapo", "entropy20"))
+    assert ("(active)" in out) == (method in PLUGIN_METHODS)
     loss_mode = "vanilla" if method == "grpo" else method
     assert f"policy loss {loss_mode!r} -> {fn}" in out
     assert f"equals stapo.objectives {objective!r}" in out

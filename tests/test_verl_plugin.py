@@ -27,7 +27,8 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 import stapo.integrations.verl as plugin  # noqa: E402
 from stapo.dp_mask import minibatch_token_mask  # noqa: E402
-from stapo.objectives import compute_token_mask, objective_loss  # noqa: E402
+from stapo.objectives import (  # noqa: E402
+    OBJECTIVES, compute_token_mask, get_objective, loss_denominator, objective_loss, policy_loss)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -119,6 +120,125 @@ def test_entropy20_matches_our_objective():
     assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
     torch.testing.assert_close(logp.grad, logp_ref.grad, rtol=0, atol=1e-6)
     assert metrics["actor/top_entropy/num_kept"] == 2.0
+
+
+ABLATIONS = ("stapo_high_entropy", "stapo_random", "justrl_fullmask")
+
+
+def test_every_registered_objective_with_a_mask_token_mean_and_no_kl_is_a_loss_mode():
+    """Generic registration: the paper's ablations are loss modes like stapo / entropy20, each its own function
+    ``compute_policy_loss_<name>`` in verl's registry; justrl (no mask: verl's vanilla) and grpo (KL, seq-mean) not."""
+    assert set(plugin.PLUGIN_LOSSES) == {"stapo", "entropy20", *ABLATIONS}
+    for name in plugin.PLUGIN_LOSSES:
+        fn = get_policy_loss_fn(name)
+        assert fn is plugin.PLUGIN_LOSS_FNS[name] is getattr(plugin, f"compute_policy_loss_{name}")
+        assert (fn.__module__, fn.__name__) == ("stapo.integrations.verl", f"compute_policy_loss_{name}")
+        assert f"``{name}``" in fn.__doc__
+    assert len(set(plugin.PLUGIN_LOSS_FNS.values())) == len(plugin.PLUGIN_LOSSES)
+    assert "grpo" not in POLICY_LOSS_REGISTRY and "justrl" not in POLICY_LOSS_REGISTRY
+    assert "seq-mean-token-mean" in plugin.plugin_loss_problem(get_objective("grpo"))
+    assert "KL" in plugin.plugin_loss_problem(get_objective("stapo").replace(kl_coef=0.1))
+    assert plugin.plugin_loss_problem(get_objective("justrl")) is None  # accepted when asked for explicitly
+
+
+def test_an_objective_registered_later_becomes_a_loss_mode():
+    from stapo.objectives import register_objective
+
+    obj = register_objective(get_objective("stapo").replace(name="test_late_objective", clip_ratio_high=0.3))
+    try:
+        fn = plugin.register_plugin_loss("test_late_objective")
+        assert get_policy_loss_fn("test_late_objective") is fn is plugin.compute_policy_loss_test_late_objective
+        assert plugin.register_plugin_loss("test_late_objective") is fn  # idempotent
+        cfg = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0,  # a dict works as the config
+               "policy_loss": {"loss_mode": "test_late_objective"}, "global_batch_info": {"dp_size": 1}}
+        assert plugin.objective_from_verl_config("test_late_objective", cfg) == obj
+        logp, old = _hand_tensors()
+        with plugin.mask_context(entropy=H):
+            loss, metrics = fn(old, logp, ADV, MASK, "token-mean", cfg)
+        assert loss.item() == pytest.approx(1.92, abs=1e-5)  # stapo's 1.924 with r0t0 clipped at 1.3: −1.3 − 1 + 11.9
+        assert metrics["actor/test_late_objective/num_kept_tokens"] == 5.0
+    finally:
+        OBJECTIVES.pop("test_late_objective")
+        POLICY_LOSS_REGISTRY.pop("test_late_objective", None)
+        plugin.PLUGIN_LOSSES.pop("test_late_objective", None)
+        plugin.PLUGIN_LOSS_FNS.pop("test_late_objective", None)
+        vars(plugin).pop("compute_policy_loss_test_late_objective", None)
+    with pytest.raises(ValueError, match="cannot be a verl plugin loss: its aggregation"):
+        plugin.register_plugin_loss("grpo")
+    with pytest.raises(KeyError):
+        plugin.register_plugin_loss("no_such_objective")
+    register_objective(get_objective("stapo").replace(name="vanilla"))
+    try:
+        with pytest.raises(ValueError, match="verl's own"):
+            plugin.register_plugin_loss("vanilla")
+    finally:
+        OBJECTIVES.pop("vanilla")
+    assert get_policy_loss_fn("vanilla").__module__ == "verl.trainer.ppo.core_algos"
+
+
+# The ablations on the hand-made tensors (candidates: row 0, tokens 1, 2, 3 with H = [0.2, 0.4, 0.9]):
+#   stapo_high_entropy: τ = quantile_0.25([0.2, 0.4, 0.9]) = 0.2 + 0.5·0.2 = 0.3 → silences H > 0.3 = tokens 2, 3;
+#     kept r0 {0, 1} + r1 {0, 1, 2}: (−1.28 − 1.0 + 1.1 + 0.8 + 10) / 5 = 1.924; grad r0t1 −1/5, r1t0 1.1/5
+#   stapo_random: 2 of the 3 candidates (S2T's count), by the seeded draw; the kept one has ℓ = −1 whichever it is
+#     → 1.924 too; grad −0.2 at the kept candidate, 0.22 at r1t0
+#   justrl_fullmask: silences all 3 candidates; kept r0 {0} + r1 {0, 1, 2}: (−1.28 + 1.1 + 0.8 + 10) / 4 = 2.655;
+#     grad r1t0 1.1/4 = 0.275
+HAND_ABLATIONS = {"stapo_high_entropy": (1.924, 5), "stapo_random": (1.924, 5), "justrl_fullmask": (2.655, 4)}
+
+
+@pytest.mark.parametrize("loss_mode", ["stapo", "entropy20", *ABLATIONS])
+def test_plugin_loss_equals_our_policy_loss_over_compute_token_mask(loss_mode):
+    """Every plugin loss mode on the hand-made batch: the registered verl loss (mask computed from
+    mask_context(entropy=...)) = stapo.objectives.policy_loss over compute_token_mask's keep-mask, denominator N."""
+    cfg = _actor_config(loss_mode, batch_num_tokens=int(MASK.sum()))
+    obj = plugin.objective_from_verl_config(loss_mode, cfg)
+    assert obj == get_objective(loss_mode)  # the paper's clip values, the default mask parameters
+    logp, old = _hand_tensors()
+    with plugin.mask_context(entropy=H):
+        loss, metrics = get_policy_loss_fn(loss_mode)(old, logp, ADV, MASK, "token-mean", cfg)
+    loss.backward()
+
+    logp_ref, old_ref = _hand_tensors()
+    tm = compute_token_mask(obj, logp_ref.detach(), H, ADV, MASK)
+    ref_loss, ref_metrics = policy_loss(obj, logp_ref, old_ref, ADV, tm.keep,
+                                        loss_denominator(tm.keep, obj.loss_agg_mode))
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    torch.testing.assert_close(logp.grad, logp_ref.grad, rtol=0, atol=1e-6)
+    for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+        assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-6)
+    assert metrics[f"actor/{loss_mode}/num_kept_tokens"] == float(tm.keep.sum())
+    for k, v in tm.stats.items():
+        if math.isfinite(v):
+            assert metrics[f"actor/{k}"] == pytest.approx(v, abs=1e-6), k
+    if loss_mode in HAND_ABLATIONS:
+        want_loss, want_kept = HAND_ABLATIONS[loss_mode]
+        assert loss.item() == pytest.approx(want_loss, abs=1e-5) and int(tm.keep.sum()) == want_kept
+        assert tm.keep[1].tolist() == [True, True, True, False] and bool(tm.keep[0, 0])  # only candidates go
+        expected = torch.zeros(2, 4)
+        expected[1, 0] = 1.1 / want_kept
+        if want_kept == 5:  # the one kept candidate (token 1 for high-entropy, the draw's for random)
+            expected[0, int(tm.keep[0, 1:].nonzero()[0]) + 1] = -0.2
+        torch.testing.assert_close(logp.grad, expected, rtol=0, atol=1e-5)
+    if loss_mode == "stapo_high_entropy":
+        assert tm.keep[0].tolist() == [True, True, False, False]
+
+
+def test_ablation_mask_parameters_reach_the_objective():
+    cfg = _actor_config("stapo_random", s2t_random_seed=5, s2t_prob_threshold=0.01, s2t_entropy_quantile=0.8)
+    assert plugin.objective_from_verl_config("stapo_random", cfg).mask_params == {
+        "prob_threshold": 0.01, "entropy_quantile": 0.8, "quantile_scope": "candidates", "seed": 5}
+    assert plugin.objective_from_verl_config("justrl_fullmask", _actor_config("justrl_fullmask", s2t_prob_threshold=0.01)
+                                             ).mask_params == {"prob_threshold": 0.01}
+    # every parameter of every plugin loss's mask has its field in StapoPolicyLossConfig
+    from stapo.masks import MASKS
+    fields = set(plugin.StapoPolicyLossConfig.__dataclass_fields__)
+    for name in plugin.PLUGIN_LOSSES:
+        for key in MASKS[get_objective(name).token_mask].config_keys.values():
+            assert plugin.verl_param_key(key) in fields, (name, key)
+    for name in ABLATIONS:
+        obj = plugin.objective_of_verl_actor(_verl_actor(name, **JUSTRL_VERL))
+        assert plugin.registered_objective_name(obj) == name
 
 
 def test_precomputed_mask_split_into_micro_batches_and_dp_ranks_gives_the_whole_minibatch_loss():
@@ -424,8 +544,10 @@ def _check_against_reference(out, grads, seen, ref, loss_mode):
     assert math.isclose(sum(out["loss"]), ref_loss.item(), rel_tol=1e-5, abs_tol=1e-6)
     # the mask statistics (τ_h, counts, means of the silenced tokens' p / H / Â) are the whole mini-batch's; each
     # micro-batch reports them (a verl Metric, MEAN over the micro-batches)
-    prefix = "s2t/" if loss_mode == "stapo" else "top_entropy/"
-    stats = {k: v for k, v in ref_metrics.items() if k.startswith(prefix)}
+    from stapo.masks import MASKS
+    prefix = MASKS[get_objective(loss_mode).token_mask].prefix + "/"  # s2t/, top_entropy/, s2t_random/...
+    # (non-finite statistics, e.g. full_low_prob's entropy_threshold = NaN, are not reported)
+    stats = {k: v for k, v in ref_metrics.items() if k.startswith(prefix) and math.isfinite(v)}
     assert len(stats) >= 2
     for k, v in stats.items():
         reported = out["metrics"][f"actor/{k}"]
@@ -437,7 +559,7 @@ def _check_against_reference(out, grads, seen, ref, loss_mode):
 _MASK_PARAMS = dict(s2t_prob_threshold=0.2, s2t_entropy_quantile=0.5)
 
 
-@pytest.mark.parametrize("loss_mode", ["stapo", "entropy20"])
+@pytest.mark.parametrize("loss_mode", ["stapo", "entropy20", *ABLATIONS])
 def test_worker_hook_end_to_end_matches_our_objective(loss_mode):
     """Hook (extra no-grad pass, global mask, keep field carried through verl's micro-batch split) + verl's
     ppo_loss + registered loss, 2 fixed-size micro-batches, give the parameter gradient of our objective on the
@@ -450,7 +572,7 @@ def test_worker_hook_end_to_end_matches_our_objective(loss_mode):
                                          micro_batch_size_per_gpu=2)
     assert [uids for uids, _ in seen] == [[0, 1], [2, 3]]  # verl's fixed-size split: 2 in order
     ref = _reference(model, _minibatch(model, *args), obj)
-    n_masked = ref[1]["s2t/num_masked"] if loss_mode == "stapo" else 14 - ref[1]["top_entropy/num_kept"]
+    n_masked = 14 - int(ref[2].sum())
     assert 0 < n_masked < 14  # the mask really removes some of the 14 response tokens, not all
     _check_against_reference(out, grads, seen, ref, loss_mode)
 

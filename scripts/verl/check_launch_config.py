@@ -15,7 +15,8 @@ machine, in ``.venv-verl`` (``bash scripts/verl/setup_check_env.sh``). It
 4. runs verl's own driver-side ``validate_config``;
 5. prints the objective verl's actor will optimise in :mod:`stapo.objectives` terms
    (:func:`stapo.integrations.verl.objective_of_verl_actor`) and the registered objective it equals
-   (``stapo``, ``entropy20``, ``justrl``, ``grpo``), the reference model, the attention implementation and the
+   (``stapo``, ``entropy20``, ``justrl``, ``grpo``, the S2T ablations ``stapo_high_entropy``, ``stapo_random``,
+   ``justrl_fullmask``), the reference model, the attention implementation and the
    reward; fails on settings the plugin rejects at run time (aggregation, KL with a plugin loss, rollout IS weights).
 
 Exit codes: 0 ok; 1 a check failed (``check failed: ...`` on stderr).

@@ -4,7 +4,7 @@
 #
 # Written for verl==0.9.1 (python -m verl.trainer.main_ppo, hydra overrides). The training run has not been run
 # by this repository (no GPUs): the plugin's loss and hook are tested on CPU (tests/test_verl_plugin.py), and CI
-# runs this script's dry run for all four methods (tests/test_verl_launch_check.py). Check the first step's log
+# runs this script's dry run for every method (tests/test_verl_launch_check.py). Check the first step's log
 # for `actor/s2t/masked_frac` (expected < 1e-3 of tokens).
 #
 # Setup, on EVERY node (a shared filesystem is simplest):
@@ -18,15 +18,19 @@
 #
 # How the plugin is loaded (see stapo/integrations/verl.py):
 #   actor_rollout_ref.model.external_lib=stapo.integrations.verl  -> imported in every actor worker
-#       (HFModelConfig.__post_init__), which registers `stapo`/`entropy20` in verl's POLICY_LOSS_REGISTRY and
+#       (HFModelConfig.__post_init__), which registers `stapo`, `entropy20` and the S2T ablations (every registered
+#       objective with a token mask: stapo.integrations.verl.PLUGIN_LOSSES) in verl's POLICY_LOSS_REGISTRY and
 #       hooks TrainingWorker.train_batch (extra no-grad forward per mini-batch for the current-policy
 #       log p / entropy, all-gathered S2T quantile and kept-token count over the data-parallel ranks).
 #   actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig
-#       -> lets hydra accept the S2T parameters τ_p, q and the quantile scope below.
+#       -> lets hydra accept the S2T parameters τ_p, q, the quantile scope and the random ablation's seed below.
 #   reward.custom_reward_function.path=pkg://stapo.integrations.verl_reward -> JustRL's strict-box ±1 reward.
 #
 # Methods (LOSS_MODE), each equal to the objective of the same row in stapo/objectives.py (the dry run says so):
 #   stapo      JustRL + the S2T mask (plugin loss)            entropy20  JustRL + top-20 % entropy mask (plugin)
+#   the paper's S2T ablations (plugin losses, JustRL settings, same candidates Â > 0 and p < τ_p):
+#   stapo_high_entropy  silence the HIGH-entropy candidates   stapo_random  random candidates at S2T's count (MASK_SEED)
+#   justrl_fullmask     silence every candidate (no entropy condition)
 #   vanilla    JustRL: verl's vanilla loss, token-mean, clip 0.2/0.28, dual clip 10, no KL
 #   grpo       GRPO: verl's vanilla loss, seq-mean-token-mean, clip 0.2/0.2, dual clip off, k3 (low_var_kl) KL to
 #              the reference model with β = KL_COEF (0.04); verl then also runs the reference model
@@ -43,6 +47,7 @@
 set -euo pipefail
 
 LOSS_MODE=${LOSS_MODE:-stapo}            # stapo | entropy20 | vanilla (= the JustRL baseline) | grpo
+                                         # | stapo_high_entropy | stapo_random | justrl_fullmask (ablations)
 PYTHON=${PYTHON:-python3}
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-1.7B-Base}
 DATA_DIR=${DATA_DIR:-data/verl}          # written by scripts/verl/prepare_verl_data.py
@@ -55,6 +60,7 @@ TAU_P=${TAU_P:-0.002}
 Q=${Q:-0.75}
 SCOPE=${SCOPE:-candidates}
 TOP_ENTROPY_RATIO=${TOP_ENTROPY_RATIO:-0.2}   # entropy20 only
+MASK_SEED=${MASK_SEED:-0}                      # stapo_random only: seed of the draw (stapo.masks.s2t_random_mask)
 KL_COEF=${KL_COEF:-0.04}                 # grpo only: β of the k3 KL to the reference model
 REWARD=${REWARD:-dapo_strict_box}        # or math_verify
 ATTN_IMPL=${ATTN_IMPL:-auto}             # auto | flash_attention_2 | sdpa
@@ -69,11 +75,13 @@ CKPT_DIR=${CKPT_DIR:-checkpoints/${PROJECT}/${EXPERIMENT}}
 # the objective of each method (docs/method.md#objective-registry); verl's own loss is `vanilla` for vanilla (JustRL)
 # and grpo
 case "$LOSS_MODE" in
-  stapo|entropy20|vanilla)  # JustRL: clip-higher 0.2 / 0.28, dual clip c = 10, token-mean, no KL
+  stapo|entropy20|vanilla|stapo_high_entropy|stapo_random|justrl_fullmask)
+    # JustRL: clip-higher 0.2 / 0.28, dual clip c = 10, token-mean, no KL
     POLICY_LOSS=$LOSS_MODE AGG=token-mean CLIP_HIGH=0.28 CLIP_C=10.0 USE_KL=False ;;
   grpo)  # DeepSeekMath GRPO: symmetric clip 0.2, c = 1e9 > e^20 = verl's largest ratio (dual clip off), k3 KL
     POLICY_LOSS=vanilla AGG=seq-mean-token-mean CLIP_HIGH=0.2 CLIP_C=1e9 USE_KL=True ;;
-  *) echo "LOSS_MODE must be stapo, entropy20, vanilla or grpo (got '$LOSS_MODE')" >&2; exit 2 ;;
+  *) echo "LOSS_MODE must be stapo, entropy20, vanilla, grpo, stapo_high_entropy, stapo_random or justrl_fullmask" \
+          "(got '$LOSS_MODE')" >&2; exit 2 ;;
 esac
 if [[ "$ATTN_IMPL" == auto ]]; then
   if "$PYTHON" -c "import flash_attn" >/dev/null 2>&1; then ATTN_IMPL=flash_attention_2; else
@@ -127,14 +135,15 @@ ARGS=(
   actor_rollout_ref.actor.use_kl_loss="$USE_KL"
   actor_rollout_ref.actor.kl_loss_coef="$KL_COEF"
   actor_rollout_ref.actor.kl_loss_type=low_var_kl
-  # verl's loss: stapo (S2T, docs/method.md#s2t-mask) | entropy20 (docs/method.md#20-entropy) | vanilla (JustRL, GRPO),
-  # and the mask parameters
+  # verl's loss: stapo (S2T, docs/method.md#s2t-mask) | entropy20 (docs/method.md#20-entropy) | an S2T ablation |
+  # vanilla (JustRL, GRPO), and the mask parameters
   actor_rollout_ref.actor.policy_loss.loss_mode="$POLICY_LOSS"
   actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig
   +actor_rollout_ref.actor.policy_loss.s2t_prob_threshold="$TAU_P"
   +actor_rollout_ref.actor.policy_loss.s2t_entropy_quantile="$Q"
   +actor_rollout_ref.actor.policy_loss.s2t_quantile_scope="$SCOPE"
   +actor_rollout_ref.actor.policy_loss.top_entropy_ratio="$TOP_ENTROPY_RATIO"
+  +actor_rollout_ref.actor.policy_loss.s2t_random_seed="$MASK_SEED"
   # vLLM rollouts at T = 1.0, top-p = 1.0 (docs/method.md#training-recipe); in-training validation as JustRL's script
   actor_rollout_ref.rollout.name=vllm
   actor_rollout_ref.rollout.n=8

@@ -1,11 +1,15 @@
-"""STAPO and 20-Entropy as verl policy losses (verified against verl 0.9.1).
+"""STAPO, 20-Entropy and the S2T ablations as verl policy losses (verified against verl 0.9.1).
 
 Importing this module
 
-1. registers ``stapo`` (S2T mask, docs/method.md#s2t-mask) and ``entropy20`` (top-20 %-entropy mask,
-docs/method.md#20-entropy) in
+1. registers every objective of :data:`stapo.objectives.OBJECTIVES` that has a token mask, token-mean aggregation
+   and no KL as a verl loss mode of the same name (:data:`PLUGIN_LOSSES`, :func:`register_plugin_loss`):
+   ``stapo`` (S2T mask, docs/method.md#s2t-mask), ``entropy20`` (top-20 %-entropy mask,
+   docs/method.md#20-entropy) and the paper's ablations ``stapo_high_entropy``, ``stapo_random`` and
+   ``justrl_fullmask`` (masks ``s2t_high_entropy``, ``s2t_random``, ``full_low_prob`` of :mod:`stapo.masks`) — an
+   objective you register before importing this module is one too. They go into
    verl's own policy-loss registry, ``verl.trainer.ppo.core_algos.register_policy_loss`` (core_algos.py:53;
-   the registry dict ``POLICY_LOSS_REGISTRY`` is at :50 and ``get_policy_loss_fn`` at :70). Both use the
+   the registry dict ``POLICY_LOSS_REGISTRY`` is at :50 and ``get_policy_loss_fn`` at :70). All use the
    registered-loss signature of the installed verl (``PolicyLossFn``, core_algos.py:37; same as the built-in
    ``vanilla`` loss, :1285)::
 
@@ -14,12 +18,12 @@ docs/method.md#20-entropy) in
 
    The loss itself is ours: :func:`stapo.objectives.policy_loss` (JustRL clipped surrogate, dual clip,
    token-mean) over the keep-mask of :func:`stapo.objectives.compute_token_mask` (which calls
-   :func:`stapo.masks.s2t_mask` / :func:`stapo.masks.top_entropy_mask`). Nothing is re-implemented here.
+   the objective's registered mask, e.g. :func:`stapo.masks.s2t_mask`). Nothing is re-implemented here.
 2. installs a small hook on verl's actor worker, ``verl.workers.engine_workers.TrainingWorker.train_batch``
    (engine_workers.py:343, called once per optimizer mini-batch by ``train_mini_batch``, :243), that computes
    the mask over the WHOLE mini-batch before its micro-batch loop. The hook does nothing unless the worker's
    loss is ``partial(ppo_loss, config=<ActorConfig>)`` (engine_workers.py:643) with
-   ``policy_loss.loss_mode`` ∈ {``stapo``, ``entropy20``}; the critic and the reference model pass through.
+   ``policy_loss.loss_mode`` ∈ :data:`PLUGIN_LOSSES`; the critic and the reference model pass through.
 
 Why a hook, and where the entropy comes from
 --------------------------------------------
@@ -79,18 +83,19 @@ count); otherwise it raises instead of silently using a per-micro-batch quantile
 
 Configuration (hydra overrides of ``python -m verl.trainer.main_ppo``)
 ---------------------------------------------------------------------
-- ``actor_rollout_ref.actor.policy_loss.loss_mode=stapo`` (or ``entropy20``).
+- ``actor_rollout_ref.actor.policy_loss.loss_mode=stapo`` (or ``entropy20``, ``stapo_high_entropy``,
+  ``stapo_random``, ``justrl_fullmask``: :data:`PLUGIN_LOSSES`).
 - Loading the plugin in every Ray worker: ``actor_rollout_ref.model.external_lib=stapo.integrations.verl``.
   verl imports it with ``importlib`` in ``HFModelConfig.__post_init__`` (workers/config/model.py:149), which
   runs in ``ActorRolloutRefWorker.init_model`` (engine_workers.py:540) before the loss is built (:643) — so the
   registry lookup (losses.py:103) and the hook both happen in the worker process. (Alternative: the
   environment variable ``VERL_USE_EXTERNAL_MODULES=stapo.integrations.verl``, imported by ``import verl``,
   verl/__init__.py:49, in every process that sees it.)
-- S2T / 20-Entropy parameters: verl's ``PolicyLossConfig`` rejects unknown keys, so set
+- Mask parameters (S2T, 20-Entropy, the ablations' seed): verl's ``PolicyLossConfig`` rejects unknown keys, so set
   ``actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig`` (a subclass
   with the extra fields of :class:`StapoPolicyLossConfig`) and then e.g.
   ``+actor_rollout_ref.actor.policy_loss.s2t_prob_threshold=0.002``. Without it the paper defaults of
-  :data:`stapo.objectives.OBJECTIVES` are used (τ_p = 0.002, q = 0.75 over the candidates; ratio 0.2).
+  :data:`stapo.objectives.OBJECTIVES` are used (τ_p = 0.002, q = 0.75 over the candidates; ratio 0.2; seed 0).
 - Clip ε_low, ε_high and the dual-clip c come from verl's actor config (``clip_ratio_low``,
   ``clip_ratio_high``, ``clip_ratio_c``) like for every verl loss; set them to the paper's 0.2 / 0.28 / 10
   (verl's defaults are 0.2 / 0.2 / 3 — a warning is emitted once when they differ from the paper's).
@@ -111,7 +116,7 @@ import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +132,7 @@ from stapo.objectives import (
     policy_loss,
 )
 from stapo.dp_mask import minibatch_token_mask
-from stapo.masks import TokenMask
+from stapo.masks import TokenMask, get_mask_spec
 from stapo.tensor_utils import as_bool_mask
 
 try:  # verl is optional for `import stapo`, required for this module
@@ -141,6 +146,9 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
 
 __all__ = [
     "PLUGIN_LOSSES",
+    "PLUGIN_LOSS_FNS",
+    "plugin_loss_problem",
+    "register_plugin_loss",
     "KEEP_KEY",
     "StapoPolicyLossConfig",
     "MaskContext",
@@ -160,8 +168,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: verl ``policy_loss.loss_mode`` name → our objective name (stapo.objectives.OBJECTIVES).
-PLUGIN_LOSSES: dict[str, str] = {"stapo": "stapo", "entropy20": "entropy20"}
+#: verl ``policy_loss.loss_mode`` name → our objective name (stapo.objectives.OBJECTIVES): every registered objective
+#: with a token mask, token-mean aggregation and no KL (:func:`plugin_loss_problem`), under its own name — ``stapo``,
+#: ``entropy20`` and the ablations ``stapo_high_entropy``, ``stapo_random``, ``justrl_fullmask`` — filled at import
+#: and by :func:`register_plugin_loss`.
+PLUGIN_LOSSES: dict[str, str] = {}
+#: loss mode → its function in verl's registry (``compute_policy_loss_<loss_mode>``, an attribute of this module).
+PLUGIN_LOSS_FNS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
 #: Per-sample TensorDict field that carries the mini-batch-wide keep-mask into verl's micro-batches.
 KEEP_KEY = "stapo_keep"
 #: Why the worker hook could not be installed (None when it is installed).
@@ -171,16 +184,19 @@ WORKER_HOOK_ERROR: str | None = None
 # --- configuration ---------------------------------------------------------------------------------------
 @dataclass
 class StapoPolicyLossConfig(_PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus the mask parameters of ``stapo`` / ``entropy20``.
+    """verl's ``PolicyLossConfig`` plus the mask parameters of the plugin losses (:data:`PLUGIN_LOSSES`).
 
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig``
     (hydra instantiates the actor config recursively, so the ``_target_`` import also loads this plugin).
+    A field is the verl key of a mask parameter's train-config key (:func:`verl_param_key`); a mask of your own
+    needs its fields in a subclass (tests/test_verl_plugin.py checks that every registered mask's are here).
 
     Attributes (defaults = the paper's, docs/method.md#s2t-mask, docs/method.md#20-entropy):
-        s2t_prob_threshold: τ_p, absolute probability (0.002).
-        s2t_entropy_quantile: q of the entropy quantile τ_h (0.75).
+        s2t_prob_threshold: τ_p, absolute probability (0.002); also of the S2T ablations.
+        s2t_entropy_quantile: q of the entropy quantile τ_h (0.75); also of ``stapo_high_entropy`` / ``stapo_random``.
         s2t_quantile_scope: ``"candidates"`` (v4) or ``"all"`` (v1 text, used with q = 0.80).
         top_entropy_ratio: fraction of response tokens kept by ``entropy20`` (0.2).
+        s2t_random_seed: seed of ``stapo_random``'s draw (0; :func:`stapo.masks.s2t_random_mask`).
     """
 
     _target_: str = "stapo.integrations.verl.StapoPolicyLossConfig"
@@ -188,6 +204,7 @@ class StapoPolicyLossConfig(_PolicyLossConfig):
     s2t_entropy_quantile: float = 0.75
     s2t_quantile_scope: str = "candidates"
     top_entropy_ratio: float = 0.2
+    s2t_random_seed: int = 0
 
 
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -228,7 +245,7 @@ def objective_from_verl_config(loss_mode: str, config: Any) -> Objective:
     :class:`StapoPolicyLossConfig`, falling back to the objective's paper defaults).
 
     Args:
-        loss_mode: ``"stapo"`` or ``"entropy20"``.
+        loss_mode: a plugin loss mode (:data:`PLUGIN_LOSSES`: ``"stapo"``, ``"entropy20"``, ``"stapo_random"``...).
         config: verl ``ActorConfig`` (or a dict / DictConfig with the same keys).
 
     Returns:
@@ -272,7 +289,7 @@ VERL_MAX_RATIO: float = math.exp(20.0)
 def objective_of_verl_actor(config: Any) -> Objective:
     """The objective verl's actor optimises with this actor config, as a :class:`~stapo.objectives.Objective`.
 
-    ``policy_loss.loss_mode`` ``stapo`` / ``entropy20`` → :func:`objective_from_verl_config`; ``vanilla`` (verl's
+    ``policy_loss.loss_mode`` a plugin loss (:data:`PLUGIN_LOSSES`) → :func:`objective_from_verl_config`; ``vanilla`` (verl's
     clipped surrogate, core_algos.compute_policy_loss_vanilla) → aggregation ``loss_agg_mode``, clip
     ``clip_ratio_low``/``clip_ratio_high``, dual clip ``clip_ratio_c`` (None when > :data:`VERL_MAX_RATIO`),
     β = ``kl_loss_coef`` when ``use_kl_loss`` (KL type ``low_var_kl``/``k3`` = our k3, clamped as verl does),
@@ -456,75 +473,122 @@ def _plugin_policy_loss(
     return loss, metrics
 
 
-def compute_policy_loss_stapo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl policy loss ``stapo``: JustRL's clipped surrogate over the tokens kept by the S2T mask, token-mean
-    renormalised over the kept tokens of the whole mini-batch (docs/method.md#stapo-objective; arXiv 2602.15620 Alg. 1).
+_LOSS_DOC = """verl policy loss ``{name}``: the registered objective ``{name}`` of :mod:`stapo.objectives` (token mask
+``{mask}``, per-token loss ``{formula}``), token-mean renormalised over the kept tokens of the whole mini-batch
+(docs/method.md#objective-registry; for ``stapo`` docs/method.md#stapo-objective, arXiv 2602.15620 Alg. 1).
+Made by :func:`register_plugin_loss`.
 
-    Args:
-        old_log_prob: [b, T] fp32 log p under π_old (nats).
-        log_prob: [b, T] fp32 log p under π_θ (nats), with gradient.
-        advantages: [b, T] token advantages (GRPO Â broadcast over the response).
-        response_mask: [b, T] bool (or 0/1) response tokens of this micro-batch.
-        loss_agg_mode: must be ``"token-mean"``.
-        config: verl ``ActorConfig`` — clip ratios, ``policy_loss`` mask parameters and ``global_batch_info``
-            (``dp_size``; ``batch_num_tokens`` for the whole-mini-batch check).
-        rollout_is_weights: must be None.
+Args:
+    old_log_prob: [b, T] fp32 log p under π_old (nats).
+    log_prob: [b, T] fp32 log p under π_θ (nats), with gradient.
+    advantages: [b, T] token advantages (GRPO Â broadcast over the response).
+    response_mask: [b, T] bool (or 0/1) response tokens of this micro-batch.
+    loss_agg_mode: must be ``"token-mean"``.
+    config: verl ``ActorConfig`` — clip ratios, ``policy_loss`` mask parameters and ``global_batch_info``
+        (``dp_size``; ``batch_num_tokens`` for the whole-mini-batch check).
+    rollout_is_weights: must be None.
 
-    The keep-mask and N come from the active :func:`mask_context` (set per micro-batch by the worker hook), or
-    the mask is computed here from ``mask_context(entropy=...)`` when the call is the whole mini-batch.
+The keep-mask and N come from the active :func:`mask_context` (set per micro-batch by the worker hook), or
+the mask is computed here from ``mask_context(entropy=...)`` when the call is the whole mini-batch.
+
+Returns:
+    (pg_loss 0-dim fp32 = Σ_kept ℓ / max(N, 1) · dp_size, metrics: ``actor/pg_clipfrac``,
+    ``actor/pg_clipfrac_lower``, ``actor/ppo_kl`` (this micro-batch's kept tokens),
+    ``actor/{name}/num_kept_tokens`` and the mask statistics ``actor/{prefix}/...`` of the whole mini-batch).
+
+Raises:
+    RuntimeError: no mask context, or an entropy-only context on a partial mini-batch.
+    ValueError: loss_agg_mode ≠ token-mean, no config, mask/shape mismatch, invalid parameters.
+    NotImplementedError: ``rollout_is_weights`` given.
+"""
+
+
+def _make_policy_loss_fn(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """verl's registered-loss function of the plugin loss ``loss_mode`` (signature ``PolicyLossFn``, core_algos.py:37),
+    named ``compute_policy_loss_<loss_mode>`` in this module."""
+
+    def fn(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        return _plugin_policy_loss(loss_mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                   config, rollout_is_weights)
+
+    obj = get_objective(loss_mode)
+    fn.__name__ = fn.__qualname__ = f"compute_policy_loss_{loss_mode}"
+    fn.__module__ = __name__
+    fn.__doc__ = _LOSS_DOC.format(name=loss_mode, mask=obj.token_mask, formula=obj.policy_loss,
+                                  prefix=get_mask_spec(obj.token_mask).prefix)
+    return fn
+
+
+def plugin_loss_problem(objective: Objective) -> str | None:
+    """Why ``objective`` cannot be a plugin loss mode (None: it can). The registered loss is Σ_kept ℓ / N over the
+    mini-batch's kept tokens with no KL term, so the objective must aggregate ``token-mean`` and have β = 0
+    (``grpo``: seq-mean-token-mean and β = 0.04, is verl's ``vanilla`` loss with its own KL instead)."""
+    if objective.loss_agg_mode != "token-mean":
+        return f"its aggregation is {objective.loss_agg_mode!r}, the plugin's is 'token-mean' over the kept tokens"
+    if objective.kl_coef != 0.0:
+        return f"it has a KL term (kl_coef={objective.kl_coef}), the plugin's losses have none"
+    return None
+
+
+def register_plugin_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """Register the registered objective ``name`` (:data:`stapo.objectives.OBJECTIVES`) as verl loss mode ``name``.
+
+    Done at import for every registered objective that :func:`plugin_loss_problem` accepts, whose token mask reads
+    p / H (:attr:`stapo.masks.MaskSpec.needs_stats`) and whose name is not one of verl's own losses; call it for an objective registered after importing this module (its mask parameters are
+    read from ``policy_loss.<verl_param_key>``: add the fields to a subclass of :class:`StapoPolicyLossConfig`).
+    Idempotent.
 
     Returns:
-        (pg_loss 0-dim fp32 = Σ_kept ℓ / max(N, 1) · dp_size, metrics: ``actor/pg_clipfrac``,
-        ``actor/pg_clipfrac_lower``, ``actor/ppo_kl`` (this micro-batch's kept tokens),
-        ``actor/stapo/num_kept_tokens`` and the S2T statistics ``actor/s2t/...`` of the whole mini-batch).
+        The registered function ``compute_policy_loss_<name>`` (also an attribute of this module).
 
     Raises:
-        RuntimeError: no mask context, or an entropy-only context on a partial mini-batch.
-        ValueError: loss_agg_mode ≠ token-mean, no config, mask/shape mismatch, invalid parameters.
-        NotImplementedError: ``rollout_is_weights`` given.
+        KeyError: no such objective. ValueError: the objective cannot be a plugin loss, or ``name`` is a verl loss.
     """
-    return _plugin_policy_loss("stapo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                               rollout_is_weights)
+    problem = plugin_loss_problem(get_objective(name))
+    if problem is not None:
+        raise ValueError(f"objective {name!r} cannot be a verl plugin loss: {problem}")
+    existing = _core_algos.POLICY_LOSS_REGISTRY.get(name)
+    fn = PLUGIN_LOSS_FNS.get(name)
+    if existing is not None and existing is fn:
+        return fn
+    if _is_verl_loss(existing):
+        raise ValueError(f"{name!r} is one of verl's own policy losses ({existing.__module__}.{existing.__name__})")
+    if existing is not None:
+        warnings.warn(f"verl policy loss {name!r} was already registered ({existing!r}); "
+                      "stapo.integrations.verl replaces it", stacklevel=2)
+    fn = _make_policy_loss_fn(name)
+    PLUGIN_LOSSES[name] = name
+    PLUGIN_LOSS_FNS[name] = fn
+    globals()[fn.__name__] = fn
+    _core_algos.register_policy_loss(name)(fn)
+    return fn
 
 
-def compute_policy_loss_entropy20(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl policy loss ``entropy20``: JustRL's clipped surrogate over the top-20 %-entropy response tokens of the
-    whole mini-batch, token-mean renormalised over them ("Beyond the 80/20 Rule", arXiv 2506.01939;
-    docs/method.md#20-entropy).
-
-    Arguments, returns and errors as :func:`compute_policy_loss_stapo` (metrics ``actor/entropy20/num_kept_tokens``
-    and ``actor/top_entropy/...``); the ratio is ``policy_loss.top_entropy_ratio`` (default 0.2).
-    """
-    return _plugin_policy_loss("entropy20", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                               config, rollout_is_weights)
-
-
-_REGISTERED_FNS = {"stapo": compute_policy_loss_stapo, "entropy20": compute_policy_loss_entropy20}
+def _is_verl_loss(fn: Any) -> bool:
+    return fn is not None and str(getattr(fn, "__module__", "")).startswith("verl.")
 
 
 def _register_losses() -> None:
-    for name, fn in _REGISTERED_FNS.items():
-        existing = _core_algos.POLICY_LOSS_REGISTRY.get(name)
-        if existing is not None and existing is not fn:
-            warnings.warn(f"verl policy loss {name!r} was already registered ({existing!r}); "
-                          "stapo.integrations.verl replaces it", stacklevel=2)
-        _core_algos.register_policy_loss(name)(fn)
+    """Every registered objective with a token mask that reads p / H, token-mean and no KL, becomes a loss mode. An
+    objective without such a mask (``justrl``) is verl's ``vanilla`` loss and would pay the hook's extra forward for
+    nothing; :func:`register_plugin_loss` still accepts it."""
+    for name, obj in OBJECTIVES.items():
+        if (plugin_loss_problem(obj) is None and get_mask_spec(obj.token_mask).needs_stats
+                and not _is_verl_loss(_core_algos.POLICY_LOSS_REGISTRY.get(name))):
+            register_plugin_loss(name)
+
+
+_register_losses()
+compute_policy_loss_stapo = PLUGIN_LOSS_FNS["stapo"]
+compute_policy_loss_entropy20 = PLUGIN_LOSS_FNS["entropy20"]
 
 
 # --- the worker hook -------------------------------------------------------------------------------------
@@ -669,5 +733,4 @@ def install_worker_hook() -> bool:
     return True
 
 
-_register_losses()
 install_worker_hook()
