@@ -1,5 +1,6 @@
-"""The verl step 3 of docs/scaling.md, as a new user runs it: ``DRY_RUN=1 NNODES=8 bash scripts/verl/run_stapo_qwen3_1.7b.sh``
-for each method (the four of the paper's table and the three S2T ablations), in the check environment ``.venv-verl`` (scripts/verl/setup_check_env.sh: hydra-core
+"""The verl step 3 of docs/scaling.md, as a new user runs it:
+``DRY_RUN=1 NNODES=8 bash scripts/verl/run_stapo_qwen3_1.7b.sh`` for each method (the four of the paper's table and
+the three S2T ablations), in the check environment ``.venv-verl`` (scripts/verl/setup_check_env.sh: hydra-core
 1.3.8 + omegaconf 2.3 over the project's .venv; .ci/run creates it, and so does this module when it is missing).
 
 Each dry run composes the launch line with hydra against verl 0.9.1's own config, imports the plugin the way the
