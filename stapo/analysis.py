@@ -141,10 +141,7 @@ def entropy_change_estimate(
 
 
 def quadrant_summary(
-    logprobs: torch.Tensor,
-    entropy: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
     *,
     grad_norm: torch.Tensor | None = None,
     entropy_change: torch.Tensor | None = None,

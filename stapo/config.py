@@ -5,7 +5,9 @@
 A YAML file may name parent files with ``defaults: [base.yaml, ...]`` (paths relative to the file); they are
 merged first, in order, then the file itself, then the command-line overrides. Every key is checked
 against the schema below: an unknown key fails with the closest valid key, a wrong type or an impossible
-value fails naming the key (:class:`ConfigError`).
+value fails naming the key (:class:`ConfigError`). Names of registered things (``algorithm.objective``, the masks
+of ``algorithm.masks``, ``rollout.backend``) are checked against their registries after the modules listed in
+``trainer.import_modules`` are imported, so a user's module can register them (docs/extending.md).
 
 Names follow verl where verl has one (``data.train_batch_size`` = prompts per step,
 ``actor.ppo_mini_batch_size`` = prompts per optimizer step, ``actor.ppo_micro_batch_size`` = responses
@@ -15,6 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -37,6 +43,8 @@ __all__ = [
     "LoggingConfig",
     "TrainConfig",
     "load_config",
+    "import_modules",
+    "check_registered",
     "validate",
     "objective_from_config",
     "get_key",
@@ -87,7 +95,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["vllm", "hf"] = "vllm"
+    # A registered rollout backend (stapo.rollout.BACKENDS: vllm, hf, or one added by stapo.rollout.register_backend,
+    # e.g. from a module in trainer.import_modules); checked by validate() like algorithm.objective.
+    backend: str = "vllm"
     n: int = 8  # G, responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -180,6 +190,12 @@ class TrainerConfig:
     # optimizer state (fully_shard); "replicate" keeps a full copy per rank and all-reduces gradients;
     # "auto" = fsdp2 on CUDA, replicate on CPU. Ignored in a single process.
     data_parallel: Literal["auto", "replicate", "fsdp2"] = "auto"
+    # Python modules imported by load_config() after merging the YAML files and the overrides and BEFORE the values
+    # are checked: dotted names (importable from sys.path, e.g. with PYTHONPATH) or paths to .py files (relative to
+    # the current directory). A module that registers a token mask, an objective, a loss formula or a rollout
+    # backend (docs/extending.md) makes its name valid in this config. An import failure is a ConfigError naming
+    # this key and the module.
+    import_modules: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -271,6 +287,10 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictC
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Build a validated :class:`TrainConfig` from a YAML file (with ``defaults`` parents) and overrides.
 
+    Merges the layers (:func:`merge_config`), imports the modules of ``trainer.import_modules``
+    (:func:`import_modules`: they may register the objective, mask or rollout backend the config names), then
+    checks the values (:func:`validate`).
+
     Args:
         path: YAML file, or None for the schema defaults.
         overrides: dotted ``key=value`` strings (OmegaConf dotlist syntax), applied last.
@@ -279,12 +299,57 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         A :class:`TrainConfig` instance (plain dataclasses).
 
     Raises:
-        ConfigError: missing/unparsable file, unknown key (with the closest valid key), wrong type,
-            or an impossible value (see :func:`validate`).
+        ConfigError: missing/unparsable file, unknown key (with the closest valid key), wrong type, a module of
+            ``trainer.import_modules`` that cannot be imported, or an impossible value (see :func:`validate`).
     """
     obj = merge_config(TrainConfig, path, overrides)
+    import_modules(obj.trainer.import_modules, "trainer.import_modules")  # they may register what validate() checks
     validate(obj)
     return obj
+
+
+def import_modules(entries: list[str], key: str) -> None:
+    """Import each entry of a config's ``import_modules`` list, in order: a dotted module name
+    (:func:`importlib.import_module`), or a path to a ``.py`` file (an entry ending in ``.py`` or holding a path
+    separator; relative to the current directory), imported as a module named after the file's stem and put in
+    ``sys.modules`` under that name. Importing again is a no-op (a module already in ``sys.modules`` from the same
+    name or file is not run twice), so a config can be loaded more than once in a process.
+
+    Raises:
+        ConfigError: one line naming ``key`` and the entry: a file that does not exist, a module name already taken
+            by another module, or any exception raised while importing (its type and first line).
+    """
+    for entry in entries:
+        where = f"invalid value for '{key}' ({entry!r})"
+        try:
+            if not (entry.endswith(".py") or "/" in entry or os.sep in entry):
+                importlib.import_module(entry)
+                continue
+            path = Path(entry).resolve()
+            if not path.is_file():
+                raise ConfigError(f"{where}: file not found: {path}")
+            name = path.stem
+            if name in sys.modules:
+                loaded_from = getattr(sys.modules[name], "__file__", None)
+                if loaded_from is not None and Path(loaded_from).resolve() == path:
+                    continue  # this file, imported before
+                raise ConfigError(f"{where}: a module named {name!r} is already imported (from "
+                                  f"{loaded_from or 'a built-in'}); rename the file")
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+        except ConfigError:
+            raise
+        except Exception as e:  # ImportError, SyntaxError, or whatever the module's own code raised
+            lines = str(e).strip().splitlines()
+            raise ConfigError(f"{where}: cannot import it: {type(e).__name__}"
+                              f"{': ' + lines[0] if lines else ''}") from None
 
 
 def merge_config(schema_cls: type, path: str | Path | None, overrides: list[str] | None) -> Any:
@@ -321,6 +386,9 @@ def validate(cfg: TrainConfig) -> None:
         if not cond:
             raise ConfigError(f"invalid value for '{key}' ({_get(cfg, key)!r}): {msg}")
 
+    from stapo.rollout import BACKENDS
+
+    check_registered("rollout.backend", cfg.rollout.backend, "rollout backend", BACKENDS)
     need(cfg.rollout.n >= 2, "rollout.n", "the group size G must be ≥ 2 (GRPO's std uses ddof=1)")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
@@ -370,6 +438,21 @@ def validate(cfg: TrainConfig) -> None:
     need(0 < cfg.validation.top_p <= 1, "validation.top_p", "must be in (0, 1]")
 
 
+def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
+    """``value`` of config key ``key`` must be a name in ``registry`` (a name → entry table).
+
+    Raises:
+        ConfigError: one line, ``invalid value for '<key>' ('<value>'): unknown <kind>; did you mean '<closest>'?
+            (registered: <sorted names>)`` (the "did you mean" part only when a name is close).
+    """
+    if value in registry:
+        return
+    close = difflib.get_close_matches(value, list(registry), n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ConfigError(f"invalid value for '{key}' ({value!r}): unknown {kind}; {hint}"
+                      f"(registered: {', '.join(sorted(registry))})")
+
+
 def _validate_objective(cfg: TrainConfig) -> None:
     """``algorithm.objective`` against the registry, ``algorithm.masks`` against the registered masks' parameters, and
     the objective built from the config (:func:`stapo.objectives.build_objective`, the trainer's own call)."""
@@ -377,11 +460,7 @@ def _validate_objective(cfg: TrainConfig) -> None:
     from stapo.objectives import OBJECTIVES
 
     alg = cfg.algorithm
-    if alg.objective not in OBJECTIVES:
-        close = difflib.get_close_matches(alg.objective, list(OBJECTIVES), n=1, cutoff=0.5)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"invalid value for 'algorithm.objective' ({alg.objective!r}): unknown objective; {hint}"
-                          f"(registered: {', '.join(sorted(OBJECTIVES))})")
+    check_registered("algorithm.objective", alg.objective, "objective", OBJECTIVES)
     for mask, params in alg.masks.items():
         if mask not in MASKS:
             close = difflib.get_close_matches(mask, list(MASKS), n=1, cutoff=0.5)

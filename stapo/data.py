@@ -478,6 +478,28 @@ _CONVERTERS: dict[str, Callable[[dict, int], Record]] = {
     e.name: e.convert for e in (*BENCHMARK_REGISTRY, *TRAIN_REGISTRY)}
 
 
+def _row_object(row: Any) -> dict:
+    """A row of :func:`_read_jsonl` (or a table) as the object it must be. Raises :class:`_RowError`: the row's own
+    read error, or a row that is not an object."""
+    if isinstance(row, _RowError):
+        raise row
+    if not isinstance(row, dict):
+        raise _RowError(f"row is {type(row).__name__}, expected an object")
+    return row
+
+
+def _bad_row(stats: LoadStats, path: Path, i: int, reason: str, on_bad_row: OnBadRow, key: str | None = None) -> None:
+    """A bad row ``i``: ``on_bad_row="raise"`` raises ``DataError("<path>: row <i>: <reason>")``; otherwise it is
+    counted in ``stats`` (``skipped_by_reason[key]``, ``key`` defaulting to ``reason``; the first 10 in
+    ``first_skipped``)."""
+    if on_bad_row == "raise":
+        raise DataError(f"{path}: row {i}: {reason}") from None
+    key = reason if key is None else key
+    stats.skipped_by_reason[key] = stats.skipped_by_reason.get(key, 0) + 1
+    if len(stats.first_skipped) < 10:
+        stats.first_skipped.append(f"row {i}: {reason}")
+
+
 def _load(
     source: str,
     path: Path,
@@ -494,21 +516,13 @@ def _load(
     for i, row in rows:
         stats.rows_read += 1
         try:
-            if isinstance(row, _RowError):
-                raise row
-            if not isinstance(row, dict):
-                raise _RowError(f"row is {type(row).__name__}, expected an object")
-            record = convert(row, i)
+            record = convert(_row_object(row), i)
             if record.id in seen_ids:
                 raise _RowError(f"duplicate id {record.id!r}")
         except _RowError as exc:
             reason = str(exc)
-            if on_bad_row == "raise":
-                raise DataError(f"{path}: row {i}: {reason}") from None
             key = re.sub(r"line \d+ ", "line N ", reason)  # group JSON errors by kind
-            stats.skipped_by_reason[key] = stats.skipped_by_reason.get(key, 0) + 1
-            if len(stats.first_skipped) < 10:
-                stats.first_skipped.append(f"row {i}: {reason}")
+            _bad_row(stats, path, i, reason, on_bad_row, key=key)
             continue
         seen_ids.add(record.id)
         records.append(record)
@@ -737,17 +751,10 @@ def load_records_jsonl(path: str | os.PathLike, *, on_bad_row: OnBadRow = "raise
     for i, row in _read_jsonl(path):
         stats.rows_read += 1
         try:
-            if isinstance(row, _RowError):
-                raise row
-            if not isinstance(row, dict):
-                raise _RowError(f"row is {type(row).__name__}, expected an object")
-            values = {key: _text_field(row, key) for key in ("id", "problem", "answer", "source")}
+            obj = _row_object(row)
+            values = {key: _text_field(obj, key) for key in ("id", "problem", "answer", "source")}
         except _RowError as exc:
-            if on_bad_row == "raise":
-                raise DataError(f"{path}: row {i}: {exc}") from None
-            stats.skipped_by_reason[str(exc)] = stats.skipped_by_reason.get(str(exc), 0) + 1
-            if len(stats.first_skipped) < 10:
-                stats.first_skipped.append(f"row {i}: {exc}")
+            _bad_row(stats, path, i, str(exc), on_bad_row)
             continue
         records.append(Record(**values))
     stats.rows_loaded = len(records)

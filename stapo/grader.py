@@ -46,6 +46,7 @@ __all__ = [
     "GraderError",
     "MathGrader",
     "grade_answer",
+    "check_text_batch",
 ]
 
 _ERROR_TEXT_MAX = 300
@@ -181,6 +182,25 @@ def _first_str(items: Sequence[object]) -> str | None:
         if isinstance(item, str):
             return item
     return None
+
+
+def check_text_batch(responses: Sequence[str], golds: Sequence[str], prefix: str = "") -> tuple[list[str], list[str]]:
+    """``responses`` and ``golds`` as lists, checked: equal lengths, every item a ``str``.
+
+    Raises:
+        ValueError: the lengths differ (``"<prefix>3 responses but 2 gold answers"``).
+        TypeError: an item is not a ``str`` (``"<prefix>responses[1] is int, expected str"``; likewise ``golds[i]``).
+    """
+    responses = list(responses)
+    golds = list(golds)
+    if len(responses) != len(golds):
+        raise ValueError(f"{prefix}{len(responses)} responses but {len(golds)} gold answers")
+    for i, (resp, gold) in enumerate(zip(responses, golds)):
+        if not isinstance(resp, str):
+            raise TypeError(f"{prefix}responses[{i}] is {type(resp).__name__}, expected str")
+        if not isinstance(gold, str):
+            raise TypeError(f"{prefix}golds[{i}] is {type(gold).__name__}, expected str")
+    return responses, golds
 
 
 def grade_answer(response: str, gold: str) -> GradeResult:
@@ -419,15 +439,7 @@ class MathGrader:
             ValueError: the two sequences differ in length.
             GraderError: the grader is closed, or a replacement worker could not start.
         """
-        responses = list(responses)
-        golds = list(golds)
-        if len(responses) != len(golds):
-            raise ValueError(f"grade: {len(responses)} responses but {len(golds)} gold answers")
-        for i, (resp, gold) in enumerate(zip(responses, golds)):
-            if not isinstance(resp, str):
-                raise TypeError(f"grade: responses[{i}] is {type(resp).__name__}, expected str")
-            if not isinstance(gold, str):
-                raise TypeError(f"grade: golds[{i}] is {type(gold).__name__}, expected str")
+        responses, golds = check_text_batch(responses, golds, "grade: ")
         with self._lock:
             if self._closed:
                 raise GraderError("MathGrader is closed")

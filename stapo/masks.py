@@ -26,6 +26,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from stapo.registry import check_new, lookup
 from stapo.tensor_utils import as_bool_mask, check_same_shape, quantile
 
 __all__ = [
@@ -380,8 +381,7 @@ def register_token_mask(
     rule = _ROW_RULES[maskable_rows] if isinstance(maskable_rows, str) else maskable_rows
 
     def deco(fn: TokenMaskFn) -> TokenMaskFn:
-        if name in MASKS:
-            raise ValueError(f"token mask {name!r} is already registered")
+        check_new(MASKS, "token mask", name)
         fields = [] if params is None else [f.name for f in dataclasses.fields(params)]
         keys = {f: (config_keys or {}).get(f, f"algorithm.masks.{name}.{f}") for f in fields}
         MASKS[name] = MaskSpec(name=name, fn=fn, params=params, maskable_rows=rule, prefix=prefix or name,
@@ -507,10 +507,7 @@ def full_low_prob_mask(logprobs, entropy, advantages, response_mask, *, prob_thr
 
 def get_mask_spec(name: str) -> MaskSpec:
     """The :class:`MaskSpec` of a registered mask. Raises ``KeyError`` listing the valid names."""
-    try:
-        return MASKS[name]
-    except KeyError:
-        raise KeyError(f"unknown token mask {name!r}; valid names: {sorted(MASKS)}") from None
+    return lookup(MASKS, "token mask", name)
 
 
 def get_token_mask(name: str) -> TokenMaskFn:

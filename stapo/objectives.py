@@ -39,6 +39,7 @@ from typing import Any, Callable, Literal, Mapping, get_args
 import torch
 
 from stapo.masks import TokenMask, get_mask_spec, get_token_mask
+from stapo.registry import add_entry, lookup
 from stapo.tensor_utils import as_bool_mask, check_same_shape, masked_mean
 
 __all__ = [
@@ -120,18 +121,12 @@ OBJECTIVES: dict[str, Objective] = {}
 
 def register_objective(objective: Objective) -> Objective:
     """Add ``objective`` to :data:`OBJECTIVES` under its name. Raises ``ValueError`` on a duplicate name."""
-    if objective.name in OBJECTIVES:
-        raise ValueError(f"objective {objective.name!r} is already registered")
-    OBJECTIVES[objective.name] = objective
-    return objective
+    return add_entry(OBJECTIVES, "objective", objective.name, objective)
 
 
 def get_objective(name: str) -> Objective:
     """Look up a registered objective. Raises ``KeyError`` listing the valid names."""
-    try:
-        return OBJECTIVES[name]
-    except KeyError:
-        raise KeyError(f"unknown objective {name!r}; valid names: {sorted(OBJECTIVES)}") from None
+    return lookup(OBJECTIVES, "objective", name)
 
 
 #: Objective fields a config may override (None there = keep the registered objective's value).
@@ -191,20 +186,14 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a per-token loss formula under ``name`` (``Objective.policy_loss``); a duplicate raises
     ``ValueError``. The formula reads its constants (clip ε, c...) from the :class:`Objective` it is given."""
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
+        return add_entry(POLICY_LOSSES, "policy loss", name, fn)
 
     return deco
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """Look up a registered loss formula. Raises ``KeyError`` listing the valid names."""
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise KeyError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}") from None
+    return lookup(POLICY_LOSSES, "policy loss", name)
 
 
 # --- pure per-token functions ---------------------------------------------------------------------------

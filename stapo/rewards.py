@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 from stapo.boxed import last_boxed_content, strip_answer_decorations
-from stapo.grader import GraderStats, GradeStatus, MathGrader
+from stapo.grader import GraderStats, GradeStatus, MathGrader, check_text_batch
 
 __all__ = [
     "STRICT_BOX_TAIL_CHARS",
@@ -106,19 +106,6 @@ class RewardBatch:
     stats: RewardStats = field(default_factory=RewardStats)
 
 
-def _check_batch(responses: Sequence[str], golds: Sequence[str]) -> tuple[list[str], list[str]]:
-    responses = list(responses)
-    golds = list(golds)
-    if len(responses) != len(golds):
-        raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
-    for i, (resp, gold) in enumerate(zip(responses, golds)):
-        if not isinstance(resp, str):
-            raise TypeError(f"responses[{i}] is {type(resp).__name__}, expected str")
-        if not isinstance(gold, str):
-            raise TypeError(f"golds[{i}] is {type(gold).__name__}, expected str")
-    return responses, golds
-
-
 def normalize_strict_box_answer(answer: str) -> str:
     """Light normalisation applied to both the boxed answer and the gold answer.
 
@@ -193,7 +180,7 @@ class StrictBoxReward:
     name = "dapo_strict_box"
 
     def __call__(self, responses: Sequence[str], golds: Sequence[str]) -> RewardBatch:
-        responses, golds = _check_batch(responses, golds)
+        responses, golds = check_text_batch(responses, golds)
         rewards: list[float] = []
         extracted: list[str | None] = []
         stats = RewardStats()
@@ -233,7 +220,7 @@ class MathVerifyReward:
         self.grader = grader if grader is not None else MathGrader(**grader_kwargs)
 
     def __call__(self, responses: Sequence[str], golds: Sequence[str]) -> RewardBatch:
-        responses, golds = _check_batch(responses, golds)
+        responses, golds = check_text_batch(responses, golds)
         batch = self.grader.grade(responses, golds)
         stats = RewardStats(
             n=batch.stats.n,

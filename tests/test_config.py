@@ -116,3 +116,108 @@ def test_mask_parameters_come_from_their_registered_config_keys():
     with pytest.raises(ConfigError, match=r"'algorithm.masks.s2t_randm': no registered token mask; did you mean "
                                           r"'algorithm.masks.s2t_random'"):
         load_config(REPO_ROOT / "configs/cpu_smollm2_stapo.yaml", ["algorithm.masks.s2t_randm.seed=1"])
+
+
+def test_unknown_rollout_backend_is_one_line_naming_the_key_and_the_registered_backends():
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", ["rollout.backend=vlm"])
+    assert str(e.value) == ("invalid value for 'rollout.backend' ('vlm'): unknown rollout backend; did you mean "
+                            "'vllm'? (registered: hf, vllm)")
+    with pytest.raises(ConfigError, match=r"^invalid value for 'rollout.backend' \('sglang'\): unknown rollout "
+                                          r"backend; \(registered: hf, vllm\)$"):
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", ["rollout.backend=sglang"])
+
+
+def test_a_rollout_backend_registered_by_user_code_is_accepted():
+    from stapo.rollout import BACKENDS, Backend, register_backend
+
+    backend = Backend("test_echo", "stapo.rollout.hf:HFRolloutEngine", lambda options: {})
+    try:
+        assert register_backend(backend) is backend
+        assert load_config(REPO_ROOT / "configs/tiny_test.yaml", ["rollout.backend=test_echo"]).rollout.backend \
+            == "test_echo"
+        with pytest.raises(ValueError, match="rollout backend 'test_echo' is already registered"):
+            register_backend(backend)
+    finally:
+        BACKENDS.pop("test_echo", None)
+    with pytest.raises(ConfigError, match="unknown rollout backend"):
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", ["rollout.backend=test_echo"])
+
+
+@pytest.fixture
+def user_module(tmp_path):
+    """Write a module file in tmp_path; everything it registers and the module itself are removed afterwards."""
+    import sys
+
+    from stapo.objectives import OBJECTIVES
+
+    written = []
+
+    def write(name, source):
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        written.append(name)
+        return path
+
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)
+        OBJECTIVES.pop(f"{name}_obj", None)
+
+
+def test_import_modules_run_before_the_objective_is_checked(user_module, tmp_path):
+    import sys
+
+    path = user_module("cfg_user_objective", (
+        "from stapo.objectives import get_objective, register_objective\n"
+        "register_objective(get_objective('justrl').replace(name='cfg_user_objective_obj', kl_coef=0.5))\n"))
+    overrides = ["algorithm.objective=cfg_user_objective_obj"]
+    with pytest.raises(ConfigError, match="unknown objective"):
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides)
+    yaml = tmp_path / "my.yaml"
+    yaml.write_text(f"defaults: [{REPO_ROOT / 'configs/tiny_test.yaml'}]\n"
+                    f"trainer:\n  import_modules: [{path}]\nalgorithm:\n  objective: cfg_user_objective_obj\n")
+    cfg = load_config(yaml)
+    assert cfg.trainer.import_modules == [str(path)] and cfg.algorithm.objective == "cfg_user_objective_obj"
+    assert sys.modules["cfg_user_objective"].__file__ == str(path)
+    from stapo.config import objective_from_config
+
+    assert objective_from_config(cfg).kl_coef == 0.5
+    assert load_config(yaml) == cfg  # a second load does not run the module again (no duplicate registration)
+    # a dotted name, from the override list
+    sys.path.insert(0, str(tmp_path))
+    try:
+        sys.modules.pop("cfg_user_objective")
+        from stapo.objectives import OBJECTIVES
+
+        OBJECTIVES.pop("cfg_user_objective_obj")
+        assert load_config(REPO_ROOT / "configs/tiny_test.yaml",
+                           overrides + ["trainer.import_modules=[cfg_user_objective]"]).algorithm.objective \
+            == "cfg_user_objective_obj"
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_import_modules_failures_are_one_line_naming_the_key_and_the_module(user_module, tmp_path):
+    def error(entry):
+        with pytest.raises(ConfigError) as e:
+            load_config(REPO_ROOT / "configs/tiny_test.yaml", [f"trainer.import_modules=['{entry}']"])
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert error("no_such_module_xyz") == ("invalid value for 'trainer.import_modules' ('no_such_module_xyz'): "
+                                           "cannot import it: ModuleNotFoundError: No module named 'no_such_module_xyz'")
+    missing = tmp_path / "missing.py"
+    assert error(missing) == f"invalid value for 'trainer.import_modules' ('{missing}'): file not found: {missing}"
+    broken = user_module("cfg_broken", "raise RuntimeError('registry is not ready\\nsecond line')\n")
+    assert error(broken) == (f"invalid value for 'trainer.import_modules' ('{broken}'): cannot import it: "
+                             "RuntimeError: registry is not ready")
+    import sys
+
+    assert "cfg_broken" not in sys.modules  # a failed import leaves nothing half-imported
+    bad_syntax = user_module("cfg_bad_syntax", "def f(:\n")
+    assert error(bad_syntax).startswith(f"invalid value for 'trainer.import_modules' ('{bad_syntax}'): cannot import "
+                                        "it: SyntaxError: ")
+    clash = tmp_path / "json.py"  # not through user_module: its clean-up would drop the real json module
+    clash.write_text("x = 1\n")
+    assert "a module named 'json' is already imported" in error(clash) and sys.modules["json"].__file__ != str(clash)

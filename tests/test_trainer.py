@@ -284,6 +284,68 @@ def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, 
     assert total == row["response_length/total_tokens"]
 
 
+USER_MODULE = """
+from dataclasses import dataclass
+
+from stapo.masks import TokenMask, register_token_mask
+from stapo.objectives import get_objective, register_objective
+
+
+@dataclass
+class HeadParams:
+    k: int = 4                                    # config key: algorithm.masks.user_head.k
+
+
+@register_token_mask("user_head", params=HeadParams, maskable_rows="all", prefix="user_head")
+def user_head(logprobs, entropy, advantages, response_mask, *, k=4):
+    \"\"\"Silence the first k response tokens of every response.\"\"\"
+    silenced = response_mask & (response_mask.long().cumsum(dim=1) <= k)
+    return TokenMask(keep=response_mask & ~silenced, stats={
+        "num_response_tokens": float(response_mask.sum()), "num_masked": float(silenced.sum()), "masked_frac": 0.0,
+        "num_rows": float(response_mask.shape[0]), "k": float(k)})
+
+
+register_objective(get_objective("justrl").replace(name="user_head_obj", token_mask="user_head"))
+"""
+
+
+def test_a_mask_and_objective_from_trainer_import_modules_train_through_train_py(tmp_path):
+    """A user's module (a .py file) that registers a mask and an objective, listed in trainer.import_modules of a
+    plain YAML config: `python train.py --config my.yaml` imports it before the objective name is checked, trains
+    one step, and logs the mask's statistics under its own prefix."""
+    module = tmp_path / "user_head.py"
+    module.write_text(USER_MODULE)
+    config = tmp_path / "my.yaml"
+    config.write_text(f"defaults: [{REPO / 'configs/tiny_test.yaml'}]\n"
+                      f"trainer:\n  import_modules: [{module}]\n  total_steps: 1\n  save_every: 0\n"
+                      f"  output_dir: {tmp_path}\n  run_name: r\n"
+                      "algorithm:\n  objective: user_head_obj\n")
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(config),
+                          "algorithm.masks.user_head.k=1"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = _rows(tmp_path / "r" / "metrics.jsonl")[0]
+    # tiny_test: 2 prompts × G = 4 responses, 2 mini-batches of 4; every response has ≥ 1 token, k = 1 (the
+    # override, not the default 4) → exactly one silenced token per response: 8 in all
+    total = row["response_length/total_tokens"]
+    assert row["user_head/num_rows"] == 8 and row["user_head/k"] == 1.0
+    assert row["user_head/num_masked"] == 8 and row["user_head/num_response_tokens"] == total
+    assert row["user_head/masked_frac"] == pytest.approx(8 / total)  # recomputed from the summed counts
+    assert row["actor/num_kept_tokens"] == total - 8
+
+
+def test_train_py_reports_a_failed_import_module_in_one_line_and_exits_2(tmp_path):
+    broken = tmp_path / "broken_user.py"
+    broken.write_text("from stapo.masks import no_such_name\n")
+    for entry, expect in [("no_such_module_xyz", "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+                          (str(broken), "ImportError: cannot import name 'no_such_name'")]:
+        out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
+                              f"trainer.import_modules=['{entry}']"], capture_output=True, text=True)
+        assert out.returncode == 2
+        assert out.stderr.startswith(f"train.py: invalid value for 'trainer.import_modules' ('{entry}'): cannot import "
+                                     f"it: {expect}")
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
 def _recording_trainer(tmp_path, overrides):
     """A toy trainer whose mask inputs (per mini-batch) and step batches are recorded."""
     trainer = make_trainer(str(tmp_path), ["trainer.save_every=0", "trainer.total_steps=1", *overrides])

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from stapo.config import ConfigError, merge_config
+from stapo.config import ConfigError, LoggingConfig, merge_config
 from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
 from stapo.evaluation.errors import EvalError
 
@@ -158,10 +158,9 @@ class EvalOutputConfig:
 
 
 @dataclass
-class EvalLoggingConfig:
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "stapo"
-    entity: Optional[str] = None
+class EvalLoggingConfig(LoggingConfig):
+    """The train config's logging section (``wandb_mode``, ``project``, ``entity``) plus the progress bar."""
+
     progress_bar: bool = True
 
 

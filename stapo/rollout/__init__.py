@@ -13,10 +13,11 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from stapo.registry import add_entry
 from stapo.rollout.base import Response, RolloutEngine, SamplingParams
 
-__all__ = ["Response", "RolloutEngine", "SamplingParams", "EngineOptions", "Backend", "BACKENDS", "engine_kwargs",
-           "build_rollout_engine"]
+__all__ = ["Response", "RolloutEngine", "SamplingParams", "EngineOptions", "Backend", "BACKENDS", "register_backend",
+           "engine_kwargs", "build_rollout_engine"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,12 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
 )}
 
 
+def register_backend(backend: Backend) -> Backend:
+    """Add ``backend`` to :data:`BACKENDS` under its name (then ``rollout.backend`` accepts it;
+    from a config: ``trainer.import_modules``, docs/extending.md). Raises ``ValueError`` on a duplicate name."""
+    return add_entry(BACKENDS, "rollout backend", backend.name, backend)
+
+
 def _backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown rollout backend {name!r}; use {' or '.join(repr(b) for b in BACKENDS)}")
@@ -117,7 +124,7 @@ def build_rollout_engine(backend: str, model: Any, tokenizer: Any, **engine_kwar
     """Build the rollout engine of ``backend`` for ``model`` (the trainer's policy) and ``tokenizer``.
 
     Args:
-        backend: a key of :data:`BACKENDS` (``"vllm"`` or ``"hf"``).
+        backend: a key of :data:`BACKENDS` (``"vllm"``, ``"hf"`` or one added by :func:`register_backend`).
         model: the policy module; the vLLM engine starts from its current weights, the HF engine uses it in place.
         tokenizer: its tokenizer.
         **engine_kwargs: passed to the engine class (:func:`engine_kwargs` builds them; e.g. ``max_model_len``,
