@@ -83,7 +83,7 @@ class SyntheticConfig:
 class DataConfig:
     root: str = "data"  # data root (benchmarks/, train/); tests use ../shared/data
     # "file": the user's own file, described by train_file (stapo.data.FileSetConfig; docs/extending.md)
-    train_set: Literal["synthetic", "dapo_math_17k", "math_train", "file"] = "synthetic"
+    train_set: str = "synthetic"  # synthetic | file (data.train_file) | a stapo.data.TRAIN_REGISTRY name
     train_file: FileSetConfig = field(default_factory=FileSetConfig)
     prompt_style: Literal["chat", "plain"] = "chat"  # chat template (instruct models) or plain text (base)
     system_prompt: Optional[str] = None  # chat only; the paper uses none (the CPU recipe adds a one-shot example)
@@ -386,9 +386,12 @@ def validate(cfg: TrainConfig) -> None:
         if not cond:
             raise ConfigError(f"invalid value for '{key}' ({_get(cfg, key)!r}): {msg}")
 
+    from stapo.data import TRAIN_BY_NAME
     from stapo.rollout import BACKENDS
 
     check_registered("rollout.backend", cfg.rollout.backend, "rollout backend", BACKENDS)
+    check_registered("data.train_set", cfg.data.train_set, "training set",
+                     {"synthetic": None, "file": None, **TRAIN_BY_NAME})
     need(cfg.rollout.n >= 2, "rollout.n", "the group size G must be ≥ 2 (GRPO's std uses ddof=1)")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")

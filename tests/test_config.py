@@ -221,3 +221,12 @@ def test_import_modules_failures_are_one_line_naming_the_key_and_the_module(user
     clash = tmp_path / "json.py"  # not through user_module: its clean-up would drop the real json module
     clash.write_text("x = 1\n")
     assert "a module named 'json' is already imported" in error(clash) and sys.modules["json"].__file__ != str(clash)
+
+
+def test_train_set_is_checked_against_the_training_set_registry():
+    """data.train_set: synthetic, file or a TRAIN_REGISTRY name; anything else is one line with the closest name."""
+    assert load_config(REPO_ROOT / "configs/tiny_test.yaml", ["data.train_set=math_train"]).data.train_set == "math_train"
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", ["data.train_set=math_trian"])
+    assert str(e.value) == ("invalid value for 'data.train_set' ('math_trian'): unknown training set; did you mean "
+                            "'math_train'? (registered: dapo_math_17k, file, math_train, synthetic)")

@@ -469,3 +469,35 @@ def test_custom_benchmark_errors_name_the_file_and_key(shared_data_root, tmp_pat
         tiny_cfg(shared_data_root, tmp_path / "o", f"data.custom_benchmarks.aime24.path={bench}")
     with pytest.raises(EvalError, match=r"unknown benchmark 'mne' \(did you mean 'mine'\?\)"):
         tiny_cfg(shared_data_root, tmp_path / "o", "data.benchmarks=[mne]", f"data.custom_benchmarks.mine.path={bench}")
+
+
+def test_a_registered_rollout_backend_evaluates_through_the_backend_table(shared_data_root, tmp_path, tok, tiny, grader):
+    """engine.backend is checked against stapo.rollout.BACKENDS (one line for an unknown name); a backend
+    registered by user code is built through the same table and argument builder as the trainer's: here an
+    alias of the HF engine (model used in place), whose generations equal engine.backend=hf's."""
+    from stapo.rollout import BACKENDS, Backend
+
+    with pytest.raises(EvalError) as err:
+        tiny_cfg(shared_data_root, tmp_path / "x", "engine.backend=hff")
+    assert str(err.value) == ("invalid value for 'engine.backend' ('hff'): unknown rollout backend; did you mean "
+                              "'hf'? (registered: hf, vllm)")
+    seen = []
+
+    def kwargs(options):
+        seen.append(options)
+        return BACKENDS["hf"].kwargs(options)
+
+    BACKENDS["test_hf_alias"] = Backend("test_hf_alias", "stapo.rollout.hf:HFRolloutEngine", kwargs,
+                                        model_in_place=True)
+    try:
+        runs = {}
+        for backend in ("hf", "test_hf_alias"):
+            out = tmp_path / backend
+            cfg = tiny_cfg(shared_data_root, out, f"engine.backend={backend}", "data.benchmarks=[math500]",
+                           "data.limit=1", "generation.settings=[{}]")
+            run_evaluation(cfg, model=tiny, tokenizer=tok, grader=grader)
+            runs[backend] = generations(out)
+    finally:
+        BACKENDS.pop("test_hf_alias", None)
+    assert len(seen) == 1 and seen[0].max_model_len is None  # the in-place path: no vLLM sizing
+    assert runs["hf"] and runs["hf"] == runs["test_hf_alias"]

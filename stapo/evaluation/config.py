@@ -119,7 +119,7 @@ class EvalGenerationConfig:
 
 @dataclass
 class EvalEngineConfig:
-    backend: Literal["vllm", "hf"] = "vllm"
+    backend: str = "vllm"  # a registered rollout backend (stapo.rollout.BACKENDS: vllm, hf, or one registered)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # HF backend: where the model runs
     max_model_len: Optional[int] = None  # vLLM; default: longest prompt + max_new_tokens, capped by the model
     kv_cache_gib: float = 4.0  # vLLM on CPU
@@ -229,6 +229,13 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         if not cond:
             raise EvalError(f"invalid value for '{key}': {msg}")
 
+    from stapo.config import check_registered
+    from stapo.rollout import BACKENDS
+
+    try:
+        check_registered("engine.backend", cfg.engine.backend, "rollout backend", BACKENDS)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
     need(len(cfg.data.benchmarks) > 0, "data.benchmarks", "at least one benchmark is needed")
     custom = cfg.data.custom_benchmarks
     for cname in custom:

