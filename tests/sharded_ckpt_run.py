@@ -60,7 +60,7 @@ def make_big_trainer(out: str, world: int):
         trainer = make_trainer(out, [*OVERRIDES, *extra, "trainer.resume=auto"])
     finally:
         stapo.models.build_tiny_model = original
-    trainer.compute_dtype = torch.bfloat16  # the HF export in bf16 while the parameters (and dcp/) are fp32
+    trainer.state.export_dtype = torch.bfloat16  # the HF export in bf16 while the parameters (and dcp/) are fp32
     stapo.checkpoint.DEFAULT_MAX_SHARD_SIZE = SHARD_SIZE
     return trainer
 

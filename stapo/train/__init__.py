@@ -10,12 +10,14 @@
 * :mod:`stapo.train.batch` — :class:`Rollout` and :class:`StepBatch`, what flows between the stages.
 * :mod:`stapo.train.metrics` — the step metrics, the metric accumulator, the silenced-token table.
 * :mod:`stapo.train.prompts` — :class:`PromptLoader` and :func:`load_prompts`.
+* :mod:`stapo.train.state` — :class:`RunState`: a step's checkpoint and resuming from the latest one.
 """
 from stapo.train.batch import Rollout, StepBatch
 from stapo.train.plan import UpdatePlan, build_plan
 from stapo.train.prompts import PromptLoader, load_prompts
+from stapo.train.state import RunState
 from stapo.train.trainer import Trainer, build_objective
 from stapo.train.update import PolicyUpdate, UpdateResult
 
 __all__ = ["Trainer", "build_objective", "PromptLoader", "load_prompts", "Rollout", "StepBatch", "UpdatePlan",
-           "build_plan", "PolicyUpdate", "UpdateResult"]
+           "build_plan", "PolicyUpdate", "UpdateResult", "RunState"]

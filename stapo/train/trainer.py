@@ -30,8 +30,7 @@ from tqdm.auto import tqdm
 
 from stapo import distributed as dist
 from stapo.advantages import grpo_advantages
-from stapo.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
-                              rng_state, save_checkpoint, set_rng_state)
+from stapo.checkpoint import latest_checkpoint
 from stapo.config import TrainConfig, objective_from_config, to_dict
 from stapo.objectives import Objective
 from stapo.precision import PrecisionPolicy
@@ -41,6 +40,7 @@ from stapo.train.batch import Rollout, StepBatch
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
 from stapo.train.plan import UpdatePlan, build_plan
 from stapo.train.prompts import PromptLoader, load_prompts
+from stapo.train.state import RunState
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
 
 __all__ = ["Trainer", "build_objective", "StepProgress"]
@@ -160,6 +160,9 @@ class Trainer:
             **self._engine_kwargs())
         self._sampling_cls = SamplingParams
         self._seed_everything(tc.seed)  # the vLLM engine reseeds the global RNGs when it starts
+        self.state = RunState(self.ckpt_root, cfg, self.model, self.optimizer, self.scheduler, self.loader,
+                              self.tokenizer, param_dtype=self.precision.param_dtype,
+                              export_dtype=self.compute_dtype, ctx=self.dist)
         self.updater = PolicyUpdate(
             self.model, self.optimizer, self.scheduler, self.objective, self.precision, self.device, self.dist,
             temperature=cfg.rollout.temperature, share_prompt=cfg.actor.share_prompt, grad_clip=cfg.actor.grad_clip,
@@ -286,57 +289,19 @@ class Trainer:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _maybe_resume(self) -> None:
-        """Resume from the latest complete checkpoint, if any (every rank): model + optimizer from ``dcp/``,
-        re-sharded to this run's ranks and strategy (checkpoints of the previous format: weights from the HF files,
-        the full optimizer state from ``trainer_state.pt``); then scheduler, data loader, RNG (this rank's when the
-        rank count is unchanged, else rank 0's) and step."""
-        ckpt = latest_checkpoint(self.ckpt_root)
-        if ckpt is None:
+        """Resume from the latest complete checkpoint, if any (every rank; :meth:`RunState.resume`), then push
+        the restored weights into the rollout engine."""
+        resumed = self.state.resume()
+        if resumed is None:
             return
-        try:
-            if is_sharded(ckpt):
-                state = load_trainer_state(ckpt)
-                dist.load_sharded_state(self.model, self.optimizer, ckpt / DCP_DIR)  # collective under torchrun
-            else:
-                state = load_trainer_state(ckpt, mmap=self.dist.enabled)  # every rank reads it (W > 1: mmap)
-                self._load_full_checkpoint(ckpt, state)
-        except (ValueError, OSError, RuntimeError, EOFError, KeyError) as e:  # torn / damaged / foreign files
-            msg = " ".join(str(e).split())
-            raise CheckpointError(f"cannot resume from {ckpt}: {msg[:600]} — move that folder out of "
-                                  f"{self.ckpt_root} to resume from the previous checkpoint") from e
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["loader"])
-        per_rank = state.get("rng_per_rank")
-        set_rng_state(per_rank[self.dist.rank] if per_rank and len(per_rank) == self.dist.world else state["rng"])
-        self.step = int(state["step"])
+        ckpt, self.step = resumed
         self.engine.sync_weights(self.model)
         if self.dist.is_main:
             tqdm.write(f"resumed from {ckpt} at step {self.step}")
 
-    def _load_full_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> None:
-        """Previous checkpoint format: weights from the HF files, ``state["optimizer"]`` the full optimizer state."""
-        from stapo.models import load_policy
-
-        model_sd: dict[str, torch.Tensor] = {}
-        if self.dist.is_main or self.dist.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast
-            model, _ = load_policy(str(ckpt), dtype=self.precision.param_dtype,
-                                   attn_implementation=self.cfg.model.attn_implementation)
-            model_sd = model.state_dict()
-            del model
-        dist.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"], self.dist)
-
     def save(self) -> Path:
-        """Write the step's checkpoint (:func:`stapo.checkpoint.save_checkpoint`; collective under torchrun: every
-        rank writes its model/optimizer shards, rank 0 the HF export in ``compute_dtype`` — the parameters' dtype
-        when the trainer has none — and the trainer state). Every rank returns the folder once it is complete."""
-        rngs = dist.gather_objects(rng_state(), self.dist)
-        state = {"scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rngs[0],
-                 "config": to_dict(self.cfg)}
-        if self.dist.enabled:
-            state["rng_per_rank"] = rngs
-        return save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer, state,
-                               optimizer=self.optimizer, keep_last=self.cfg.trainer.keep_last,
-                               export_dtype=getattr(self, "compute_dtype", None), ctx=self.dist)
+        """Write this step's checkpoint (:meth:`RunState.save`; collective under torchrun)."""
+        return self.state.save(self.step)
 
     # ------------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
