@@ -8,6 +8,12 @@ dedicated worker processes; the parent enforces a hard wall-clock limit per answ
 worker that overruns (SIGKILL) and starting a replacement.  The parent side uses no signals, so
 :meth:`MathGrader.grade` may be called from any thread.
 
+Why not ``pebble.ProcessPool`` (checked with pebble 5.2.3): a worker that dies while no task is running (an idle
+worker killed from outside, a replacement killed while starting, a warm-up that raises) breaks the whole pebble
+pool for good (``BrokenProcessPool: All workers expired``) instead of being replaced, and pebble has no notion of
+a worker being ready, so :meth:`MathGrader.wait_ready`, ``startup_timeout_s`` and the start-up ``GraderError``
+carrying the worker's exception could not be kept; worker pids are not exposed (private dict, order not stable).
+
 Verdicts: every answer gets a :class:`GradeResult` whose ``status`` is one of ``correct``,
 ``incorrect``, ``no_answer`` (nothing could be extracted from the response), ``timeout`` or
 ``error`` (an exception inside math-verify, an unparseable gold answer, or a worker that died).
