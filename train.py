@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.data import DataError
     from stapo.distributed import teardown
     from stapo.evaluation import EvalError, make_validation_hook_from_config
+    from stapo.registry import ExtensionError
     from stapo.train import Trainer
 
     trainer = None
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(e))
         try:
             trainer.train()
-        except CheckpointError as e:  # --resume from a damaged checkpoint: one line, the folder, what to do
-            return _error(str(e))
+        except (CheckpointError, ExtensionError) as e:  # a damaged checkpoint; a user mask / loss breaking its
+            return _error(str(e))                       # contract: one line, what to do (finished checkpoints kept)
         if trainer.dist.is_main:
             print(f"run directory: {trainer.run_dir}")
         return 0

@@ -4,7 +4,7 @@ Every mask takes the per-token statistics of the WHOLE mini-batch (the S2T quant
 top-k are mini-batch quantities, not micro-batch ones) and returns a boolean keep-mask plus statistics.
 The objective then renormalises the loss over the kept tokens (:mod:`stapo.objectives`).
 
-Registry ``MASKS`` (name → :class:`MaskSpec`; ``TOKEN_MASKS``: name → function): pure functions with the common signature
+Registry ``MASKS`` (name → :class:`MaskSpec`): pure functions with the common signature
 
     fn(logprobs [B,T], entropy [B,T], advantages [B,T] or [B], response_mask [B,T], **params) -> TokenMask
 
@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from stapo.registry import check_new, lookup
+from stapo.registry import ExtensionError, check_new, lookup
 from stapo.tensor_utils import as_bool_mask, check_same_shape, quantile
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "no_mask",
     "s2t_mask",
     "top_entropy_mask",
-    "TOKEN_MASKS",
     "MASKS",
     "MaskSpec",
     "register_token_mask",
@@ -42,6 +41,7 @@ __all__ = [
     "get_mask_spec",
     "get_token_mask",
     "maskable_rows",
+    "check_mask_result",
 ]
 
 QuantileScope = Literal["candidates", "all"]
@@ -322,29 +322,46 @@ class MaskSpec:
         return {} if self.params is None else dataclasses.asdict(self.params())
 
     def check_params(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``params`` with every field of the params dataclass (defaults filled in), values cast to the type of
-        the default (float/int/str). Raises ``KeyError`` naming an unknown parameter, ``ValueError`` naming the config
-        key of a value that cannot be cast."""
+        """``params`` with every field of the params dataclass (defaults filled in), each value checked against the
+        field's type by OmegaConf (the config library: ``"2"`` → 2 for an ``int``, but ``2.5`` or ``True`` is refused).
+
+        Raises:
+            KeyError: an unknown parameter (naming it and the valid ones).
+            ValueError: a value of the wrong type, naming its config key and the type.
+        """
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
         defaults = self.default_params()
         unknown = sorted(set(params) - set(defaults))
         if unknown:
             raise KeyError(f"token mask {self.name!r} has no parameter {unknown[0]!r}; valid: {sorted(defaults)}")
-        out = {}
-        for k, d in defaults.items():
-            v = params.get(k, d)
+        if self.params is None:
+            return {}
+        schema = OmegaConf.structured(self.params)
+        types = {f.name: f.type for f in dataclasses.fields(self.params)}
+        for k, v in params.items():
             try:
-                out[k] = type(d)(v) if isinstance(d, (float, int, str)) and not isinstance(d, bool) else v
-            except (TypeError, ValueError):
+                OmegaConf.merge(schema, {k: v})
+            except OmegaConfBaseException:
+                want = types[k] if isinstance(types[k], str) else getattr(types[k], "__name__", str(types[k]))
                 raise ValueError(f"invalid value for '{self.config_keys[k]}' ({v!r}): token mask {self.name!r} needs "
-                                 f"a {type(d).__name__}") from None
-        return out
+                                 f"a value of type {want}") from None
+        return OmegaConf.to_container(OmegaConf.merge(schema, params))  # type: ignore[return-value]
+
+    @property
+    def rule_name(self) -> str:
+        """The ``maskable_rows`` rule's name (``"positive_advantage"``...; a function's own name)."""
+        return next((k for k, v in _ROW_RULES.items() if v is self.maskable_rows),
+                    getattr(self.maskable_rows, "__name__", "custom"))
 
 
 MASKS: dict[str, MaskSpec] = {}
-#: name → mask function, a view of :data:`MASKS` kept in step by :func:`register_token_mask`.
-TOKEN_MASKS: dict[str, TokenMaskFn] = {}
 
 _ROW_RULES = {"none": no_rows, "positive_advantage": positive_advantage_rows, "all": all_rows}
+#: Metric prefixes of the trainer's own keys (docs/metrics.md); a mask's statistics may not use them.
+RESERVED_PREFIXES = frozenset({"actor", "critic", "response_length", "timing_s", "perf", "data", "val", "val-core",
+                               "rollout", "reward", "grader", "training", "global_seqlen"})
 
 
 def register_token_mask(
@@ -378,15 +395,22 @@ def register_token_mask(
 
     registers ``my_mask`` with the config key ``algorithm.masks.my_mask.prob_threshold`` and metrics ``my_mask/...``.
     """
+    if isinstance(maskable_rows, str) and maskable_rows not in _ROW_RULES:
+        raise ValueError(f"token mask {name!r}: unknown maskable_rows rule {maskable_rows!r}; use one of "
+                         f"{', '.join(repr(r) for r in _ROW_RULES)} or a function [B] advantages → [B] bool")
     rule = _ROW_RULES[maskable_rows] if isinstance(maskable_rows, str) else maskable_rows
+    pre = prefix or name
+    taken = {spec.prefix: spec.name for spec in MASKS.values()}
+    if pre in RESERVED_PREFIXES or (pre in taken and taken[pre] != name):
+        owner = "the trainer's own metrics" if pre in RESERVED_PREFIXES else f"token mask {taken[pre]!r}"
+        raise ValueError(f"token mask {name!r}: metric prefix {pre!r} is taken by {owner}; choose another prefix")
 
     def deco(fn: TokenMaskFn) -> TokenMaskFn:
         check_new(MASKS, "token mask", name)
         fields = [] if params is None else [f.name for f in dataclasses.fields(params)]
         keys = {f: (config_keys or {}).get(f, f"algorithm.masks.{name}.{f}") for f in fields}
-        MASKS[name] = MaskSpec(name=name, fn=fn, params=params, maskable_rows=rule, prefix=prefix or name,
+        MASKS[name] = MaskSpec(name=name, fn=fn, params=params, maskable_rows=rule, prefix=pre,
                                config_keys=keys, needs_stats=needs_stats, silences=silences)
-        TOKEN_MASKS[name] = fn
         return fn
 
     return deco
@@ -395,7 +419,6 @@ def register_token_mask(
 def unregister_token_mask(name: str) -> None:
     """Remove a registered mask (tests that register their own)."""
     MASKS.pop(name, None)
-    TOKEN_MASKS.pop(name, None)
 
 
 @dataclass
@@ -520,10 +543,11 @@ def maskable_rows(name: str, advantages: torch.Tensor) -> torch.Tensor:
 
     The rule is the mask's registered ``maskable_rows`` (:class:`MaskSpec`):
 
-    - ``"none"``: no row.
-    - ``"s2t"``: rows with Â > 0 — S2T silences only candidates, and candidates need Â > 0 (docs/method.md#s2t-mask);
-      rows with Â ≤ 0 keep every response token for any p, H and τ_h.
-    - ``"top_entropy"``: every row (all tokens compete for the top 20 %).
+    - ``"none"`` (GRPO, JustRL: no mask): no row.
+    - ``"positive_advantage"`` (S2T and its ablations): rows with Â > 0 — S2T silences only candidates, and
+      candidates need Â > 0 (docs/method.md#s2t-mask); rows with Â ≤ 0 keep every response token for any p, H, τ_h.
+    - ``"all"`` (20-Entropy): every row (all tokens compete for the top 20 %).
+    - a function ``[B] advantages → [B] bool`` registered by the mask.
 
     The trainer's ``actor.fused_forward`` uses this to run the backward of the other rows before the
     mini-batch's statistics are complete.
@@ -544,3 +568,36 @@ def maskable_rows(name: str, advantages: torch.Tensor) -> torch.Tensor:
     if advantages.dim() != 1:
         raise ValueError(f"advantages must be [B] per-response values, got shape {tuple(advantages.shape)}")
     return spec.maskable_rows(advantages)
+
+
+def check_mask_result(name: str, keep: Any, response_mask: torch.Tensor, advantages: torch.Tensor | None = None
+                      ) -> None:
+    """The contract of a registered mask's output, checked on every mini-batch.
+
+    ``keep`` must be a bool tensor of ``response_mask``'s shape [B, T] that keeps no padding; with ``advantages``
+    ([B], this rank's rows), rows outside the mask's ``maskable_rows`` rule must keep every response token (the
+    fused update back-propagates those rows before the mask is known).
+
+    Raises:
+        stapo.registry.ExtensionError: one line naming the mask, what is wrong and the fix.
+    """
+    spec = get_mask_spec(name)
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != response_mask.shape:
+        got = (f"{keep.dtype} {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) else type(keep).__name__)
+        raise ExtensionError(f"token mask {name!r} returned keep as {got}; it must be a bool tensor of the response "
+                             f"mask's shape {tuple(response_mask.shape)}")
+    mask = response_mask.bool()
+    if bool((keep & ~mask).any()):
+        raise ExtensionError(f"token mask {name!r} keeps {int((keep & ~mask).sum())} padding token(s); return "
+                             f"keep = response_mask & ... so only response tokens are kept")
+    if advantages is None:
+        return
+    fixed = ~spec.maskable_rows(advantages)  # [B] rows the rule promises to leave untouched
+    bad = fixed & (keep != mask).any(dim=1)  # [B]
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ExtensionError(f"token mask {name!r} silenced tokens of {int(bad.sum())} row(s) its maskable_rows rule "
+                             f"{spec.rule_name!r} leaves untouched (e.g. row {row}, advantage "
+                             f"{float(advantages[row]):.4g}); register it with maskable_rows='all' or a rule that "
+                             f"includes those rows")
+

@@ -38,8 +38,8 @@ from typing import Any, Callable, Literal, Mapping, get_args
 
 import torch
 
-from stapo.masks import TokenMask, get_mask_spec, get_token_mask
-from stapo.registry import add_entry, lookup
+from stapo.masks import TokenMask, check_mask_result, get_mask_spec, get_token_mask
+from stapo.registry import ExtensionError, add_entry, lookup
 from stapo.tensor_utils import as_bool_mask, check_same_shape, masked_mean
 
 __all__ = [
@@ -189,6 +189,24 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
         return add_entry(POLICY_LOSSES, "policy loss", name, fn)
 
     return deco
+
+
+def _check_policy_loss_output(name: str, out: Any, keep: torch.Tensor) -> None:
+    """A loss formula returns ``(loss [B, T] float tensor, {"pg_clipfrac": [B, T], "pg_clipfrac_lower": [B, T]})``.
+
+    Raises:
+        stapo.registry.ExtensionError: one line naming the formula and what its output lacks.
+    """
+    want = (f"(loss {tuple(keep.shape)} float tensor, {{'pg_clipfrac': ..., 'pg_clipfrac_lower': ...}} "
+            f"{tuple(keep.shape)})")
+    ok = isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and isinstance(out[1], dict)
+    if ok and out[0].shape == keep.shape and out[0].dtype.is_floating_point:
+        missing = [k for k in ("pg_clipfrac", "pg_clipfrac_lower") if not isinstance(out[1].get(k), torch.Tensor)]
+        if not missing and all(out[1][k].shape == keep.shape for k in ("pg_clipfrac", "pg_clipfrac_lower")):
+            return
+        raise ExtensionError(f"policy loss {name!r} returned flags without {missing or 'the shape of keep'}; it must "
+                             f"return {want}")
+    raise ExtensionError(f"policy loss {name!r} returned {type(out).__name__}; it must return {want}")
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -427,6 +445,7 @@ def compute_token_mask(
     """
     spec = get_mask_spec(objective.token_mask)
     tm = spec.fn(logprobs, entropy, advantages, response_mask, **objective.mask_params)
+    check_mask_result(spec.name, getattr(tm, "keep", tm), response_mask)  # bool, its shape, no padding kept
     prefix = f"{spec.prefix}/"
     return TokenMask(keep=tm.keep, stats={prefix + k: v for k, v in tm.stats.items()}, num_kept=int(tm.keep.sum()))
 
@@ -465,8 +484,9 @@ def policy_loss(
         ValueError: shapes disagree, or ``ref_logprobs`` is missing while β > 0.
     """
     keep = as_bool_mask(keep, "keep")
-    pg_mat, flags = get_policy_loss(objective.policy_loss)(
-        logprobs, old_logprobs, advantages, keep, objective)  # [B, T] each
+    out = get_policy_loss(objective.policy_loss)(logprobs, old_logprobs, advantages, keep, objective)
+    _check_policy_loss_output(objective.policy_loss, out, keep)
+    pg_mat, flags = out  # [B, T] each
     check_same_shape("logprobs", logprobs, keep=keep)
     pg_loss = aggregate_loss(pg_mat, keep, objective.loss_agg_mode, denominator)
     loss = pg_loss

@@ -7,9 +7,15 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-__all__ = ["add_entry", "check_new", "lookup"]
+__all__ = ["ExtensionError", "add_entry", "check_new", "lookup"]
 
 T = TypeVar("T")
+
+
+class ExtensionError(ValueError):
+    """A registered extension (a token mask, a loss formula) broke its contract at run time: a keep-mask of the
+    wrong shape or dtype, tokens silenced outside the mask's ``maskable_rows`` rule, a loss formula without its
+    flags. The message is one line naming the extension and the fix (train.py prints it, exit code 2)."""
 
 
 def add_entry(table: dict[str, T], kind: str, name: str, entry: T) -> T:

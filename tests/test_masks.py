@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from stapo.masks import TOKEN_MASKS, get_token_mask, no_mask, s2t_mask, top_entropy_mask
+from stapo.masks import MASKS, get_token_mask, no_mask, s2t_mask, top_entropy_mask
 from stapo.tensor_utils import quantile
 
 
@@ -206,7 +206,7 @@ def test_top_entropy_integer_mask_and_empty():
 def test_no_mask_and_registry():
     mask = torch.tensor([[1, 0]])
     assert no_mask(None, None, None, mask).keep.tolist() == [[True, False]]
-    assert set(TOKEN_MASKS) == {"none", "s2t", "top_entropy", "s2t_high_entropy", "s2t_random", "full_low_prob"}
+    assert set(MASKS) == {"none", "s2t", "top_entropy", "s2t_high_entropy", "s2t_random", "full_low_prob"}
     with pytest.raises(KeyError, match="valid names"):
         get_token_mask("s2T")
 

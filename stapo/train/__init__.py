@@ -16,8 +16,8 @@ from stapo.train.batch import Rollout, StepBatch
 from stapo.train.plan import UpdatePlan, build_plan
 from stapo.train.prompts import PromptLoader, load_prompts
 from stapo.train.state import RunState
-from stapo.train.trainer import Trainer, build_objective
+from stapo.train.trainer import Trainer
 from stapo.train.update import PolicyUpdate, UpdateResult
 
-__all__ = ["Trainer", "build_objective", "PromptLoader", "load_prompts", "Rollout", "StepBatch", "UpdatePlan",
+__all__ = ["Trainer", "PromptLoader", "load_prompts", "Rollout", "StepBatch", "UpdatePlan",
            "build_plan", "PolicyUpdate", "UpdateResult", "RunState"]

@@ -25,9 +25,9 @@ class MetricAccumulator:
     """Combines per-mini-batch / per-micro-batch metrics into one value per step.
 
     ``add_mean`` → weighted mean; ``add_sum`` → sum; ``add_mask_stats`` (any mask, under its own prefix) → counts
-    (``<prefix>/num_*``) summed, fractions ``<prefix>/<X>_frac`` recomputed as ``Σ num_<X> / Σ num_response_tokens``,
-    other statistics (thresholds, means) averaged over mini-batches. NaN values (e.g. τ_h of an empty candidate
-    set) are skipped.
+    (``<prefix>/num_*``) summed, fractions ``<prefix>/<X>_frac`` recomputed as ``Σ num_<X> / Σ num_response_tokens``
+    when the mask reports both counts (else averaged like the rest), other statistics (thresholds, means) averaged
+    over mini-batches. NaN values (e.g. τ_h of an empty candidate set) are skipped.
 
     Example: ``add_mean("k", 1.0, weight=3); add_mean("k", 2.0, weight=1)`` → ``result()["k"] == 1.25``.
     """
@@ -52,8 +52,9 @@ class MetricAccumulator:
             leaf = k.rsplit("/", 1)[-1]
             if leaf.startswith("num_"):
                 self.add_sum(k, v)
-            elif leaf.endswith("_frac"):  # recomputed from the summed counts in result()
+            elif leaf.endswith("_frac"):  # recomputed from the summed counts in result(), when both are reported
                 self._fracs[k] = None
+                self.add_mean(k, v)
             else:
                 self.add_mean(k, v)
 
@@ -72,8 +73,9 @@ class MetricAccumulator:
         for key in self._fracs:  # <prefix>/<X>_frac = Σ <prefix>/num_<X> / Σ <prefix>/num_response_tokens
             prefix, _, leaf = key.rpartition("/")
             total = self._plain.get(f"{prefix}/num_response_tokens")
-            if total is not None:
-                out[key] = self._plain.get(f"{prefix}/num_{leaf[:-len('_frac')]}", 0.0) / max(total, 1.0)
+            count = self._plain.get(f"{prefix}/num_{leaf[:-len('_frac')]}")
+            if total is not None and count is not None:
+                out[key] = count / max(total, 1.0)
         return out
 
 

@@ -16,9 +16,11 @@ progress bar is sized by :attr:`UpdatePlan.num_forwards`. One plan serves both u
   touch (:func:`stapo.masks.maskable_rows`) keep their graphs (``deferred``) until the mask of the whole
   mini-batch is known; the others are backwarded at once.
 
-Example (tiny_test: 2 prompts × G = 4, one prompt per mini-batch, micro-batch 2, S2T, fused, mask from the
-current policy, rows 0 and 2 with Â > 0): ``old_pass`` = rows 4–7 only; mini-batch 0 (rows 0–3) forwards
-[0], [2] deferred then [1, 3]; mini-batch 1 likewise → 2 + 6 = 8 forwards (no reference: β = 0).
+Example (2 prompts × G = 4 = rows 0–7, one prompt per mini-batch, micro-batches of 2 rows, no length sorting,
+S2T, fused, mask from the current policy, rows 0, 2, 4, 6 with Â > 0): ``old_pass`` = [4, 5], [6, 7] (the first
+mini-batch's old statistics come from its own forwards); mini-batch 0 (rows 0–3) forwards [0, 2] deferred, then
+[1, 3]; mini-batch 1 forwards [4, 6] deferred, then [5, 7] → 2 + 2 + 2 = 6 forwards (no reference pass: β = 0).
+``tests/test_train_plan.py`` builds this plan.
 """
 from __future__ import annotations
 

@@ -32,7 +32,6 @@ from stapo import distributed as dist
 from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
 from stapo.config import TrainConfig, objective_from_config, to_dict
-from stapo.objectives import Objective
 from stapo.precision import PrecisionPolicy
 from stapo.token_stats import TokenStats
 from stapo.tracking import Tracker
@@ -43,15 +42,9 @@ from stapo.train.prompts import PromptLoader, load_prompts
 from stapo.train.state import RunState
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
 
-__all__ = ["Trainer", "build_objective", "StepProgress"]
+__all__ = ["Trainer", "StepProgress"]
 
 ValidationHook = Callable[["Trainer", int], dict[str, float]]
-
-
-def build_objective(cfg: TrainConfig) -> Objective:
-    """The registered objective named by ``algorithm.objective`` with the config's overrides and mask parameters
-    applied (:func:`stapo.config.objective_from_config`, the same mapping the verl plugin uses)."""
-    return objective_from_config(cfg)
 
 
 class StepProgress:
@@ -105,7 +98,7 @@ class Trainer:
         from stapo.rollout import SamplingParams, build_rollout_engine
 
         self.cfg = cfg
-        self.objective = build_objective(cfg)
+        self.objective = objective_from_config(cfg)  # the registered objective + the config's overrides (as verl)
         self.validation_hook = validation_hook
         tc = cfg.trainer
         # data parallelism (torchrun, WORLD_SIZE > 1); W = 1: nothing is initialised and nothing below changes
@@ -249,9 +242,9 @@ class Trainer:
                     self.tracker.log(self.step, metrics)
                 history.append(metrics)
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
-                                ent=f"{metrics['actor/entropy']:.3f}",
-                                masked=f"{metrics.get('s2t/masked_frac', 0.0):.2e}")
+                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", ent=f"{metrics['actor/entropy']:.3f}",
+                                kept=f"{metrics['actor/num_kept_tokens']:.0f}/"
+                                     f"{metrics['response_length/total_tokens']:.0f}")
                 if (tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps:
                     self.save()
         finally:
@@ -305,7 +298,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One step of rollout and update. Returns the step's metrics (verl names, ``s2t/…`` ours; docs/metrics.md)."""
+        """One step of rollout and update at step ``self.step`` (its rollout seed; :meth:`train` advances the
+        counter after validation and logging). Returns the step's metrics (verl names; docs/metrics.md)."""
         timing: dict[str, float] = {}
         t_step = time.perf_counter()
         progress = StepProgress(self.cfg.trainer.progress_bar and self.dist.is_main)
@@ -326,7 +320,8 @@ class Trainer:
             progress.close()
         timing["timing_s/step"] = time.perf_counter() - t_step
         sb = StepBatch(rollout=rollout, old=result.old, ref_logprobs=ref, keep=result.keep)
-        return self._metrics(sb, result, timing)  # 7. metrics (+ the examples table)
+        self._log_examples(sb)  # every trainer.log_examples_every steps: the silenced-token table
+        return self._metrics(sb, result, timing)  # 7. metrics
 
     # --- the stages of a step -------------------------------------------------------------------------
     def _generate(self) -> tuple[list, list]:
@@ -385,15 +380,19 @@ class Trainer:
         self.engine.sync_weights(self.model)
 
     def _metrics(self, sb: StepBatch, result: UpdateResult, timing: dict[str, float]) -> dict[str, float]:
-        """The step's metrics (whole batch, all ranks) with rank 0's timings; the examples table when due."""
+        """The step's metrics (whole batch, all ranks) with rank 0's timings."""
         reward_stats = dist.sum_reward_stats(sb.rollout.reward_stats, self.dist)
         extra = {**(reward_stats.as_dict() if reward_stats else {}), **result.metrics, **self.prompt_stats,
                  "data/epoch": float(self.loader.epoch)}
         metrics = step_metrics(gather_metric_rows(sb, self.dist), self.cfg, extra)
         metrics.update(timing)  # rank 0's wall-clock times
         metrics["perf/tokens_per_s"] = metrics["response_length/total_tokens"] / timing["timing_s/step"]
+        return metrics
+
+    def _log_examples(self, sb: StepBatch) -> None:
+        """The silenced-token table of this step (:func:`stapo.train.metrics.silenced_examples`; rank 0's rows)
+        every ``trainer.log_examples_every`` steps."""
         every = self.cfg.trainer.log_examples_every
-        if every and (self.step + 1) % every == 0 and self.tracker is not None:  # rank 0's rows only
+        if every and (self.step + 1) % every == 0 and self.tracker is not None:
             s2t = self.cfg.algorithm.s2t
             self.tracker.log_table(self.step + 1, *silenced_examples(sb, self.tokenizer, self.objective.token_mask, s2t))
-        return metrics

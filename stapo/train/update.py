@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from stapo import distributed as dist
-from stapo.masks import TokenMask
+from stapo.masks import TokenMask, check_mask_result
 from stapo.objectives import Objective, policy_loss
 from stapo.precision import PrecisionPolicy
 from stapo.token_stats import TokenStats
@@ -123,7 +123,8 @@ class PolicyUpdate:
             progress: called after every forward.
 
         Raises:
-            RuntimeError: a fused mini-batch's mask silenced a row its ``maskable_rows`` rule excluded.
+            stapo.registry.ExtensionError: the mask broke its contract (:func:`stapo.masks.check_mask_result`),
+                or the loss formula returned the wrong output.
         """
         old = TokenStats(old.logprobs.clone(), old.entropy.clone(), old.collision.clone())  # [B, R] each
         B, R = rollout.batch.response_mask.shape
@@ -172,6 +173,7 @@ class _MiniBatch:
             stats = up.no_grad_stats(up.model, self.rollout.batch, mb.stats_pass, self.progress, "update")
         tm = up.token_mask(stats.logprobs[rows], stats.entropy[rows], self.rollout.advantages[rows],
                            self.response_mask[rows])  # [n, R]
+        check_mask_result(up.objective.token_mask, tm.keep, self.response_mask[rows], self.rollout.advantages[rows])
         denom = dist.rank_loss_denominator(tm.keep, self.up.objective.loss_agg_mode, up.ctx,
                                            max_response_length=up.max_response_length)  # N / W, before the loop
         for micro in mb.forwards:  # idx: [b] batch rows (possibly length-sorted)
@@ -210,9 +212,8 @@ class _MiniBatch:
             else:
                 self._backward(idx, st, self.response_mask[idx, :r], 1.0)
         tm = up.token_mask(stat_logp[rows], stat_ent[rows], self.rollout.advantages[rows], self.response_mask[rows])
-        free = [m.rows for m in mb.forwards if not m.deferred]  # maskable_rows promised: every token kept
-        if free and not torch.equal(self._keep_of(tm.keep, torch.cat(free), None), self.response_mask[torch.cat(free)]):
-            raise RuntimeError(f"the {up.objective.token_mask!r} mask silenced tokens of rows maskable_rows() excluded")
+        # the rows backwarded already must keep every token, as their maskable_rows rule promised
+        check_mask_result(up.objective.token_mask, tm.keep, self.response_mask[rows], self.rollout.advantages[rows])
         for k, (idx, st) in enumerate(pending):
             pending[k] = None  # the backward frees this graph
             self._backward(idx, st, self._keep_of(tm.keep, idx, st), 1.0)
@@ -225,11 +226,10 @@ class _MiniBatch:
             self.acc.add_mean(k, v)
         return tm
 
-    def _keep_of(self, keep: torch.Tensor, idx: torch.Tensor, st: TokenStats | None) -> torch.Tensor:
+    def _keep_of(self, keep: torch.Tensor, idx: torch.Tensor, st: TokenStats) -> torch.Tensor:
         """Rows ``idx`` ([b] batch rows) of the mini-batch keep-mask ``keep`` ([n, R] over ``mb.rows``), cut to
-        the micro-batch's r columns (all R without ``st``) → [b, r] bool, in ``idx``'s order."""
-        r = keep.shape[1] if st is None else st.logprobs.shape[1]
-        return keep[idx - int(self.mb.rows[0]), :r]
+        the micro-batch's r columns → [b, r] bool, in ``idx``'s order."""
+        return keep[idx - int(self.mb.rows[0]), :st.logprobs.shape[1]]
 
     def _backward(self, idx: torch.Tensor, st: TokenStats, keep: torch.Tensor, denom: float) -> None:
         """Loss of one micro-batch (rows ``idx`` [b]; ``keep`` [b, r]) and its backward."""
