@@ -180,10 +180,19 @@ def train_path(root: str | os.PathLike, name: str) -> Path:
 
 
 def _require_file(path: Path, what: str) -> None:
+    """A file under the data root (or given to a built-in loader): a missing one is built by scripts/prepare_data.py."""
     if not path.is_file():
         raise DataFileNotFoundError(
             f"{what}: file not found: {path} (build the data root with scripts/prepare_data.py)"
         )
+
+
+def _require_user_file(path: Path, key: str) -> None:
+    """The user's own file of config key ``key`` (``data.train_file.path``, ...): the message names the key (and, for
+    a relative path, the working directory it is read from), not the data root."""
+    if not path.is_file():
+        where = "" if path.is_absolute() else f" (a relative path is read from the working directory {Path.cwd()})"
+        raise DataFileNotFoundError(f"{key}: file not found: {path}{where}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -681,16 +690,20 @@ def load_file_set(name: str, spec: FileSetConfig, *, key: str = "data.train_file
         :class:`LoadedSet`, rows in file order.
 
     Raises:
-        DataFileNotFoundError: ``spec.path`` unset or not a file.
-        DataError: one line naming the file and the problem: an unknown suffix, an unreadable file, a mapped
-            column that the file lacks (``"<file>: no column 'q' (<key>.problem_key); columns: ..."``) or whose
-            values mix types (strings and numbers: ``datasets`` would decode ``"007"`` to ``7``), or (with
-            ``on_bad_row="raise"``) a bad row (``"<file>: row <i>: <reason>"``).
+        DataFileNotFoundError: ``spec.path`` unset or not a file (``"<key>.path: file not found: <file>"``, plus the
+            working directory for a relative path).
+        DataError: one line naming the file and the problem: an unknown suffix; a file without rows
+            (``"<file>: no rows (the file is empty)"``); a line that is not JSON, not a JSON object or not UTF-8
+            (``"<file>: row <i> (line <n>): not valid JSON (...)"``: found with the stdlib when ``datasets`` fails;
+            the whole file is refused, whatever ``on_bad_row``); another unreadable file; a mapped column that the
+            file lacks (``"<file>: no column 'q' (<key>.problem_key); columns: ..."``) or whose values mix types
+            (strings and numbers: ``datasets`` would decode ``"007"`` to ``7``); or (with ``on_bad_row="raise"``) a
+            bad row (``"<file>: row <i>: <reason>"``).
     """
     if not spec.path:
         raise DataFileNotFoundError(f"{key}.path is not set (the file of data set {name!r})")
     path = Path(spec.path).expanduser()
-    _require_file(path, f"{key}.path")
+    _require_user_file(path, f"{key}.path")
     fmt = _FILE_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(f"{path}: unknown format {path.suffix!r} for {key}.path; use {', '.join(_FILE_FORMATS)}")
@@ -699,8 +712,15 @@ def load_file_set(name: str, spec: FileSetConfig, *, key: str = "data.train_file
     try:
         table = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for a bad file
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise DataError(f"{path}: cannot read as {fmt}: {type(exc).__name__}: {first}") from None
+        # datasets names neither the row nor an empty file: find the cause with the stdlib / pyarrow (only now,
+        # so that a good file is read by datasets alone)
+        reason = _json_file_problem(path) if fmt == "json" else _parquet_file_problem(path)
+        if reason is None:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            reason = f"cannot read as {fmt}: {type(exc).__name__}: {first}"
+        raise DataError(f"{path}: {reason}") from None
+    if len(table) == 0:
+        raise DataError(f"{path}: no rows ({key}.path)")
     columns = list(table.column_names)
     for attr in ("problem_key", "answer_key", "id_key"):
         column = getattr(spec, attr)
@@ -721,7 +741,73 @@ def load_file_set(name: str, spec: FileSetConfig, *, key: str = "data.train_file
             raise _RowError(f"field {spec.answer_key!r}: {exc}") from None
         return Record(f"{name}/{rid}", _text_field(row, spec.problem_key), gold, name)
 
-    return _load(name, path, enumerate(table), on_bad_row, convert=convert)
+    return _load(name, path, _table_rows(table, path, fmt), on_bad_row, convert=convert)
+
+
+def _table_rows(table: Any, path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
+    """``enumerate(table)``; a string that is not UTF-8 (datasets reads the file but fails on the row) is a
+    :class:`DataError` naming the file and the line."""
+    try:
+        yield from enumerate(table)
+    except UnicodeDecodeError:
+        reason = _json_file_problem(path) if fmt == "json" else None
+        raise DataError(f"{path}: {reason or 'a value is not UTF-8 text'}") from None
+
+
+def _json_file_problem(path: Path) -> str | None:
+    """Why ``datasets`` could not read the JSON lines / JSON list file ``path``: no rows, the first line that is not
+    UTF-8, not valid JSON or not an object (``"row <i> (line <n>): ..."``; rows count non-blank lines from 0), or
+    ``None`` when none of these is found."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return f"cannot read: {exc}"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        return f"line {lineno} is not UTF-8 text (byte {exc.start})"
+    if not text.strip():
+        return "no rows (the file is empty)" if not text else "no rows (the file has only blank lines)"
+    if text.lstrip().startswith("["):  # one JSON list (a .json file, or a .jsonl holding a list)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        if not isinstance(rows, list):
+            return None
+        if not rows:
+            return "no rows (an empty JSON list)"
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                return f"row {i}: row is {type(row).__name__}, expected an object"
+        return None
+    row = 0
+    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 may sit in a JSON string
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return f"row {row} (line {lineno}): not valid JSON ({exc.msg} at column {exc.colno})"
+        if not isinstance(value, dict):
+            return f"row {row} (line {lineno}): row is {type(value).__name__}, expected an object"
+        row += 1
+    return None
+
+
+def _parquet_file_problem(path: Path) -> str | None:
+    """Why ``datasets`` could not read the parquet file ``path``: no rows, or ``None`` (pyarrow's own error is
+    then the message)."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+    except Exception:  # noqa: BLE001 - not parquet: datasets' message says so
+        return None
+    if meta.num_rows == 0:
+        return f"no rows (a parquet table with 0 rows; columns: {', '.join(meta.schema.names)})"
+    return None
 
 
 def save_records_jsonl(records: Iterable[Record], path: str | os.PathLike) -> int:

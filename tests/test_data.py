@@ -337,6 +337,73 @@ def test_file_set_bad_field_name_is_one_line_naming_file_and_key(tmp_path):
         load_file_set("x", FileSetConfig(path=str(tmp_path / "x.csv")))
 
 
+def test_file_set_without_rows_is_one_line_naming_the_file(tmp_path):
+    """An empty user file (no bytes, only blank lines, an empty JSON list, a parquet table of 0 rows): one line naming
+    the file and saying it has no rows (datasets said `cannot read as json: StopIteration: `)."""
+    from stapo.data import FileSetConfig, load_file_set
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "list.json").write_text("[]\n")
+    pq.write_table(pa.table({"problem": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+                   tmp_path / "zero.parquet")
+    expected = {
+        "empty.jsonl": "no rows (the file is empty)",
+        "blank.jsonl": "no rows (the file has only blank lines)",
+        "list.json": "no rows (an empty JSON list)",
+        "zero.parquet": "no rows (a parquet table with 0 rows; columns: problem, answer)",
+    }
+    for file, reason in expected.items():
+        with pytest.raises(DataError) as err:
+            load_file_set("x", FileSetConfig(path=str(tmp_path / file)))
+        assert str(err.value) == f"{tmp_path / file}: {reason}"
+
+
+def test_file_set_bad_json_names_the_file_the_row_and_the_line(tmp_path):
+    """A line json.loads rejects (datasets said only `DatasetGenerationError: An error occurred ...`): the file, the
+    row (0-based, blank lines not counted, as in the ids) and the line number; also a row that is not an object, a
+    broken JSON list (line and column) and bytes that are not UTF-8."""
+    from stapo.data import FileSetConfig, load_file_set
+
+    cases = {
+        "bad.jsonl": ('{"problem": "a", "answer": "1"}\n\n{"problem": "b", "answer": \n{"problem": "c", "answer": "3"}\n',
+                      "row 1 (line 3): not valid JSON (Expecting value at column 28)"),
+        "extra.jsonl": ('{"problem": "a", "answer": "1"} x\n', "row 0 (line 1): not valid JSON (Extra data at column 33)"),
+        "scalar.jsonl": ('{"problem": "a", "answer": "1"}\n5\n', "row 1 (line 2): row is int, expected an object"),
+        "list.json": ('[\n  {"problem": "a", "answer": "1"},\n  {"problem": "b" "answer": "2"}\n]\n',
+                      "not valid JSON (Expecting ',' delimiter at line 3, column 19)"),
+    }
+    for file, (text, reason) in cases.items():
+        (tmp_path / file).write_text(text, encoding="utf-8")
+        for on_bad_row in ("skip", "raise"):  # the file cannot be read at all: both raise
+            with pytest.raises(DataError) as err:
+                load_file_set("x", FileSetConfig(path=str(tmp_path / file)), on_bad_row=on_bad_row)
+            assert str(err.value) == f"{tmp_path / file}: {reason}"
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"problem": "a", "answer": "1"}\n{"problem": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DataError) as err:
+        load_file_set("x", FileSetConfig(path=str(tmp_path / "latin1.jsonl")))
+    assert str(err.value) == f"{tmp_path / 'latin1.jsonl'}: line 2 is not UTF-8 text (byte 48)"
+
+
+def test_file_set_missing_file_names_the_config_key_not_the_data_root(tmp_path, monkeypatch):
+    """A user's file that does not exist: the config key (and the working directory of a relative path); the hint
+    `build the data root with scripts/prepare_data.py` is for the built-in sets only."""
+    from stapo.data import FileSetConfig, load_file_set
+
+    with pytest.raises(DataFileNotFoundError) as err:
+        load_file_set("x", FileSetConfig(path=str(tmp_path / "nope.jsonl")))
+    assert str(err.value) == f"data.train_file.path: file not found: {tmp_path / 'nope.jsonl'}"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataFileNotFoundError) as err:
+        load_file_set("mine", FileSetConfig(path="nope.jsonl"), key="data.custom_benchmarks.mine")
+    assert str(err.value) == (f"data.custom_benchmarks.mine.path: file not found: nope.jsonl "
+                              f"(a relative path is read from the working directory {tmp_path})")
+    with pytest.raises(DataFileNotFoundError) as err:  # a built-in set keeps its data-root hint
+        load_train_set("math_train", tmp_path)
+    assert str(err.value) == (f"math_train: file not found: {tmp_path / 'train' / 'math_train_7474.json'} "
+                              f"(build the data root with scripts/prepare_data.py)")
+
+
 def test_train_config_selects_a_user_file(tmp_path):
     from stapo.config import load_config
 

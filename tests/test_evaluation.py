@@ -471,6 +471,26 @@ def test_custom_benchmark_errors_name_the_file_and_key(shared_data_root, tmp_pat
         tiny_cfg(shared_data_root, tmp_path / "o", "data.benchmarks=[mne]", f"data.custom_benchmarks.mine.path={bench}")
 
 
+def test_custom_benchmark_missing_empty_or_bad_file_is_one_line_naming_it(shared_data_root, tmp_path):
+    """A custom benchmark's file missing (the config key, not the data-root hint), empty (no rows) or with a bad JSON
+    line (the row and the line number)."""
+    from stapo.evaluation.runner import load_problems
+
+    bench = tmp_path / "mine.jsonl"
+    cfg = tiny_cfg(shared_data_root, tmp_path / "o", "data.benchmarks=[mine]", f"data.custom_benchmarks.mine.path={bench}")
+    for text, expected in [
+        (None, f"data.custom_benchmarks.mine.path: file not found: {bench}"),
+        ("", f"{bench}: no rows (the file is empty)"),
+        ('{"problem": "x", "answer": "1"}\n{"problem": "y", "answer": 2\n',
+         f"{bench}: row 1 (line 2): not valid JSON (Expecting ',' delimiter at column 29)"),
+    ]:
+        if text is not None:
+            bench.write_text(text)
+        with pytest.raises(EvalError) as err:
+            load_problems(cfg.data.root, cfg.data.benchmarks, None, cfg.data.custom_benchmarks)
+        assert str(err.value) == expected
+
+
 def test_a_registered_rollout_backend_evaluates_through_the_backend_table(shared_data_root, tmp_path, tok, tiny, grader):
     """engine.backend is checked against stapo.rollout.BACKENDS (one line for an unknown name); a backend
     registered by user code is built through the same table and argument builder as the trainer's: here an

@@ -236,6 +236,60 @@ def test_training_prompts_from_a_user_file(tmp_path):
     assert str(err.value) == f"{path}: no column 'answer' (data.train_file.answer_key); columns: question, ans"
 
 
+def test_no_training_prompts_names_the_source_the_counts_and_the_key(tmp_path):
+    """Every row skipped and/or every prompt longer than data.max_prompt_length: one DataError line from load_prompts
+    naming the file (or the set), rows read / skipped (with the reasons) / too long and the key to change (it was a
+    ValueError from PromptLoader naming neither)."""
+    from stapo.config import load_config
+    from stapo.data import DataError
+    from stapo.models import load_tokenizer
+    from stapo.train import load_prompts
+
+    tok = load_tokenizer("embedded:smollm2")
+    path = tmp_path / "rows.jsonl"
+    file_set = ["data.train_set=file", f"data.train_file.path={path}", "data.train_file.problem_key=q",
+                "data.train_file.answer_key=a"]
+
+    def message(rows, *overrides):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(DataError) as err:
+            load_prompts(load_config(None, [*file_set, *overrides]), tok)
+        return str(err.value)
+
+    assert message([{"q": "What is 2 + 2?", "a": "4"}, {"q": "What is 3 + 3?", "a": "6"}],
+                   "data.max_prompt_length=4") == (
+        f"no training prompts from data.train_file.path={path}: 2 rows read, 0 skipped, 2 longer than "
+        f"data.max_prompt_length=4 tokens; raise data.max_prompt_length")
+    assert message([{"q": "x", "a": ""}, {"q": "y", "a": None}]) == (
+        f"no training prompts from data.train_file.path={path}: 2 rows read, 2 skipped (field 'a': answer is empty: 1; "
+        f"field 'a': answer is null: 1), 0 longer than data.max_prompt_length=1024 tokens; "
+        f"check data.train_file.problem_key / data.train_file.answer_key")
+    assert message([{"q": "What is 2 + 2?", "a": "4", "k": "p"}, {"q": "What is 3 + 3?", "a": "", "k": "r"}],
+                   "data.max_prompt_length=4", "data.train_file.id_key=k") == (
+        f"no training prompts from data.train_file.path={path}: 2 rows read, 1 skipped (field 'a': answer is empty: 1), "
+        f"1 longer than data.max_prompt_length=4 tokens; check data.train_file.problem_key / data.train_file.answer_key "
+        f"/ data.train_file.id_key, and raise data.max_prompt_length")
+    with pytest.raises(DataError) as err:  # a built-in set: its name
+        load_prompts(load_config(None, ["data.max_prompt_length=3", "data.synthetic.num_problems=5"]), tok)
+    assert str(err.value) == ("no training prompts from data.train_set=synthetic: 5 rows read, 0 skipped, 5 longer "
+                              "than data.max_prompt_length=3 tokens; raise data.max_prompt_length")
+
+
+def test_train_py_no_training_prompts_from_a_file_is_one_line_and_exits_2(tmp_path):
+    """train.py on a user file whose prompts are all too long: exit 2, the one line of load_prompts, no traceback."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"q": "What is 2 + 2?", "a": "4"}) + "\n" + json.dumps({"q": "What is 3 + 3?", "a": "6"}) + "\n")
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
+                          f"trainer.output_dir={tmp_path}", "trainer.run_name=r", "data.train_set=file",
+                          f"data.train_file.path={path}", "data.train_file.problem_key=q", "data.train_file.answer_key=a",
+                          "data.max_prompt_length=2"], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("train.py:")]
+    assert lines == [f"train.py: no training prompts from data.train_file.path={path}: 2 rows read, 0 skipped, "
+                     f"2 longer than data.max_prompt_length=2 tokens; raise data.max_prompt_length"]
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, fused):
     """A NEW mask, registered here only (function + parameter dataclass + row rule + prefix), selected by a config

@@ -24,7 +24,9 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
         "data/num_skipped_rows"}`` as floats).
 
     Raises:
-        stapo.data.DataError: unreadable file, missing column (naming the file and the key).
+        stapo.data.DataError: unreadable or empty file, missing column (naming the file and the key); or no prompt
+            left (every row skipped or longer than ``data.max_prompt_length``): one line naming the source, the rows
+            read / skipped / too long and the key to change.
     """
     from stapo.data import load_file_set, load_train_set
     from stapo.prompts import encode_prompt
@@ -45,9 +47,37 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
             dropped += 1
             continue
         out.append((ids, rec.answer, rec.id))
+    if not out:
+        raise _no_prompts_error(dc, records.stats, dropped)
     stats = {"data/num_prompts": float(len(out)), "data/num_dropped_too_long": float(dropped),
              "data/num_skipped_rows": float(records.stats.skipped)}
     return out, stats
+
+
+def _no_prompts_error(dc: Any, stats: Any, too_long: int) -> Exception:
+    """The one-line :class:`stapo.data.DataError` for a training set that left no prompt: the source (the file of
+    ``data.train_file.path`` or the set's name), rows read / skipped (with the reasons) / too long, and the key to
+    change (``data.max_prompt_length`` for too-long prompts, the field mapping for skipped rows)."""
+    from stapo.data import DataError
+
+    if dc.train_set == "file":
+        source = f"data.train_file.path={stats.path}"
+        mapping = [f"data.train_file.{k}" for k in ("problem_key", "answer_key")]
+        if dc.train_file.id_key is not None:
+            mapping.append("data.train_file.id_key")
+        fix_skipped = f"check {' / '.join(mapping)}"
+    else:
+        source = f"data.train_set={dc.train_set}" + (f" ({stats.path})" if stats.path else "")
+        fix_skipped = "check the file (scripts/prepare_data.py builds it)"
+    skipped = f"{stats.skipped} skipped"
+    if stats.skipped:
+        skipped += " (" + "; ".join(f"{reason}: {n}" for reason, n in list(stats.skipped_by_reason.items())[:3])
+        skipped += "; ...)" if len(stats.skipped_by_reason) > 3 else ")"
+    fixes = ([fix_skipped] if stats.skipped or not stats.rows_read else []) + (
+        ["raise data.max_prompt_length"] if too_long else [])
+    return DataError(f"no training prompts from {source}: {stats.rows_read} rows read, {skipped}, {too_long} longer "
+                     f"than data.max_prompt_length={dc.max_prompt_length} tokens"
+                     + (f"; {', and '.join(fixes)}" if fixes else ""))
 
 
 class PromptLoader:
@@ -65,7 +95,7 @@ class PromptLoader:
 
     def __init__(self, prompts: list[Prompt], batch_size: int, seed: int, shuffle: bool = True):
         if not prompts:
-            raise ValueError("no training prompts (all dropped or empty data set)")
+            raise ValueError("no training prompts (all dropped or empty data set)")  # load_prompts names the cause
         self.prompts = prompts
         self.batch_size = batch_size
         self.seed = seed
