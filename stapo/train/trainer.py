@@ -91,6 +91,10 @@ class Trainer:
     Raises:
         FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is not ``auto``.
         stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key).
+        stapo.data.DataError: an unreadable training file, or no training prompts left (naming the file and key).
+
+    :meth:`train` raises :class:`stapo.checkpoint.CheckpointError` for a damaged checkpoint and
+    :class:`stapo.registry.ExtensionError` when a registered mask or loss formula breaks its contract.
     """
 
     def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
