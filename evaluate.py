@@ -6,9 +6,10 @@
     python evaluate.py --config configs/eval/paper.yaml --model /models/qwen3-8b-stapo [key=value ...]
 
 --model takes an HF folder, a train.py checkpoint (or run folder: its latest checkpoint), a hub id, or
-embedded:smollm2. Outputs go to the run directory (default runs/eval/<label>): per-sample JSONL with grades,
-results.json / .md / .csv / .png, and a W&B summary (offline by default). Rerunning the same command resumes
-where it stopped. The harness lives in stapo/evaluation/.
+embedded:smollm2. --backend takes any registered rollout backend, including one registered by a module listed in
+the config's import_modules (e.g. 'import_modules=[my_backend.py]'; docs/extending.md). Outputs go to the run
+directory (default runs/eval/<label>): per-sample JSONL with grades, results.json / .md / .csv / .png, and a W&B
+summary (offline by default). Rerunning the same command resumes where it stopped. The harness lives in stapo/evaluation/.
 """
 import argparse
 import sys
@@ -24,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settings", nargs="+", help="keep only these decoding settings by name (t1.0_p1.0 t0.7_p0.9)")
     p.add_argument("--limit", type=int, help="data.limit: first K problems of each benchmark")
     p.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")
-    p.add_argument("--backend", choices=["vllm", "hf"], help="engine.backend")
+    p.add_argument("--backend", help="engine.backend: a registered rollout backend (vllm, hf, or one registered by a "
+                   "module of import_modules); checked after the config's modules are imported")
     p.add_argument("--data-root", help="data.root")
     p.add_argument("--output", help="output.dir (run directory)")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], help="logging.wandb_mode")

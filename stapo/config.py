@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from stapo.data import FileSetConfig
@@ -47,6 +47,7 @@ __all__ = [
     "check_registered",
     "validate",
     "objective_from_config",
+    "check_mask_config_keys",
     "get_key",
 ]
 
@@ -193,8 +194,9 @@ class TrainerConfig:
     # Python modules imported by load_config() after merging the YAML files and the overrides and BEFORE the values
     # are checked: dotted names (importable from sys.path, e.g. with PYTHONPATH) or paths to .py files (relative to
     # the current directory). A module that registers a token mask, an objective, a loss formula or a rollout
-    # backend (docs/extending.md) makes its name valid in this config. An import failure is a ConfigError naming
-    # this key and the module.
+    # backend (docs/extending.md) makes its name valid in this config. An import failure, or a file named like
+    # another importable module (it would shadow it: "rename the file"), is a ConfigError naming this key and the
+    # module. A list, also as an override: trainer.import_modules=[my_masks.py].
     import_modules: list[str] = field(default_factory=list)
 
 
@@ -313,11 +315,15 @@ def import_modules(entries: list[str], key: str) -> None:
     (:func:`importlib.import_module`), or a path to a ``.py`` file (an entry ending in ``.py`` or holding a path
     separator; relative to the current directory), imported as a module named after the file's stem and put in
     ``sys.modules`` under that name. Importing again is a no-op (a module already in ``sys.modules`` from the same
-    name or file is not run twice), so a config can be loaded more than once in a process.
+    name or file is not run twice), so a config can be loaded more than once in a process. A file whose stem is the
+    name of another module (imported, or importable from ``sys.path``: a user's ``tqdm.py`` would replace the
+    installed tqdm for every later ``import tqdm``), or holds a ``.``, is refused ("rename the file").
+    Used for ``trainer.import_modules`` and for the top-level ``import_modules`` of evaluate.py's config.
 
     Raises:
         ConfigError: one line naming ``key`` and the entry: a file that does not exist, a module name already taken
-            by another module, or any exception raised while importing (its type and first line).
+            by another module (imported or installed), or any exception raised while importing (its type and first
+            line).
     """
     for entry in entries:
         where = f"invalid value for '{key}' ({entry!r})"
@@ -329,12 +335,17 @@ def import_modules(entries: list[str], key: str) -> None:
             if not path.is_file():
                 raise ConfigError(f"{where}: file not found: {path}")
             name = path.stem
+            if "." in name:  # it would be registered as a submodule of package ``name.split('.')[0]``
+                raise ConfigError(f"{where}: the module name {name!r} holds a '.'; rename the file")
             if name in sys.modules:
                 loaded_from = getattr(sys.modules[name], "__file__", None)
                 if loaded_from is not None and Path(loaded_from).resolve() == path:
                     continue  # this file, imported before
                 raise ConfigError(f"{where}: a module named {name!r} is already imported (from "
                                   f"{loaded_from or 'a built-in'}); rename the file")
+            other = _importable_elsewhere(name, path)
+            if other is not None:  # registered under that name, this file would replace it for every later import
+                raise ConfigError(f"{where}: a module named {name!r} is installed ({other}); rename the file")
             spec = importlib.util.spec_from_file_location(name, path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
@@ -350,6 +361,50 @@ def import_modules(entries: list[str], key: str) -> None:
             lines = str(e).strip().splitlines()
             raise ConfigError(f"{where}: cannot import it: {type(e).__name__}"
                               f"{': ' + lines[0] if lines else ''}") from None
+
+
+def _importable_elsewhere(name: str, path: Path) -> str | None:
+    """Where ``import <name>`` would find a module other than the file ``path`` (its origin, ``"a built-in"``, or
+    ``"a namespace package: <folders>"``), or None when nothing else is importable under that name (nothing is
+    imported: a top-level name's spec is looked up on ``sys.path``)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.origin in (None, "namespace") and spec.submodule_search_locations is not None:
+        return f"a namespace package: {', '.join(str(p) for p in spec.submodule_search_locations)}"
+    if spec.origin in ("built-in", "frozen"):
+        return f"a {spec.origin} module"
+    if spec.origin is not None and Path(spec.origin).resolve() == path:
+        return None  # this very file is on sys.path: importing it by name is the same module
+    return str(spec.origin)
+
+
+def _list_value_error(schema: DictConfig, layer: DictConfig, source: str, prefix: str = "") -> ConfigError | None:
+    """The error for the first key of ``layer`` whose schema field is a list but whose value is not (a string or a
+    mapping where a list belongs: OmegaConf's own message is about its node types), else None."""
+    for key in layer:
+        full = f"{prefix}{key}"
+        try:
+            target = schema._get_node(key)
+            given = layer._get_node(key)
+        except Exception:
+            continue
+        if (isinstance(target, ListConfig) and given is not None and not isinstance(given, ListConfig)
+                and not given._is_none()):
+            value: Any = OmegaConf.to_container(given) if isinstance(given, DictConfig) else given._value()
+            override = source == "command-line override"
+            example = ("" if isinstance(value, dict) else
+                       f", e.g. {full}=[{value}]" if override else f", e.g. {key}: [{value}]")
+            return ConfigError(f"{'' if override else source + ': '}invalid value for '{full}' ({value!r}): must be "
+                               f"a list{example}")
+        if isinstance(target, DictConfig) and isinstance(given, DictConfig):
+            found = _list_value_error(target, given, source, f"{full}.")
+            if found is not None:
+                return found
+    return None
 
 
 def merge_config(schema_cls: type, path: str | Path | None, overrides: list[str] | None) -> Any:
@@ -372,7 +427,12 @@ def merge_config(schema_cls: type, path: str | Path | None, overrides: list[str]
             cfg = OmegaConf.merge(cfg, layer)
         except ConfigKeyError as e:
             raise _closest_key_error(schema, str(e.full_key), source) from None
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, TypeError) as e:  # TypeError: a mapping merged into a list
+            list_error = _list_value_error(schema, layer, source)
+            if list_error is not None:
+                raise list_error from None
+            if not isinstance(e, OmegaConfBaseException):
+                raise ConfigError(f"{source}: {e}") from None
             msg = str(e).splitlines()[0]
             raise ConfigError(f"{source}: invalid value for '{e.full_key}': {msg}") from None
     obj = OmegaConf.to_object(cfg)
@@ -482,6 +542,8 @@ def _validate_objective(cfg: TrainConfig) -> None:
                                   f"{', '.join(spec.config_keys) or 'none'})")
     try:
         objective_from_config(cfg)
+    except ConfigError:
+        raise
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"invalid mask or objective parameters for 'algorithm.objective' ({alg.objective!r}): "
                           f"{e}") from None
@@ -497,12 +559,80 @@ def get_key(cfg: TrainConfig, dotted: str) -> Any:
     return node
 
 
+def _schema_key_kind(dotted: str, cls: type = TrainConfig) -> str:
+    """``"value"`` when ``dotted`` names a value of the :class:`TrainConfig` schema (a leaf field, or
+    ``algorithm.masks.<mask>.<param>``: the entries of a mapping field are free), ``"section"`` when it names a
+    section or mapping (not a value), ``"unknown"`` when it is not in the schema."""
+    import typing
+
+    tp: Any = cls
+    for part in dotted.split("."):
+        while typing.get_origin(tp) is typing.Union:  # Optional[X] -> X
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in {f.name for f in dataclasses.fields(tp)}:
+                return "unknown"
+            tp = hints[part]
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        elif tp is Any:
+            return "value"
+        else:
+            return "unknown"  # a part below a leaf
+    while typing.get_origin(tp) is typing.Union:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return "section" if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict else "value"
+
+
+def _schema_value_keys(prefix: str = "") -> list[str]:
+    """Every dotted key of a leaf field of the :class:`TrainConfig` schema (the entries of mapping fields excluded)."""
+    node: Any = OmegaConf.structured(TrainConfig)
+    for part in [p for p in prefix.split(".") if p]:
+        node = node[part]
+    out = []
+    for name in node.keys():
+        key = f"{prefix}{name}"
+        kind = _schema_key_kind(key)
+        if kind == "value":
+            out.append(key)
+        elif kind == "section" and isinstance(node[name], DictConfig):
+            out += _schema_value_keys(f"{key}.")
+    return out
+
+
+def check_mask_config_keys(spec: Any) -> None:
+    """Every config key a registered token mask reads its parameters from (:attr:`stapo.masks.MaskSpec.config_keys`)
+    must be a value of the :class:`TrainConfig` schema; a typo there would silently keep the parameter's default.
+
+    Raises:
+        ConfigError: one line naming the mask, the parameter and the key (with the closest schema key).
+    """
+    for param, key in spec.config_keys.items():
+        kind = _schema_key_kind(key)
+        if kind == "value":
+            continue
+        close = difflib.get_close_matches(key, _schema_value_keys(), n=1, cutoff=0.8)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        what = "a config section, not a value" if kind == "section" else "not a config key"
+        raise ConfigError(f"token mask {spec.name!r} reads its parameter {param!r} from config key '{key}', which is "
+                          f"{what}{hint} (fix the config_keys of register_token_mask)")
+
+
 def objective_from_config(cfg: TrainConfig) -> Any:
     """The :class:`stapo.objectives.Objective` a train config asks for: :func:`stapo.objectives.build_objective` with
-    the ``algorithm.*`` overrides and the mask parameters read from their config keys."""
-    from stapo.objectives import OVERRIDABLE_FIELDS, build_objective
+    the ``algorithm.*`` overrides and the mask parameters read from their config keys.
+
+    Raises:
+        ConfigError: a config key of the objective's token mask is not in the schema (:func:`check_mask_config_keys`).
+        KeyError, ValueError: from :func:`stapo.objectives.build_objective`.
+    """
+    from stapo.masks import MASKS
+    from stapo.objectives import OBJECTIVES, OVERRIDABLE_FIELDS, build_objective
 
     alg = cfg.algorithm
+    if alg.objective in OBJECTIVES and OBJECTIVES[alg.objective].token_mask in MASKS:
+        check_mask_config_keys(MASKS[OBJECTIVES[alg.objective].token_mask])
     return build_objective(alg.objective, {k: getattr(alg, k) for k in OVERRIDABLE_FIELDS},
                            lambda key: get_key(cfg, key))
 

@@ -230,3 +230,114 @@ def test_train_set_is_checked_against_the_training_set_registry():
         load_config(REPO_ROOT / "configs/tiny_test.yaml", ["data.train_set=math_trian"])
     assert str(e.value) == ("invalid value for 'data.train_set' ('math_trian'): unknown training set; did you mean "
                             "'math_train'? (registered: dapo_math_17k, file, math_train, synthetic)")
+
+
+def test_import_modules_given_as_a_string_is_one_line_asking_for_a_list(tmp_path):
+    """trainer.import_modules=mymask.py (no brackets) used to give OmegaConf's 'AnyNode is not a ListConfig'."""
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", ["trainer.import_modules=mymask.py"])
+    assert str(e.value) == ("invalid value for 'trainer.import_modules' ('mymask.py'): must be a list, e.g. "
+                            "trainer.import_modules=[mymask.py]")
+    yaml = tmp_path / "my.yaml"
+    yaml.write_text(f"defaults: [{REPO_ROOT / 'configs/tiny_test.yaml'}]\ntrainer:\n  import_modules: mymask.py\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(yaml)
+    assert str(e.value) == (f"{yaml}: invalid value for 'trainer.import_modules' ('mymask.py'): must be a list, e.g. "
+                            "import_modules: [mymask.py]")
+    with pytest.raises(ConfigError) as e:  # a mapping where a list belongs (was a TypeError traceback)
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", ["trainer.import_modules={a: 1}"])
+    assert str(e.value) == "invalid value for 'trainer.import_modules' ({'a': 1}): must be a list"
+    with pytest.raises(ConfigError) as e:  # any list key
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", ["actor.betas=0.9"])
+    assert str(e.value) == "invalid value for 'actor.betas' (0.9): must be a list, e.g. actor.betas=[0.9]"
+
+
+def test_import_modules_refuses_a_file_named_like_an_importable_module(tmp_path):
+    """A user file whose stem is an installed module that is NOT imported yet (here a module of a sys.path folder
+    made for the test) would become sys.modules[<stem>] and replace that module for every later import: refused."""
+    import sys
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "cfg_installed_mod.py").write_text("x = 'installed'\n")
+    user = tmp_path / "user"
+    user.mkdir()
+    clash = user / "cfg_installed_mod.py"
+    clash.write_text("x = 'user'\n")
+    sys.path.insert(0, str(site))
+    try:
+        assert "cfg_installed_mod" not in sys.modules
+        with pytest.raises(ConfigError) as e:
+            load_config(REPO_ROOT / "configs/tiny_test.yaml", [f"trainer.import_modules=['{clash}']"])
+        assert str(e.value) == (f"invalid value for 'trainer.import_modules' ('{clash}'): a module named "
+                                f"'cfg_installed_mod' is installed ({site / 'cfg_installed_mod.py'}); rename the file")
+        assert "cfg_installed_mod" not in sys.modules
+        # the installed file itself, named by its path, is that module: accepted
+        installed = site / "cfg_installed_mod.py"
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", [f"trainer.import_modules=['{installed}']"])
+        assert sys.modules["cfg_installed_mod"].x == "installed"
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("cfg_installed_mod", None)
+    tqdm_file = user / "tqdm.py"
+    tqdm_file.write_text("raise RuntimeError('must not run')\n")
+    with pytest.raises(ConfigError, match=r"a module named 'tqdm' is (installed|already imported) \(.*tqdm.*\); "
+                                          r"rename the file$"):
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", [f"trainer.import_modules=['{tqdm_file}']"])
+    assert getattr(sys.modules.get("tqdm"), "__file__", "") != str(tqdm_file)
+    dotted = user / "my.masks.py"
+    dotted.write_text("x = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", [f"trainer.import_modules=['{dotted}']"])
+    assert str(e.value) == (f"invalid value for 'trainer.import_modules' ('{dotted}'): the module name 'my.masks' "
+                            "holds a '.'; rename the file")
+
+
+def test_a_mask_config_key_missing_from_the_schema_is_one_line_naming_the_mask_the_parameter_and_the_key():
+    """A mask registered with config_keys={"tau": "algorithm.s2t.prob_treshold"} (typo) used to load and silently
+    keep tau's default: the key is checked against the TrainConfig schema when the objective is built."""
+    from dataclasses import dataclass
+
+    from stapo.config import objective_from_config
+    from stapo.masks import TokenMask, register_token_mask, unregister_token_mask
+    from stapo.objectives import OBJECTIVES, get_objective, register_objective
+
+    @dataclass
+    class TauParams:
+        tau: float = 0.002
+
+    def keep_all(logprobs, entropy, advantages, response_mask, *, tau=0.002):
+        return TokenMask(keep=response_mask, stats={})
+
+    overrides = ["algorithm.objective=cfg_tau_obj"]
+    try:
+        register_token_mask("cfg_tau_typo", params=TauParams, config_keys={"tau": "algorithm.s2t.prob_treshold"})(
+            keep_all)
+        register_token_mask("cfg_tau_section", params=TauParams, config_keys={"tau": "algorithm.s2t"})(keep_all)
+        register_token_mask("cfg_tau_far", params=TauParams, config_keys={"tau": "algorithm.tau"})(keep_all)
+        register_token_mask("cfg_tau_ok", params=TauParams, config_keys={"tau": "algorithm.s2t.prob_threshold"})(
+            keep_all)
+        register_objective(get_objective("justrl").replace(name="cfg_tau_obj", token_mask="cfg_tau_typo"))
+        with pytest.raises(ConfigError) as e:
+            load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides)
+        assert str(e.value) == ("token mask 'cfg_tau_typo' reads its parameter 'tau' from config key "
+                                "'algorithm.s2t.prob_treshold', which is not a config key; did you mean "
+                                "'algorithm.s2t.prob_threshold'? (fix the config_keys of register_token_mask)")
+        OBJECTIVES["cfg_tau_obj"] = OBJECTIVES["cfg_tau_obj"].replace(token_mask="cfg_tau_section")
+        with pytest.raises(ConfigError) as e:
+            load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides)
+        assert str(e.value) == ("token mask 'cfg_tau_section' reads its parameter 'tau' from config key "
+                                "'algorithm.s2t', which is a config section, not a value (fix the config_keys of "
+                                "register_token_mask)")
+        OBJECTIVES["cfg_tau_obj"] = OBJECTIVES["cfg_tau_obj"].replace(token_mask="cfg_tau_far")
+        with pytest.raises(ConfigError) as e:
+            load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides)
+        assert str(e.value) == ("token mask 'cfg_tau_far' reads its parameter 'tau' from config key 'algorithm.tau', "
+                                "which is not a config key (fix the config_keys of register_token_mask)")
+        OBJECTIVES["cfg_tau_obj"] = OBJECTIVES["cfg_tau_obj"].replace(token_mask="cfg_tau_ok")
+        cfg = load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides + ["algorithm.s2t.prob_threshold=0.05"])
+        assert objective_from_config(cfg).mask_params == {"tau": 0.05}  # the key is read
+    finally:
+        OBJECTIVES.pop("cfg_tau_obj", None)
+        for name in ("cfg_tau_typo", "cfg_tau_section", "cfg_tau_far", "cfg_tau_ok"):
+            unregister_token_mask(name)

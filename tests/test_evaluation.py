@@ -521,3 +521,70 @@ def test_a_registered_rollout_backend_evaluates_through_the_backend_table(shared
         BACKENDS.pop("test_hf_alias", None)
     assert len(seen) == 1 and seen[0].max_model_len is None  # the in-place path: no vLLM sizing
     assert runs["hf"] and runs["hf"] == runs["test_hf_alias"]
+
+
+def test_a_rollout_backend_from_the_eval_config_import_modules(capsys, shared_data_root, tmp_path, tok, tiny, grader):
+    """A user's .py file that registers a rollout backend (an alias of the HF engine), listed in the eval config's
+    top-level import_modules: imported before engine.backend (and evaluate.py's --backend, which has no fixed
+    choices) is checked; its generations equal engine.backend=hf's. The modules of prompt.from_train_config's
+    trainer.import_modules are imported before the check too. Failures are one line naming the key and module."""
+    from stapo.rollout import BACKENDS
+
+    module = tmp_path / "eval_user_backend.py"
+    module.write_text("from stapo.rollout import BACKENDS, Backend, register_backend\n"
+                      "register_backend(Backend('myhf', 'stapo.rollout.hf:HFRolloutEngine', BACKENDS['hf'].kwargs, "
+                      "model_in_place=True))\n")
+    small = ["data.benchmarks=[math500]", "data.limit=1", "generation.settings=[{}]"]
+    try:
+        with pytest.raises(EvalError) as err:  # without the module
+            tiny_cfg(shared_data_root, tmp_path / "x", "engine.backend=myhf")
+        assert str(err.value) == ("invalid value for 'engine.backend' ('myhf'): unknown rollout backend; did you mean "
+                                  "'hf'? (registered: hf, vllm)")
+        assert "myhf" not in BACKENDS
+        # evaluate.py: --backend myhf is checked after the config's modules are imported
+        rc = evaluate_main(["--config", str(TINY_CFG), "--data-root", str(shared_data_root), "--output",
+                            str(tmp_path / "cli"), "--backend", "myhf", f"import_modules=[{module}]", *small])
+        assert rc == 0, capsys.readouterr().err
+        assert json.loads((tmp_path / "cli" / "eval_manifest.json").read_text())["backend"] == "myhf"
+        rc, err_line = run_cli(capsys, "--config", str(TINY_CFG), "--backend", "sglang", f"import_modules=[{module}]")
+        assert (rc, err_line) == (2, "evaluate.py: error: invalid value for 'engine.backend' ('sglang'): unknown "
+                                     "rollout backend; (registered: hf, myhf, vllm)")
+        runs = {}
+        for backend in ("hf", "myhf"):
+            cfg = tiny_cfg(shared_data_root, tmp_path / backend, f"engine.backend={backend}",
+                           f"import_modules=[{module}]", *small)
+            assert cfg.import_modules == [str(module)]
+            run_evaluation(cfg, model=tiny, tokenizer=tok, grader=grader)
+            runs[backend] = generations(tmp_path / backend)
+        assert runs["hf"] and runs["hf"] == runs["myhf"]
+
+        # the train config of prompt.from_train_config brings its own trainer.import_modules
+        BACKENDS.pop("myhf")
+        sys.modules.pop("eval_user_backend")
+        train_yaml = tmp_path / "train.yaml"
+        train_yaml.write_text(f"defaults: [{REPO / 'configs' / 'tiny_test.yaml'}]\n"
+                              f"trainer:\n  import_modules: [{module}]\n")
+        cfg = tiny_cfg(shared_data_root, tmp_path / "x", "engine.backend=myhf",
+                       f"prompt.from_train_config={train_yaml}")
+        assert cfg.engine.backend == "myhf" and "myhf" in BACKENDS
+
+        with pytest.raises(EvalError) as err:
+            tiny_cfg(shared_data_root, tmp_path / "x", "import_modules=[no_such_module_xyz]")
+        assert str(err.value) == ("invalid value for 'import_modules' ('no_such_module_xyz'): cannot import it: "
+                                  "ModuleNotFoundError: No module named 'no_such_module_xyz'")
+        train_yaml.write_text(f"defaults: [{REPO / 'configs' / 'tiny_test.yaml'}]\n"
+                              f"trainer:\n  import_modules: [no_such_module_xyz]\n")
+        with pytest.raises(EvalError) as err:
+            tiny_cfg(shared_data_root, tmp_path / "x", f"prompt.from_train_config={train_yaml}")
+        assert str(err.value) == ("prompt.from_train_config: invalid value for 'trainer.import_modules' "
+                                  "('no_such_module_xyz'): cannot import it: ModuleNotFoundError: No module named "
+                                  "'no_such_module_xyz'")
+        from stapo.config import ConfigError
+
+        with pytest.raises(ConfigError) as err:
+            tiny_cfg(shared_data_root, tmp_path / "x", f"import_modules={module.name}")
+        assert str(err.value) == ("invalid value for 'import_modules' ('eval_user_backend.py'): must be a list, e.g. "
+                                  "import_modules=[eval_user_backend.py]")
+    finally:
+        BACKENDS.pop("myhf", None)
+        sys.modules.pop("eval_user_backend", None)

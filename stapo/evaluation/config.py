@@ -11,6 +11,10 @@ and AMC23 and N = 4 for MATH500, Minerva and OlympiadBench, the two decoding set
 
 Benchmark names accept aliases and any case (``AIME24``, ``minerva``, ``olympiad``, ``MATH-500``); they are
 stored canonically (:data:`stapo.data.BENCHMARKS`).
+
+``import_modules`` (top level) lists Python modules imported before the values are checked, as train.py's
+``trainer.import_modules``: a module that registers a rollout backend makes its name valid in ``engine.backend``.
+The modules of ``prompt.from_train_config``'s ``trainer.import_modules`` are imported at the same time.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ __all__ = [
     "EvalConfig",
     "canonical_benchmark",
     "load_eval_config",
+    "import_eval_modules",
     "validate_eval_config",
     "eval_config_to_dict",
 ]
@@ -166,6 +171,10 @@ class EvalLoggingConfig(LoggingConfig):
 
 @dataclass
 class EvalConfig:
+    # Python modules imported before the values are checked (the same rule and function as train.py's
+    # trainer.import_modules, stapo.config.import_modules): dotted names or paths to .py files. A module that
+    # registers a rollout backend makes its name valid in engine.backend (and in evaluate.py's --backend).
+    import_modules: list[str] = field(default_factory=list)
     model: EvalModelConfig = field(default_factory=EvalModelConfig)
     prompt: EvalPromptConfig = field(default_factory=EvalPromptConfig)
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
@@ -211,20 +220,48 @@ def load_eval_config(path: str | Path | None = None, overrides: list[str] | None
 
     Raises:
         ConfigError: missing / unparsable file, unknown key (with the closest valid key), wrong type.
-        EvalError: an impossible value (see :func:`validate_eval_config`).
+        EvalError: a module of ``import_modules`` (or of ``prompt.from_train_config``'s ``trainer.import_modules``)
+            that cannot be imported, an impossible value (see :func:`validate_eval_config`).
     """
     obj = merge_config(EvalConfig, path, overrides)
     validate_eval_config(obj)
     return obj
 
 
-def validate_eval_config(cfg: EvalConfig) -> None:
-    """Check values that types cannot express; canonicalise benchmark names and ``data.samples`` keys (in place).
+def import_eval_modules(cfg: EvalConfig) -> None:
+    """Import the modules of ``import_modules``, then those of the ``trainer.import_modules`` of the train config
+    named by ``prompt.from_train_config`` (:func:`stapo.config.import_modules`; a module already imported is not
+    run again), so that what they register (a rollout backend) is known when the values are checked.
 
     Raises:
-        EvalError: naming the key — unknown benchmark, a benchmark without N, duplicate setting names, a
-            temperature < 0, top-p outside (0, 1], non-positive sizes or limits.
+        EvalError: one line naming the key and the module (``prompt.from_train_config: invalid value for
+            'trainer.import_modules' ...`` for the train config's), or the train config cannot be read.
     """
+    from stapo.config import TrainConfig, import_modules
+
+    try:
+        import_modules(cfg.import_modules, "import_modules")
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+    if cfg.prompt.from_train_config:
+        try:
+            train = merge_config(TrainConfig, cfg.prompt.from_train_config, None)
+            import_modules(train.trainer.import_modules, "trainer.import_modules")
+        except ConfigError as e:
+            raise EvalError(f"prompt.from_train_config: {e}") from None
+
+
+def validate_eval_config(cfg: EvalConfig) -> None:
+    """Import the config's modules (:func:`import_eval_modules`), then check values that types cannot express;
+    canonicalise benchmark names and ``data.samples`` keys (in place).
+
+    Raises:
+        EvalError: naming the key — a module that cannot be imported, an unregistered ``engine.backend``, unknown
+            benchmark, a benchmark without N, duplicate setting names, a temperature < 0, top-p outside (0, 1],
+            non-positive sizes or limits.
+    """
+    import_eval_modules(cfg)  # they may register the rollout backend checked below
+
     def need(cond: bool, key: str, msg: str) -> None:
         if not cond:
             raise EvalError(f"invalid value for '{key}': {msg}")
