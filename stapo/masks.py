@@ -408,6 +408,10 @@ def register_token_mask(
     def deco(fn: TokenMaskFn) -> TokenMaskFn:
         check_new(MASKS, "token mask", name)
         fields = [] if params is None else [f.name for f in dataclasses.fields(params)]
+        stray = sorted(set(config_keys or {}) - set(fields))
+        if stray:
+            raise ValueError(f"token mask {name!r}: config_keys names {stray[0]!r}, which is not a field of its params "
+                             f"dataclass (fields: {', '.join(fields) or 'none'})")
         keys = {f: (config_keys or {}).get(f, f"algorithm.masks.{name}.{f}") for f in fields}
         MASKS[name] = MaskSpec(name=name, fn=fn, params=params, maskable_rows=rule, prefix=pre,
                                config_keys=keys, needs_stats=needs_stats, silences=silences)

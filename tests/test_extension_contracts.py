@@ -53,6 +53,10 @@ def test_registration_refuses_unknown_rules_and_taken_prefixes():
     with pytest.raises(ValueError, match=r"^token mask 'x': metric prefix 's2t_random' is taken by token mask "
                                          r"'s2t_random'; choose another prefix$"):
         register_token_mask("x", prefix="s2t_random")(fn)
+    with pytest.raises(ValueError, match=r"^token mask 'x': config_keys names 'tua', which is not a field of its "
+                                         r"params dataclass \(fields: prob_threshold, entropy_quantile, "
+                                         r"quantile_scope\)$"):
+        register_token_mask("x", params=get_mask_spec("s2t").params, config_keys={"tua": "algorithm.s2t.x"})(fn)
     assert "x" not in MASKS
 
 

@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
-from omegaconf import DictConfig, OmegaConf
-
 from stapo.config import ConfigError, LoggingConfig, merge_config
 from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
 from stapo.evaluation.errors import EvalError
