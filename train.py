@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from stapo.checkpoint import CheckpointError
     from stapo.data import DataError
-    from stapo.distributed import teardown
+    from stapo.distributed import barrier, teardown
     from stapo.evaluation import EvalError, make_validation_hook_from_config
     from stapo.registry import ExtensionError
     from stapo.train import Trainer
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(e))                       # contract: one line, what to do (finished checkpoints kept)
         if trainer.dist.is_main:
             print(f"run directory: {trainer.run_dir}")
+        barrier(trainer.dist)  # every rank done before any tears the process group down (W = 1: no-op)
         return 0
     finally:
         if trainer is not None:

@@ -288,6 +288,7 @@ def _helpers_worker(rank: int, store: str, out_dir: str) -> None:
         local = {k: v.to_local().shape for k, v in net.state_dict().items()}
         res["fsdp"] = (full, dict(dist.iter_full_state_dict(net)), local)
         torch.save(res, os.path.join(out_dir, f"helpers{rank}.pt"))
+        torch.distributed.barrier()  # no rank tears gloo down while the other still communicates
     finally:
         torch.distributed.destroy_process_group()
 

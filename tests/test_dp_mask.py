@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         gathered = all_gather_varlen(torch.arange(rank + 2, dtype=torch.float32)[None, :])
         torch.save({"results": [[(r.keep, r.num_kept, r.stats) for r in case] for case in results],
                     "gathered": gathered}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.distributed.barrier()  # no rank tears gloo down while the other still communicates
     finally:
         torch.distributed.destroy_process_group()
 
