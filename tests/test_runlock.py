@@ -217,3 +217,29 @@ def test_a_second_evaluate_py_on_an_output_directory_is_refused(shared_data_root
     later = subprocess.run(base + ["--max-new-tokens", "9"], env=env, capture_output=True, text=True,
                            timeout=TIMEOUT)
     assert later.returncode == 2 and "max_new_tokens = 8, this run asks for 9" in one_line(later.stderr)
+
+
+def test_under_torchrun_rank_0_takes_the_lock_and_every_rank_is_told(tmp_path):
+    """train.py on 2 ranks (torchrun's environment) on a run directory that this test holds: both ranks exit 2,
+    rank 0 prints the one line, rank 1 nothing (it never touches the lock: rank 0 answers for it)."""
+    import socket as sock
+
+    with sock.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    run_dir = tmp_path / "r"
+    with RunLock(run_dir, "holder.py"):
+        procs = []
+        for rank in (0, 1):
+            env = {**ENV, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "RANK": str(rank),
+                   "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            procs.append(subprocess.Popen(
+                [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny_test.yaml"),
+                 f"trainer.output_dir={tmp_path}", "trainer.run_name=r", "data.train_batch_size=4",
+                 "actor.ppo_mini_batch_size=2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        errs = [p.communicate(timeout=TIMEOUT)[1] for p in procs]
+        assert [p.returncode for p in procs] == [2, 2], errs
+        assert one_line(errs[0]).startswith(f"train.py: {run_dir} is in use by holder.py (pid {os.getpid()} on host")
+        assert [line for line in errs[1].splitlines() if line.startswith("train.py:")] == []
+        assert "Traceback" not in errs[1]
+        assert Holder.parse((run_dir / LOCK_NAME).read_text()).pid == os.getpid()  # still ours, untouched
