@@ -12,7 +12,8 @@ The kernel drops an ``flock`` when its process dies, however it dies (SIGKILL, O
 behind by a dead process never blocks: the next run takes it over and says so on stderr (naming the previous
 holder). A clean exit deletes the lock file. Where the file system refuses ``flock`` (some FUSE / Lustre
 mounts), the holder's identity decides instead: a live pid on this host holds the folder, a dead one is
-taken over, and a holder on another host is refused (delete the lock file once that process is gone).
+taken over, and a holder on another host is refused (delete the lock file once that process is gone) — best
+effort: two processes starting in the same instant could both pass.
 """
 from __future__ import annotations
 

@@ -620,14 +620,16 @@ def run_evaluation(
                 if grader is None:
                     from stapo.grader import MathGrader
 
-                    grader = owned_grader = MathGrader(num_workers=cfg.grader.num_workers, timeout_s=cfg.grader.timeout_s)
+                    grader = owned_grader = MathGrader(num_workers=cfg.grader.num_workers,
+                                                       timeout_s=cfg.grader.timeout_s)
                 if cfg.verifier.enabled:
                     from stapo.evaluation.verifier import build_verifier
 
                     try:
                         verifier = build_verifier(cfg.verifier, engine_info.get("device", "cpu"))
                     except (OSError, ValueError) as e:
-                        raise EvalError(f"cannot load verifier {cfg.verifier.model!r}: {str(e).splitlines()[0]}") from None
+                        raise EvalError(f"cannot load verifier {cfg.verifier.model!r}: "
+                                        f"{str(e).splitlines()[0]}") from None
             result = evaluate_problems(
                 engine, grader, problems, samples=cfg.data.samples, settings=settings,
                 max_new_tokens=cfg.generation.max_new_tokens, out_dir=run_dir, seed=cfg.generation.seed,
@@ -652,7 +654,8 @@ def run_evaluation(
                          "settings": [asdict(s) for s in settings], "max_new_tokens": cfg.generation.max_new_tokens,
                          "limit": cfg.data.limit, "seed": cfg.generation.seed,
                          "samples_per_call": cfg.generation.samples_per_call, "engine": engine_info,
-                         "grader": asdict(cfg.grader), "verifier": cfg.verifier.model if cfg.verifier.enabled else None},
+                         "grader": asdict(cfg.grader),
+                         "verifier": cfg.verifier.model if cfg.verifier.enabled else None},
             "data": {b: {"problems_loaded": totals[b], "problems_evaluated": len(problems[b]),
                          "dropped_long_prompt": dropped[b]} for b in problems},
             "metrics": result["metrics"],

@@ -34,7 +34,7 @@ from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
 from stapo.config import TrainConfig, objective_from_config, to_dict
 from stapo.precision import PrecisionPolicy
-from stapo.runlock import RunLock, RunLockError
+from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.token_stats import TokenStats
 from stapo.tracking import Tracker
 from stapo.train.batch import Rollout, StepBatch
@@ -85,7 +85,8 @@ def _holding_run_lock(train: Callable[..., Any]) -> Callable[..., Any]:
     torchrun, which tells the other ranks) for the whole run, so one process at a time writes a run folder.
 
     Raises:
-        stapo.runlock.RunLockError: another live process holds the run directory (on every rank).
+        stapo.runlock.RunLockError: another live process holds the run directory, or its lock file cannot be
+            created (on every rank).
     """
     @functools.wraps(train)
     def locked(self: Trainer, *args: Any, **kwargs: Any) -> Any:
@@ -95,10 +96,10 @@ def _holding_run_lock(train: Callable[..., Any]) -> Callable[..., Any]:
                 lock = RunLock(self.run_dir).acquire()
             except RunLockError as e:
                 refused = str(e)
+            except OSError as e:  # e.g. a read-only file system: told to every rank too (none may hang)
+                refused = f"cannot create the run directory's lock file {self.run_dir / LOCK_NAME}: {e}"
         refused = dist.gather_objects(refused, self.dist)[0]  # collective: every rank learns rank 0's answer
         if refused is not None:
-            if lock is not None:
-                lock.release()
             raise RunLockError(refused)
         try:
             return train(self, *args, **kwargs)
