@@ -194,7 +194,8 @@ def test_a_second_evaluate_py_on_an_output_directory_is_refused(shared_data_root
     base = [sys.executable, str(REPO / "evaluate.py"), "--config", str(REPO / "configs/eval/tiny_test.yaml"),
             "--data-root", str(shared_data_root), "--output", str(out), "--backend", "hold",
             f"import_modules=[{module}]", "data.benchmarks=[math500]", "data.limit=1"]
-    first = subprocess.Popen(base, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = (tmp_path / "first.err").open("w")  # a file, not a pipe: a full pipe would block the first process
+    first = subprocess.Popen(base, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         holder = wait_for_holder(out / LOCK_NAME, first.pid, first)
         expected = (f"evaluate.py: error: {out} is in use by evaluate.py (pid {first.pid} on host "
@@ -204,12 +205,13 @@ def test_a_second_evaluate_py_on_an_output_directory_is_refused(shared_data_root
             second = subprocess.run(base + extra, env=env, capture_output=True, text=True, timeout=TIMEOUT)
             assert second.returncode == 2 and one_line(second.stderr) == expected, extra
         release.write_text("")
-        _, err = first.communicate(timeout=TIMEOUT)
-        assert first.returncode == 0, err
+        first.wait(timeout=TIMEOUT)
+        assert first.returncode == 0, (tmp_path / "first.err").read_text()
     finally:
         if first.poll() is None:
             first.kill()
             first.wait()
+        log.close()
     assert not (out / LOCK_NAME).exists()
     records = [json.loads(line) for f in sorted((out / "generations").glob("*.jsonl"))
                for line in f.read_text().splitlines()]
