@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.distributed import barrier, teardown
     from stapo.evaluation import EvalError, make_validation_hook_from_config
     from stapo.registry import ExtensionError
+    from stapo.runlock import RunLockError
+    from stapo.tracking import CorruptJsonlError
     from stapo.train import Trainer
 
     trainer = None
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
         except (CheckpointError, ExtensionError) as e:  # a damaged checkpoint; a user mask / loss breaking its
             return _error(str(e))                       # contract: one line, what to do (finished checkpoints kept)
+        except (RunLockError, CorruptJsonlError) as e:  # another process writes the run directory; a damaged
+            return _error(str(e))                       # metrics.jsonl / tables.jsonl line (not a torn last one)
         if trainer.dist.is_main:
             print(f"run directory: {trainer.run_dir}")
         barrier(trainer.dist)  # every rank done before any tears the process group down (W = 1: no-op)

@@ -3,17 +3,72 @@
 W&B runs in ``offline`` mode by default and never needs an API key; ``online`` syncs, ``disabled`` turns it
 off (the JSONL file alone is then complete). Tables (e.g. silenced-token examples) go to W&B as
 ``wandb.Table`` and to ``tables.jsonl`` in the run directory.
+
+Crash safety of the JSONL files (the same rule as the evaluation's :class:`~stapo.evaluation.store.GenerationStore`):
+a row is written with one ``write`` of the line and its newline, so a process killed mid-write (or a full disk)
+leaves at most a last line without its newline. :meth:`Tracker.truncate_after` — run at the start of every
+training run, fresh or resumed — cuts such a torn tail off, counts it (:attr:`Tracker.torn_bytes`) and says so in
+one line on stderr. A *complete* line that is not a JSON row with an integer ``step`` is never dropped silently:
+:class:`CorruptJsonlError` names the file and the line.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-__all__ = ["Tracker"]
+__all__ = ["Tracker", "CorruptJsonlError", "read_jsonl_rows"]
+
+
+class CorruptJsonlError(ValueError):
+    """A complete (newline-terminated) line of a run's JSONL file is not a valid row. The message is one line:
+    the file, the line number and what to do."""
+
+
+def read_jsonl_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a metrics / tables JSONL file and the bytes of its torn tail (nothing is changed on disk).
+
+    A last line without its newline is an interrupted write: when it does not parse as a row it is left out
+    and its length in bytes returned (a complete row that only lacks the newline is kept).
+
+    Returns:
+        ``(rows, torn_bytes)``: each row a dict with an integer ``step``, in file order.
+
+    Raises:
+        CorruptJsonlError: a complete line (or an unterminated last one that parses) is not a JSON object with an
+            integer ``step``, naming the file and the line.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1  # where the unterminated last line starts (len(data): there is none)
+    body, tail = data[:cut], data[cut:]
+    rows: list[dict[str, Any]] = []
+    lines = body.decode("utf-8", "replace").splitlines()
+    for lineno, line in enumerate(lines, start=1):
+        if line.strip():
+            rows.append(_row(path, lineno, line))
+    torn = 0
+    if tail:
+        try:
+            rows.append(_row(path, len(lines) + 1, tail.decode("utf-8")))
+        except (CorruptJsonlError, UnicodeDecodeError):
+            torn = len(tail)
+    return rows, torn
+
+
+def _row(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError("not a JSON object with an integer 'step'")
+    except ValueError as e:
+        raise CorruptJsonlError(f"{path}: line {lineno} is not a valid row ({e}) and is not a torn last line, so it "
+                                f"is not dropped: delete that line (or move the file away) and rerun") from None
+    return row
 
 
 def _jsonable(v: Any) -> Any:
@@ -38,6 +93,8 @@ class Tracker:
     Raises:
         RuntimeError: W&B cannot start in the requested mode (the message says how to disable it).
     """
+
+    torn_bytes: int = 0  # bytes of torn last lines cut off by truncate_after
 
     def __init__(
         self,
@@ -95,12 +152,29 @@ class Tracker:
             self._wandb.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
 
     def truncate_after(self, step: int) -> None:
-        """Drop JSONL rows with step > ``step`` (rows of a crashed run that a resume will redo)."""
+        """Drop JSONL rows with step > ``step`` (rows of a crashed run that a resume will redo) from
+        ``metrics.jsonl`` and ``tables.jsonl``, and a torn last line (an interrupted write; its bytes are added to
+        :attr:`torn_bytes` and one line on stderr names the file). Each file is rewritten atomically (a temporary
+        file, fsync'ed, then renamed over it). ``step < 0`` empties both files (nothing is kept, nothing parsed).
+
+        Raises:
+            CorruptJsonlError: a complete line is not a valid row (the message names the file and the line);
+                the file is left as it was.
+        """
         for path in (self.metrics_path, self.tables_path):
             if not path.exists():
                 continue
-            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in keep))
+            rows, torn = read_jsonl_rows(path) if step >= 0 else ([], 0)
+            if torn:
+                self.torn_bytes += torn
+                print(f"{path}: cut {torn} bytes of a torn last line (an interrupted write)", file=sys.stderr,
+                      flush=True)
+            tmp = path.with_name(path.name + ".tmp")
+            with tmp.open("w") as f:
+                f.write("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
 
     def finish(self) -> None:
         if self._wandb is not None:

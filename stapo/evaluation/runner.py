@@ -5,6 +5,7 @@ in-training validation hook (:mod:`stapo.evaluation.validation`) shares.
 
 Run directory (``output.dir``, default ``runs/eval/<label>``)::
 
+    run.lock                              held while a process evaluates into it (stapo.runlock; one writer)
     eval_manifest.json                    what the generations were made with (checked on every rerun)
     generations/<benchmark>__<setting>.jsonl   one line per sample (fields below)
     results.json  results.md  results.csv  results.png   metrics and reports (stapo.evaluation.report)
@@ -27,9 +28,16 @@ a killed and resumed run ends with exactly the generations of an uninterrupted o
 prompt, the backend, the dtype, ``max_new_tokens``, ``seed``, ``samples_per_call``, an N or a setting's
 temperature / top-p for an existing run directory is refused (:class:`~stapo.evaluation.errors.EvalError`);
 adding benchmarks, settings or raising ``--limit`` extends it.
+
+One writer. :func:`run_evaluation` holds the run directory's lock (``run.lock``, :mod:`stapo.runlock`) from the
+manifest check to the last report, so a second process on the same directory is refused with one line naming the
+holder (:class:`~stapo.evaluation.errors.EvalError`) — with other generation settings (the manifest check would
+otherwise race) and with the same ones (it would duplicate the work) alike. A lock left by a dead process is
+taken over, saying so.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -41,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_set, resolve_data_root
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
@@ -49,6 +57,7 @@ from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
 from stapo.evaluation.store import GenerationStore
+from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 
 __all__ = [
     "PromptSpec",
@@ -457,6 +466,26 @@ def _check_manifest(run_dir: Path, new: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+@contextlib.contextmanager
+def _holding_lock(run_dir: Path) -> Iterator[None]:
+    """Hold ``<run_dir>/run.lock`` (:mod:`stapo.runlock`; the folder is created, and removed again when the run
+    stops before writing anything) for the block.
+
+    Raises:
+        EvalError: another live process holds the run directory (one line naming it and the holder).
+    """
+    try:
+        lock = RunLock(run_dir).acquire()
+    except RunLockError as e:
+        raise EvalError(str(e)) from None
+    except OSError as e:
+        raise EvalError(f"cannot create the run directory's lock file {run_dir / LOCK_NAME}: {e}") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -556,7 +585,8 @@ def run_evaluation(
 
     Raises:
         EvalError: any user-facing problem (bad model path, unknown benchmark, missing data root, a run
-            directory made with different generation settings, a model or tokenizer that cannot be loaded).
+            directory made with different generation settings or in use by another process, a model or tokenizer
+            that cannot be loaded).
     """
     validate_eval_config(cfg)
     source = resolve_model_source(cfg.model.path)
@@ -564,78 +594,82 @@ def run_evaluation(
     totals = {b: len(p) for b, p in problems.items()}
     prompt = resolve_prompt(cfg.prompt, source)
     run_dir = default_run_dir(cfg, source)
-    manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt))
-    label = cfg.model.label or source.label
+    with _holding_lock(run_dir):  # one writer per output directory: the manifest check holds under concurrency
+        manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt))
+        label = cfg.model.label or source.label
 
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(source, cfg)
-    dropped = encode_problems(problems, tokenizer, prompt, cfg.data.max_prompt_tokens)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(source, cfg)
+        dropped = encode_problems(problems, tokenizer, prompt, cfg.data.max_prompt_tokens)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
-    settings = list(cfg.generation.settings)
-    blocks = plan_blocks(problems, cfg.data.samples, cfg.generation.samples_per_call)
-    stores = {(b, s.name): GenerationStore(_store_path(run_dir, b, s.name)) for b in problems for s in settings}
-    pending = any(not stores[(p.benchmark, s.name)].complete(p.id, blk.n)
-                  for s in settings for blk in blocks for p in blk.problems)
-    del stores  # evaluate_problems reopens them
-    engine_info: dict[str, Any] = {"backend": cfg.engine.backend}
-    engine = owned_grader = verifier = None
-    try:
-        if pending:
-            if model is None:
-                model = _load_model(source, cfg, tokenizer)
-            longest = max((len(p.prompt_ids) for plist in problems.values() for p in plist), default=1)
-            engine, engine_info = _build_engine(model, tokenizer, cfg, longest)
-            if grader is None:
-                from stapo.grader import MathGrader
+        settings = list(cfg.generation.settings)
+        blocks = plan_blocks(problems, cfg.data.samples, cfg.generation.samples_per_call)
+        stores = {(b, s.name): GenerationStore(_store_path(run_dir, b, s.name)) for b in problems for s in settings}
+        pending = any(not stores[(p.benchmark, s.name)].complete(p.id, blk.n)
+                      for s in settings for blk in blocks for p in blk.problems)
+        del stores  # evaluate_problems reopens them
+        engine_info: dict[str, Any] = {"backend": cfg.engine.backend}
+        engine = owned_grader = verifier = None
+        try:
+            if pending:
+                if model is None:
+                    model = _load_model(source, cfg, tokenizer)
+                longest = max((len(p.prompt_ids) for plist in problems.values() for p in plist), default=1)
+                engine, engine_info = _build_engine(model, tokenizer, cfg, longest)
+                if grader is None:
+                    from stapo.grader import MathGrader
 
-                grader = owned_grader = MathGrader(num_workers=cfg.grader.num_workers, timeout_s=cfg.grader.timeout_s)
-            if cfg.verifier.enabled:
-                from stapo.evaluation.verifier import build_verifier
+                    grader = owned_grader = MathGrader(num_workers=cfg.grader.num_workers,
+                                                       timeout_s=cfg.grader.timeout_s)
+                if cfg.verifier.enabled:
+                    from stapo.evaluation.verifier import build_verifier
 
-                try:
-                    verifier = build_verifier(cfg.verifier, engine_info.get("device", "cpu"))
-                except (OSError, ValueError) as e:
-                    raise EvalError(f"cannot load verifier {cfg.verifier.model!r}: {str(e).splitlines()[0]}") from None
-        result = evaluate_problems(
-            engine, grader, problems, samples=cfg.data.samples, settings=settings,
-            max_new_tokens=cfg.generation.max_new_tokens, out_dir=run_dir, seed=cfg.generation.seed,
-            samples_per_call=cfg.generation.samples_per_call, verifier=verifier,
-            verifier_apply_to=tuple(cfg.verifier.apply_to), progress=cfg.logging.progress_bar, on_block=on_block)
-    finally:
-        if owned_grader is not None:
-            owned_grader.close()
-        if engine is not None:
-            engine.close()
+                    try:
+                        verifier = build_verifier(cfg.verifier, engine_info.get("device", "cpu"))
+                    except (OSError, ValueError) as e:
+                        raise EvalError(f"cannot load verifier {cfg.verifier.model!r}: "
+                                        f"{str(e).splitlines()[0]}") from None
+            result = evaluate_problems(
+                engine, grader, problems, samples=cfg.data.samples, settings=settings,
+                max_new_tokens=cfg.generation.max_new_tokens, out_dir=run_dir, seed=cfg.generation.seed,
+                samples_per_call=cfg.generation.samples_per_call, verifier=verifier,
+                verifier_apply_to=tuple(cfg.verifier.apply_to), progress=cfg.logging.progress_bar, on_block=on_block)
+        finally:
+            if owned_grader is not None:
+                owned_grader.close()
+            if engine is not None:
+                engine.close()
 
-    import stapo
+        import stapo
 
-    complete = (set(problems) == set(BENCHMARKS) and cfg.data.limit is None and not any(dropped.values()))
-    results = {
-        "label": label,
-        "run_dir": str(run_dir),
-        "model": {"spec": source.spec, "kind": source.kind, "path": source.path, "step": source.step,
-                  "run_dir": source.run_dir, "dtype": cfg.model.dtype},
-        "prompt": asdict(prompt),
-        "protocol": {"benchmarks": list(problems), "samples": {b: cfg.data.samples[b] for b in problems},
-                     "settings": [asdict(s) for s in settings], "max_new_tokens": cfg.generation.max_new_tokens,
-                     "limit": cfg.data.limit, "seed": cfg.generation.seed,
-                     "samples_per_call": cfg.generation.samples_per_call, "engine": engine_info,
-                     "grader": asdict(cfg.grader), "verifier": cfg.verifier.model if cfg.verifier.enabled else None},
-        "data": {b: {"problems_loaded": totals[b], "problems_evaluated": len(problems[b]),
-                     "dropped_long_prompt": dropped[b]} for b in problems},
-        "metrics": result["metrics"],
-        "run": result["run"],
-        "complete": complete,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "stapo_version": stapo.__version__,
-        "git_commit": _git_commit(),
-        "config": eval_config_to_dict(cfg),
-    }
-    if write_reports:
-        from stapo.evaluation.report import log_wandb, write_reports as _write
+        complete = (set(problems) == set(BENCHMARKS) and cfg.data.limit is None and not any(dropped.values()))
+        results = {
+            "label": label,
+            "run_dir": str(run_dir),
+            "model": {"spec": source.spec, "kind": source.kind, "path": source.path, "step": source.step,
+                      "run_dir": source.run_dir, "dtype": cfg.model.dtype},
+            "prompt": asdict(prompt),
+            "protocol": {"benchmarks": list(problems), "samples": {b: cfg.data.samples[b] for b in problems},
+                         "settings": [asdict(s) for s in settings], "max_new_tokens": cfg.generation.max_new_tokens,
+                         "limit": cfg.data.limit, "seed": cfg.generation.seed,
+                         "samples_per_call": cfg.generation.samples_per_call, "engine": engine_info,
+                         "grader": asdict(cfg.grader),
+                         "verifier": cfg.verifier.model if cfg.verifier.enabled else None},
+            "data": {b: {"problems_loaded": totals[b], "problems_evaluated": len(problems[b]),
+                         "dropped_long_prompt": dropped[b]} for b in problems},
+            "metrics": result["metrics"],
+            "run": result["run"],
+            "complete": complete,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "stapo_version": stapo.__version__,
+            "git_commit": _git_commit(),
+            "config": eval_config_to_dict(cfg),
+        }
+        if write_reports:
+            from stapo.evaluation.report import log_wandb, write_reports as _write
 
-        _write(results, run_dir, plot=cfg.output.plot)
-        log_wandb(results, run_dir, mode=cfg.logging.wandb_mode, project=cfg.logging.project,
-                  entity=cfg.logging.entity)
-    return results
+            _write(results, run_dir, plot=cfg.output.plot)
+            log_wandb(results, run_dir, mode=cfg.logging.wandb_mode, project=cfg.logging.project,
+                      entity=cfg.logging.entity)
+        return results

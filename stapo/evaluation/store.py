@@ -6,24 +6,24 @@ present, so a rerun never duplicates a generation.
 
 Crash safety: a block of samples is written with one ``write`` of whole lines, then flushed and fsync'ed. A
 process killed during that write can leave a last line without its newline; opening the store cuts such a
-torn tail off (counted in :attr:`GenerationStore.torn_bytes`) before anything is appended. A *complete* line
+torn tail off (counted in :attr:`GenerationStore.torn_bytes`, one line on stderr) before anything is appended
+— the rule of the training run's ``metrics.jsonl`` / ``tables.jsonl`` (:mod:`stapo.tracking`); the cut samples
+are generated again. A *complete* line
 that is not valid JSON is never dropped silently: it raises :class:`~stapo.evaluation.errors.EvalError`
 naming the file and line.
 """
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
 from stapo.evaluation.errors import EvalError
 
 __all__ = ["GenerationStore"]
-
-log = logging.getLogger(__name__)
 
 
 def _jsonable(value: Any) -> Any:
@@ -65,7 +65,9 @@ class GenerationStore:
                 f.flush()
                 os.fsync(f.fileno())
             data = data[:cut]
-            log.warning("%s: cut %d bytes of a torn last line (an interrupted write)", self.path, self.torn_bytes)
+            # one line on stderr, as stapo.tracking.Tracker.truncate_after says it for metrics.jsonl / tables.jsonl
+            print(f"{self.path}: cut {self.torn_bytes} bytes of a torn last line (an interrupted write)",
+                  file=sys.stderr, flush=True)
         for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
             if not line.strip():
                 continue

@@ -18,6 +18,7 @@ weights), every policy forward under ``model.compute_dtype`` (bf16 autocast; FSD
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import random
 import time
@@ -33,6 +34,7 @@ from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
 from stapo.config import TrainConfig, objective_from_config, to_dict
 from stapo.precision import PrecisionPolicy
+from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.token_stats import TokenStats
 from stapo.tracking import Tracker
 from stapo.train.batch import Rollout, StepBatch
@@ -78,6 +80,35 @@ def _timed(timing: dict[str, float], stage: str) -> Iterator[None]:
     timing[f"timing_s/{stage}"] = time.perf_counter() - t0
 
 
+def _holding_run_lock(train: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap :meth:`Trainer.train`: hold the run directory's lock (:mod:`stapo.runlock`; rank 0 alone under
+    torchrun, which tells the other ranks) for the whole run, so one process at a time writes a run folder.
+
+    Raises:
+        stapo.runlock.RunLockError: another live process holds the run directory, or its lock file cannot be
+            created (on every rank).
+    """
+    @functools.wraps(train)
+    def locked(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        lock, refused = None, None
+        if self.dist.is_main:
+            try:
+                lock = RunLock(self.run_dir).acquire()
+            except RunLockError as e:
+                refused = str(e)
+            except OSError as e:  # e.g. a read-only file system: told to every rank too (none may hang)
+                refused = f"cannot create the run directory's lock file {self.run_dir / LOCK_NAME}: {e}"
+        refused = dist.gather_objects(refused, self.dist)[0]  # collective: every rank learns rank 0's answer
+        if refused is not None:
+            raise RunLockError(refused)
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            if lock is not None:
+                lock.release()
+    return locked
+
+
 class Trainer:
     """Builds everything from a :class:`TrainConfig` and runs :meth:`train`.
 
@@ -93,8 +124,9 @@ class Trainer:
         stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key).
         stapo.data.DataError: an unreadable training file, or no training prompts left (naming the file and key).
 
-    :meth:`train` raises :class:`stapo.checkpoint.CheckpointError` for a damaged checkpoint and
-    :class:`stapo.registry.ExtensionError` when a registered mask or loss formula breaks its contract.
+    :meth:`train` raises :class:`stapo.checkpoint.CheckpointError` for a damaged checkpoint,
+    :class:`stapo.registry.ExtensionError` when a registered mask or loss formula breaks its contract and
+    :class:`stapo.runlock.RunLockError` when another process holds the run directory.
     """
 
     def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
@@ -214,8 +246,16 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
+    @_holding_run_lock
     def train(self) -> list[dict[str, float]]:
-        """Run (or resume) training to ``trainer.total_steps``. Returns each step's metrics."""
+        """Run (or resume) training to ``trainer.total_steps``, holding the run directory's lock
+        (``<run_dir>/run.lock``, :mod:`stapo.runlock`). Returns each step's metrics.
+
+        Raises:
+            stapo.runlock.RunLockError: another live process is writing the run directory.
+            stapo.tracking.CorruptJsonlError: ``metrics.jsonl`` / ``tables.jsonl`` hold a damaged line that is not a
+                torn last line (the message names the file and line).
+        """
         tc = self.cfg.trainer
         if tc.resume == "auto":
             self._maybe_resume()
