@@ -211,3 +211,20 @@ def test_key_classification():
         for part in key.split("."):
             assert part in node, key
             node = node[part]
+
+
+def test_a_damaged_newer_checkpoint_never_counts_for_keep_last(tmp_path):
+    """Resumed from step 2 past a damaged step 4, the save of step 3 with keep_last=1 keeps step 3 (the damaged
+    step 4 stays, is never picked, and would be replaced by the next save of step 4)."""
+    from stapo.models import EMBEDDED_ALIASES, build_tiny_model, load_tokenizer
+
+    tokenizer = load_tokenizer(EMBEDDED_ALIASES[0])
+    model, _ = build_tiny_model(seed=0, tokenizer=tokenizer)
+    for step in (2, 4):
+        ck.save_checkpoint(tmp_path, step, model, tokenizer, {}, keep_last=2)
+    _truncate(tmp_path / "step_000004" / "model.safetensors")
+    assert ck.latest_checkpoint(tmp_path) == tmp_path / "step_000002"
+    ck.save_checkpoint(tmp_path, 3, model, tokenizer, {}, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004"]
+    assert ck.latest_checkpoint(tmp_path) == tmp_path / "step_000003"
+    assert ck.verify_checkpoint(tmp_path / "step_000004").startswith("model.safetensors is ")
