@@ -21,14 +21,14 @@ def _error(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint "
-                        "(same as trainer.resume=auto)")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest intact checkpoint; "
+                        "refused when the run folder has none (trainer.resume=required; docs/scaling.md)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=2e-6")
     args = parser.parse_args(argv)
 
     from stapo.config import ConfigError, load_config
 
-    overrides = list(args.overrides) + (["trainer.resume=auto"] if args.resume else [])
+    overrides = list(args.overrides) + (["trainer.resume=required"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # bad paths / data / run directory / batch sizes vs ranks: one line naming the problem, exit code 2
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
             trainer = Trainer(cfg, validation_hook=hook)
-        except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError) as e:
+        except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError, CheckpointError) as e:
             return _error(str(e))
         try:
             trainer.train()

@@ -49,6 +49,9 @@ __all__ = [
     "objective_from_config",
     "check_mask_config_keys",
     "get_key",
+    "RESUME_MUTABLE_KEYS",
+    "RESUME_IGNORED_KEYS",
+    "resume_key_changes",
 ]
 
 
@@ -183,7 +186,10 @@ class TrainerConfig:
     run_name: Optional[str] = None  # default: <objective>_<model>_seed<seed>
     save_every: int = 10  # steps; a checkpoint is also written at the end
     keep_last: int = 2
-    resume: Literal["never", "auto"] = "never"
+    # never: a fresh run (refused when the run folder holds checkpoints); required (train.py --resume): continue from
+    # the latest intact checkpoint, refused when there is none; auto: resume if there is one, else start at step 0
+    # (saying so) — for job scripts resubmitted unchanged. Config changes on resume: RESUME_MUTABLE_KEYS.
+    resume: Literal["never", "auto", "required"] = "never"
     val_every: int = 0  # 0 disables in-training validation
     log_examples_every: int = 5  # table of silenced-token examples every N steps (0 disables)
     progress_bar: bool = True
@@ -641,6 +647,73 @@ def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     return cfg
+
+
+#: Keys (dotted; a key or a section prefix) that may differ between a checkpoint's config and the config resuming it:
+#: they are applied (the new value) and recorded (``<run_dir>/config_changes.jsonl``). Run length and bookkeeping;
+#: where the run is (a run folder copied elsewhere); logging, progress bars and validation (they do not touch the
+#: weights); ``actor.lr`` (set into the optimizer and the scheduler's base lr: :class:`stapo.train.state.RunState`);
+#: and how the same update is computed — micro-batch size, length sorting, shared-prompt and fused forwards,
+#: gradient checkpointing, attention kernel, rank count / sharding, device, rollout engine and its memory options
+#: (the same update up to float rounding; ``actor.ppo_micro_batch_size`` only splits each mini-batch's
+#: forward/backward, the loss is normalised per mini-batch). Every other key is refused on resume: the objective
+#: and all of ``algorithm.*``, ``rollout.n`` / temperature / top_p / response_length, ``data.*`` but ``data.root``,
+#: ``actor.*`` but the keys here (mini-batch size, warm-up, weight decay, betas, grad clip), ``model.*`` but the
+#: keys here (path, param/compute dtype), ``trainer.seed``.
+RESUME_MUTABLE_KEYS: tuple[str, ...] = (
+    "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.val_every",
+    "trainer.log_examples_every", "trainer.progress_bar", "trainer.output_dir", "trainer.run_name",
+    "trainer.device", "trainer.data_parallel", "trainer.import_modules",
+    "logging", "validation",
+    "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
+    "model.gradient_checkpointing", "model.attn_implementation", "model.cache_dir", "model.allow_low_precision_params",
+    "data.root",
+    "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
+    "rollout.tensor_parallel_size", "rollout.sleep_during_update",
+)
+#: Keys not compared on resume: how this process was launched, not what the run is.
+RESUME_IGNORED_KEYS: tuple[str, ...] = ("trainer.resume",)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def resume_key_changes(saved: dict[str, Any], cfg: TrainConfig) -> tuple[list[tuple[str, Any, Any]],
+                                                                       list[tuple[str, Any, Any]]]:
+    """Compare a checkpoint's config (``saved``: :func:`to_dict` of the run's config then) with ``cfg``.
+
+    Keys the saved config lacks (it predates them) compare with the schema default; keys only it has (since
+    removed or renamed) are ignored, and so are :data:`RESUME_IGNORED_KEYS`.
+
+    Returns:
+        ``(refused, allowed)``: lists of ``(dotted key, old value, new value)`` sorted by key; ``allowed`` holds
+        the changes of :data:`RESUME_MUTABLE_KEYS`, ``refused`` every other change.
+    """
+    old, new = _flatten(saved), _flatten(to_dict(cfg))
+    default = _flatten(to_dict(TrainConfig()))
+    refused: list[tuple[str, Any, Any]] = []
+    allowed: list[tuple[str, Any, Any]] = []
+    for key in sorted(set(new) | {k for k in old if k.startswith("algorithm.masks.")}):
+        if _matches(key, RESUME_IGNORED_KEYS):
+            continue
+        before = old.get(key, default.get(key))
+        after = new.get(key)
+        if before == after or (isinstance(before, (list, tuple)) and list(before) == after):
+            continue
+        (allowed if _matches(key, RESUME_MUTABLE_KEYS) else refused).append((key, before, after))
+    return refused, allowed
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:

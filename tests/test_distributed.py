@@ -440,6 +440,7 @@ def _to_previous_format(ckpt: Path) -> None:
     state["optimizer"] = trainer.optimizer.state_dict()
     torch.save(state, ckpt / "trainer_state.pt")
     shutil.rmtree(ckpt / "dcp")
+    (ckpt / "COMPLETE.json").unlink()  # nor a completeness marker
 
 
 def test_one_process_resumes_a_checkpoint_of_the_previous_format(one_rank, tmp_path):

@@ -1,11 +1,20 @@
 """The run's resumable state: writing a step's checkpoint and resuming from the latest one (:mod:`stapo.checkpoint`).
 
 A checkpoint holds the policy and AdamW state (``dcp/``, sharded, re-shardable to another rank count or strategy),
-an HF export in the compute dtype (for evaluation) and ``trainer_state.pt``: the scheduler, the prompt loader's
-position, every rank's RNG state, the step and the config.
+an HF export in the compute dtype (for evaluation), ``trainer_state.pt``: the scheduler, the prompt loader's
+position, every rank's RNG state, the step and the config — and ``COMPLETE.json`` (sizes and checksums, last).
+
+Before anything is loaded (:func:`plan_resume`, called by the trainer before it builds the model): the newest
+*intact* checkpoint is chosen (:func:`stapo.checkpoint.resumable_checkpoints`; each newer damaged one is reported
+in one line and skipped), and its stored config is compared with the new one
+(:func:`stapo.config.resume_key_changes`): a change of a key that cannot change mid-run is refused, the others
+(:data:`stapo.config.RESUME_MUTABLE_KEYS`) are applied and recorded in ``<run_dir>/config_changes.jsonl``.
 """
 from __future__ import annotations
 
+import json
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +22,100 @@ import torch
 
 from stapo import distributed as dist
 from stapo.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
-                              rng_state, save_checkpoint, set_rng_state)
-from stapo.config import to_dict
+                              resumable_checkpoints, rng_state, save_checkpoint, set_rng_state)
+from stapo.config import ConfigError, resume_key_changes, to_dict
 
-__all__ = ["RunState"]
+__all__ = ["RunState", "ResumePlan", "plan_resume", "CHANGES_FILE"]
+
+#: The run folder's record of the config changes applied on resume: one JSON object a line,
+#: ``{"step": the checkpoint's step, "key": dotted key, "old": ..., "new": ...}``.
+CHANGES_FILE = "config_changes.jsonl"
+
+
+@dataclass
+class ResumePlan:
+    """What a resume will load (:func:`plan_resume`): the checkpoint folder, its step, its ``trainer_state.pt``
+    (loaded once) and the allowed config changes ``(dotted key, old, new)``."""
+
+    checkpoint: Path
+    step: int
+    state: dict[str, Any]
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+
+def _say(ctx: dist.DistContext | None, line: str) -> None:
+    if ctx is None or ctx.is_main:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _fmt(v: Any) -> str:
+    return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
+
+
+def _runs_in(output_dir: Path) -> str:
+    runs = sorted(p.name for p in output_dir.iterdir() if (p / "checkpoints").is_dir()) if output_dir.is_dir() else []
+    return ", ".join(runs) if runs else "none"
+
+
+def plan_resume(root: Path, cfg: Any, *, required: bool, ctx: dist.DistContext | None = None,
+                report: bool = True) -> ResumePlan | None:
+    """Choose the checkpoint to resume from and check the new config against its config, loading no weights.
+
+    The newest ``step_N`` folder under ``root`` that :func:`stapo.checkpoint.verify_checkpoint` finds intact and
+    whose ``trainer_state.pt`` loads; for each newer one a line ``resuming from step_N: <path> is damaged:
+    <reason>`` (stderr, rank 0; the damaged folder is kept until its step is saved again).
+
+    Args:
+        root: the run's ``checkpoints/`` folder (``<output_dir>/<run_name>/checkpoints``).
+        cfg: the new :class:`~stapo.config.TrainConfig`.
+        required: no checkpoint is an error (train.py ``--resume``); else None is returned (a line says so).
+        ctx: the data-parallel context (only rank 0 prints; every rank runs the same checks on the same files).
+        report: print the lines (False: a second call for the same resume).
+
+    Returns:
+        The :class:`ResumePlan`, or None (no checkpoint, ``required`` False).
+
+    Raises:
+        FileNotFoundError: ``required`` and no ``step_N`` folder: names the run folder and the runs of
+            ``trainer.output_dir`` (those with a ``checkpoints/`` folder).
+        stapo.checkpoint.CheckpointError: folders exist but none is intact (each one's reason).
+        stapo.config.ConfigError: keys that cannot change mid-run differ, as ``key: old → new`` in one line.
+    """
+    run_dir = root.parent
+    found = resumable_checkpoints(root)
+    if not found:
+        if required:
+            raise FileNotFoundError(f"--resume: {run_dir} holds no checkpoint to resume from (runs with checkpoints "
+                                    f"in {run_dir.parent}: {_runs_in(run_dir.parent)}); check trainer.run_name, or "
+                                    f"start the run without --resume")
+        if report:
+            _say(ctx, f"resume: no checkpoint in {root}: starting at step 0")
+        return None
+    damaged: list[str] = []
+    for ckpt, reason in found:
+        state = None
+        if reason is None:
+            try:  # dcp format: small; previous format (full optimizer state): memory-mapped
+                state = load_trainer_state(ckpt, mmap=not is_sharded(ckpt))
+            except Exception as e:  # noqa: BLE001 — unpicklable / torn: that folder is damaged, whatever the error
+                reason = f"trainer_state.pt does not load ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        if reason is not None:
+            damaged.append(f"{ckpt} is damaged: {reason}")
+            continue
+        assert state is not None
+        if report:
+            for line in damaged:
+                _say(ctx, f"resuming from {ckpt.name}: {line}")
+        changes: list[tuple[str, Any, Any]] = []
+        saved = state.get("config")
+        if isinstance(saved, dict):
+            refused, changes = resume_key_changes(saved, cfg)
+            if refused:
+                diff = "; ".join(f"{k}: {_fmt(a)} → {_fmt(b)}" for k, a, b in refused)
+                raise ConfigError(f"cannot resume {run_dir} with a changed config: {diff} (these keys cannot change "
+                                  f"mid-run: set them back, or start a new run under another trainer.run_name)")
+        return ResumePlan(ckpt, int(state["step"]), state, changes)
+    raise CheckpointError(f"cannot resume {run_dir}: no intact checkpoint: {'; '.join(damaged)}")
 
 
 class RunState:
@@ -56,25 +155,28 @@ class RunState:
         return save_checkpoint(self.root, step, self.model, self.tokenizer, state, optimizer=self.optimizer,
                                keep_last=self.cfg.trainer.keep_last, export_dtype=self.export_dtype, ctx=self.ctx)
 
-    def resume(self) -> tuple[Path, int] | None:
-        """Restore the latest complete checkpoint, if any (every rank) → ``(folder, its step)``, or None.
+    def resume(self, plan: ResumePlan | None = None) -> tuple[Path, int] | None:
+        """Restore ``plan``'s checkpoint (None: :func:`plan_resume` now, silently) on every rank → ``(folder, its
+        step)``, or None when there is no checkpoint.
 
         Model + optimizer from ``dcp/``, re-sharded to this run's ranks and strategy (checkpoints of the previous
         format: weights from the HF files, the full optimizer state from ``trainer_state.pt``); then scheduler,
-        prompt loader and RNG (this rank's when the rank count is unchanged, else rank 0's).
+        prompt loader and RNG (this rank's when the rank count is unchanged, else rank 0's); then the plan's
+        config changes (:meth:`_apply_changes`).
 
         Raises:
             stapo.checkpoint.CheckpointError: a torn, damaged or foreign checkpoint (naming the folder).
+            stapo.config.ConfigError: (no ``plan``) a refused config change.
         """
-        ckpt = self.latest()
-        if ckpt is None:
+        if plan is None:
+            plan = plan_resume(self.root, self.cfg, required=False, ctx=self.ctx, report=False)
+        if plan is None:
             return None
+        ckpt, state = plan.checkpoint, plan.state
         try:
             if is_sharded(ckpt):
-                state = load_trainer_state(ckpt)
                 dist.load_sharded_state(self.model, self.optimizer, ckpt / DCP_DIR)  # collective under torchrun
-            else:
-                state = load_trainer_state(ckpt, mmap=self.ctx.enabled)  # every rank reads it (W > 1: mmap)
+            else:  # every rank memory-maps it (plan_resume)
                 self._load_full_checkpoint(ckpt, state)
         except (ValueError, OSError, RuntimeError, EOFError, KeyError) as e:  # torn / damaged / foreign files
             msg = " ".join(str(e).split())
@@ -84,7 +186,40 @@ class RunState:
         self.loader.load_state_dict(state["loader"])
         per_rank = state.get("rng_per_rank")
         set_rng_state(per_rank[self.ctx.rank] if per_rank and len(per_rank) == self.ctx.world else state["rng"])
-        return ckpt, int(state["step"])
+        self._apply_changes(plan)
+        return ckpt, plan.step
+
+    def _apply_changes(self, plan: ResumePlan) -> None:
+        """Apply the plan's allowed config changes and record them (rank 0: one stderr line each and a line of
+        ``<run_dir>/config_changes.jsonl``; the same change re-applied from the same step is not recorded twice).
+
+        ``actor.lr``: the scheduler's ``base_lrs`` and every param group's ``initial_lr`` become the new lr and
+        ``lr`` the new lr × the warm-up factor of the restored scheduler step, so the next optimizer step uses it.
+        The other keys are read from the config where they are used.
+        """
+        if not plan.changes:
+            return
+        for key, _old, new in plan.changes:
+            if key == "actor.lr":
+                sch = self.scheduler
+                sch.base_lrs = [float(new)] * len(self.optimizer.param_groups)
+                factors = [fn(sch.last_epoch) for fn in getattr(sch, "lr_lambdas", [])] or [1.0] * len(sch.base_lrs)
+                for group, base, factor in zip(self.optimizer.param_groups, sch.base_lrs, factors):
+                    group["initial_lr"] = base
+                    group["lr"] = base * factor
+                sch._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if not self.ctx.is_main:
+            return
+        path = self.root.parent / CHANGES_FILE
+        seen: set[str] = set()
+        if path.is_file():
+            seen = {line.strip() for line in path.read_text().splitlines() if line.strip()}
+        with open(path, "a") as f:
+            for key, old, new in plan.changes:
+                line = json.dumps({"step": plan.step, "key": key, "old": old, "new": new}, default=str)
+                _say(self.ctx, f"config change on resume at step {plan.step}: {key}: {_fmt(old)} → {_fmt(new)}")
+                if line not in seen:
+                    f.write(line + "\n")
 
     def _load_full_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> None:
         """Previous checkpoint format: weights from the HF files, ``state["optimizer"]`` the full optimizer state."""

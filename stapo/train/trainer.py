@@ -41,7 +41,7 @@ from stapo.train.batch import Rollout, StepBatch
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
 from stapo.train.plan import UpdatePlan, build_plan
 from stapo.train.prompts import PromptLoader, load_prompts
-from stapo.train.state import RunState
+from stapo.train.state import RunState, plan_resume
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
 
 __all__ = ["Trainer", "StepProgress"]
@@ -120,8 +120,11 @@ class Trainer:
             replacing ``algorithm.reward`` (tests use a toy reward; see :func:`stapo.rewards.make_reward_fn`).
 
     Raises:
-        FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is not ``auto``.
-        stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key).
+        FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is ``never``.
+        FileNotFoundError: ``trainer.resume=required`` (train.py ``--resume``) and the run folder holds no checkpoint.
+        stapo.checkpoint.CheckpointError: resuming, and no checkpoint of the run folder is intact.
+        stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key); resuming
+            with a changed key that cannot change mid-run (:func:`stapo.train.state.plan_resume`).
         stapo.data.DataError: an unreadable training file, or no training prompts left (naming the file and key).
 
     :meth:`train` raises :class:`stapo.checkpoint.CheckpointError` for a damaged checkpoint,
@@ -147,7 +150,10 @@ class Trainer:
         self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
         self.run_dir = Path(tc.output_dir) / self.run_name
         self.ckpt_root = self.run_dir / "checkpoints"
-        if tc.resume != "auto" and latest_checkpoint(self.ckpt_root) is not None:  # before loading anything
+        self.resume_plan = None  # resume: checkpoint chosen and config checked before loading anything
+        if tc.resume != "never":
+            self.resume_plan = plan_resume(self.ckpt_root, cfg, required=tc.resume == "required", ctx=self.dist)
+        elif latest_checkpoint(self.ckpt_root) is not None:  # before loading anything
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
                                   f"(trainer.resume=auto) or choose another trainer.run_name")
         self._seed_everything(tc.seed)
@@ -257,7 +263,7 @@ class Trainer:
                 torn last line (the message names the file and line).
         """
         tc = self.cfg.trainer
-        if tc.resume == "auto":
+        if tc.resume != "never":
             self._maybe_resume()
         elif latest_checkpoint(self.ckpt_root) is not None:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
@@ -328,7 +334,7 @@ class Trainer:
     def _maybe_resume(self) -> None:
         """Resume from the latest complete checkpoint, if any (every rank; :meth:`RunState.resume`), then push
         the restored weights into the rollout engine."""
-        resumed = self.state.resume()
+        resumed = self.state.resume(self.resume_plan)
         if resumed is None:
             return
         ckpt, self.step = resumed
