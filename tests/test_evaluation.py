@@ -588,3 +588,22 @@ def test_a_rollout_backend_from_the_eval_config_import_modules(capsys, shared_da
     finally:
         BACKENDS.pop("myhf", None)
         sys.modules.pop("eval_user_backend", None)
+
+
+def test_a_run_folder_resolves_to_its_latest_intact_checkpoint(tmp_path):
+    """evaluate.py --model <run> uses the rule a resume uses (stapo/checkpoint_files.py): a newest checkpoint
+    whose files no longer match its COMPLETE.json is passed over for the previous one."""
+    from stapo.checkpoint_files import _write_marker
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        ckpt = run / "checkpoints" / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "config.json").write_text("{}")
+        (ckpt / "model.safetensors").write_bytes(b"w" * 100)
+        (ckpt / "trainer_state.pt").write_bytes(b"s" * 10)
+        _write_marker(ckpt, step)
+    assert resolve_model_source(str(run)).step == 2
+    (run / "checkpoints" / "step_000002" / "model.safetensors").write_bytes(b"w" * 40)  # truncated after the save
+    src = resolve_model_source(str(run))
+    assert (src.kind, src.step, src.label) == ("checkpoint", 1, "run@step_000001")

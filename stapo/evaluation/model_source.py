@@ -14,11 +14,11 @@ Accepted forms (:func:`resolve_model_source`):
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from stapo.checkpoint_files import _STEP_DIR, complete_checkpoints
 from stapo.evaluation.errors import EvalError
 
 __all__ = ["EMBEDDED_NAMES", "ModelSource", "resolve_model_source"]
@@ -26,7 +26,6 @@ __all__ = ["EMBEDDED_NAMES", "ModelSource", "resolve_model_source"]
 #: Same names as :data:`stapo.models.EMBEDDED_ALIASES` (kept here to avoid importing torch; a test checks).
 EMBEDDED_NAMES = ("embedded:smollm2", "embedded", "smollm2", "embedded:smollm2-135m-instruct")
 
-_STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 
 
@@ -69,27 +68,6 @@ def _has_weights(folder: Path) -> bool:
     return any(any(folder.glob(pattern)) for pattern in _WEIGHT_GLOBS)
 
 
-def _is_complete(ckpt: Path) -> bool:
-    """``trainer_state.pt`` present and, for a checkpoint with a ``dcp/`` folder, its ``.metadata``, ``config.json``
-    and HF weights (the rule of :func:`stapo.checkpoint.latest_checkpoint`, without importing torch)."""
-    if not (ckpt / "trainer_state.pt").is_file():
-        return False
-    if not (ckpt / "dcp").is_dir():
-        return True
-    return ((ckpt / "dcp" / ".metadata").is_file() and (ckpt / "config.json").is_file()
-            and ((ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file()))
-
-
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints (``step_XXXXXX``, :func:`_is_complete`) under ``root``, oldest first
-    (the same rule as :func:`stapo.checkpoint.latest_checkpoint`)."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := _STEP_DIR.match(p.name)) and _is_complete(p)]
-    return [p for _, p in sorted(found)]
-
-
 def _folder_source(spec: str, folder: Path) -> ModelSource:
     folder = folder.resolve()
     if folder.name.endswith(".tmp") and _STEP_DIR.match(folder.name[:-4]):
@@ -104,7 +82,7 @@ def _folder_source(spec: str, folder: Path) -> ModelSource:
                                str(run_dir) if run_dir is not None else None)
         return ModelSource(spec, "hf_folder", str(folder), folder.name)
     for root in (folder / "checkpoints", folder):  # a train.py run folder (its config.json is not a model's)
-        ckpts = _complete_checkpoints(root)
+        ckpts = complete_checkpoints(root)  # the rule a resume uses (stapo/checkpoint_files.py)
         if ckpts:
             return _folder_source(spec, ckpts[-1])
     if (folder / "checkpoints").is_dir():
