@@ -3,6 +3,9 @@
     python train.py --config configs/cpu_smollm2_stapo.yaml [dotted.key=value ...] [--resume]
     torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/distributed.py)
 
+Ctrl-C: the first finishes the step in progress and checkpoints it (trainer.save_on_interrupt), a second stops at
+once keeping the checkpoints already written; either way one line says how to --resume, and the exit code is 130.
+
 The config schema and its checks live in stapo/config.py; the training loop in stapo/train/ (trainer.py: the loop and the step).
 """
 import argparse
@@ -16,6 +19,29 @@ def _error(message: str) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(f"train.py: {message}", file=sys.stderr)
     return 2
+
+
+def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> int:
+    """Ctrl-C: one line (rank 0) saying where the run stopped and the command that resumes it; exit code 130."""
+    import shlex
+
+    from stapo.checkpoint import latest_checkpoint
+
+    if os.environ.get("RANK", "0") == "0":
+        if hasattr(exc, "checkpoint"):  # stapo.train.trainer.Interrupted
+            step, ckpt = exc.step, exc.checkpoint
+        else:  # before the training loop (loading, resuming)
+            step, ckpt = (trainer.step, latest_checkpoint(trainer.ckpt_root)) if trainer is not None else (0, None)
+        script = os.path.relpath(os.path.abspath(__file__))
+        if script.startswith(".."):
+            script = os.path.abspath(__file__)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
+        overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")]
+        command = shlex.join([*launcher, script, "--config", args.config, *overrides, "--resume"])
+        where = (f"continues from {ckpt}" if ckpt is not None else "starts afresh: no checkpoint yet")
+        print(f"train.py: interrupted after step {step}; resume ({where}): {command}", file=sys.stderr)
+    return 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.distributed import teardown
     from stapo.evaluation import EvalError, make_validation_hook_from_config
     from stapo.registry import ExtensionError
+    from stapo.tracking import TrackerError
     from stapo.train import Trainer
 
     trainer = None
@@ -52,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
         except (CheckpointError, ExtensionError) as e:  # a damaged checkpoint; a user mask / loss breaking its
             return _error(str(e))                       # contract: one line, what to do (finished checkpoints kept)
+        except TrackerError as e:  # logging.wandb_mode=online cannot start and logging.wandb_fallback=error
+            return _error(str(e))
         if trainer.dist.is_main:
             print(f"run directory: {trainer.run_dir}")
         return 0
+    except KeyboardInterrupt as e:  # Ctrl-C (stapo.train.trainer.Interrupted from train(), or before it)
+        return _interrupted(args, trainer, e)
     finally:
         if trainer is not None:
             trainer.close()  # the vLLM engine first: under torchrun it tears down its own process groups
@@ -62,4 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C while importing or reading the config: nothing started yet
+        print("train.py: interrupted before training started", file=sys.stderr)
+        sys.exit(130)

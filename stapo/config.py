@@ -184,6 +184,11 @@ class TrainerConfig:
     save_every: int = 10  # steps; a checkpoint is also written at the end
     keep_last: int = 2
     resume: Literal["never", "auto"] = "never"
+    # Ctrl-C (SIGINT; stapo/train/trainer.py::Trainer.train): the first one lets the current step finish and then
+    # stops, writing a checkpoint of that step when this is true (or when one is due anyway); a second Ctrl-C
+    # abandons the step at once, keeping the checkpoints already written. train.py then prints how to --resume and
+    # exits 130.
+    save_on_interrupt: bool = True
     val_every: int = 0  # 0 disables in-training validation
     log_examples_every: int = 5  # table of silenced-token examples every N steps (0 disables)
     progress_bar: bool = True
@@ -217,6 +222,10 @@ class ValidationConfig:
 @dataclass
 class LoggingConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    # wandb_mode=online when W&B cannot start (no API key, server unreachable within a short init timeout):
+    # "offline" continues with offline W&B files (one line on stderr saying so and how to `wandb sync` them later),
+    # "error" stops at start-up with a one-line error (train.py: exit 2). stapo/tracking.py::Tracker.
+    wandb_fallback: Literal["offline", "error"] = "offline"
     project: str = "stapo"
     entity: Optional[str] = None
 

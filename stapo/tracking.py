@@ -1,19 +1,55 @@
 """Metrics tracking: a JSONL file of every step's metrics (always) plus Weights & Biases.
 
 W&B runs in ``offline`` mode by default and never needs an API key; ``online`` syncs, ``disabled`` turns it
-off (the JSONL file alone is then complete). Tables (e.g. silenced-token examples) go to W&B as
+off (the JSONL file alone is then complete). ``online`` fails fast when W&B cannot start: no credentials (checked
+before ``wandb.init``, so it never prompts or waits) or a server that does not answer within a short init timeout
+(:data:`INIT_TIMEOUT_S`); ``fallback`` then decides between continuing offline (one line on stderr saying so) and
+a one-line :class:`TrackerError`. Tables (e.g. silenced-token examples) go to W&B as
 ``wandb.Table`` and to ``tables.jsonl`` in the run directory.
 """
 from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Literal, Sequence
+from urllib.parse import urlsplit
 
-__all__ = ["Tracker"]
+__all__ = ["Tracker", "TrackerError", "INIT_TIMEOUT_S"]
+
+# Seconds W&B may take to start an online run (wandb's own default is 90; its retries add ~10 s on top).
+# The environment variable WANDB_INIT_TIMEOUT, when set, is left to wandb instead.
+INIT_TIMEOUT_S = 15.0
+
+
+class TrackerError(RuntimeError):
+    """W&B cannot start in the requested mode (one line saying what to do; train.py: exit 2)."""
+
+
+def _wandb_credentials(wandb: Any) -> bool:
+    """Whether W&B finds credentials without asking: ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE``, a netrc
+    entry (``NETRC`` or ``~/.netrc``, written by ``wandb login``) for the server (``WANDB_BASE_URL`` or wandb's
+    default), or an API key in W&B's settings. An unreadable netrc counts as credentials (wandb then reports it)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        settings = wandb.Settings()
+        if getattr(settings, "api_key", None):
+            return True
+        host = urlsplit(str(settings.base_url)).netloc
+    except Exception:
+        return True  # let wandb.init decide
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    if not path.exists():
+        return False
+    try:
+        return netrc.netrc(str(path)).authenticators(host) is not None
+    except (netrc.NetrcParseError, OSError):
+        return True
 
 
 def _jsonable(v: Any) -> Any:
@@ -31,12 +67,16 @@ class Tracker:
         run_dir: the run directory (created if needed).
         config: plain dict logged as the run's config.
         mode: W&B mode: ``offline`` (default; files under ``<run_dir>/wandb``), ``online`` or ``disabled``.
+        fallback: what ``online`` does when W&B cannot start (no credentials, no answer within
+            :data:`INIT_TIMEOUT_S`): ``offline`` (default) continues offline and prints one line to stderr saying
+            so and how to sync later; ``error`` raises :class:`TrackerError`. :attr:`mode` is the mode in use.
         project, entity, name: W&B run identity.
         resume_id: the W&B run id to continue (stored in ``<run_dir>/wandb_run_id``), so a resumed run
             appends to the same W&B run.
 
     Raises:
-        RuntimeError: W&B cannot start in the requested mode (the message says how to disable it).
+        TrackerError: (a RuntimeError) W&B cannot start in the requested mode and cannot fall back (the message,
+            one line, says how to switch it offline or off).
     """
 
     def __init__(
@@ -48,28 +88,53 @@ class Tracker:
         project: str = "stapo",
         entity: str | None = None,
         name: str | None = None,
+        fallback: Literal["offline", "error"] = "offline",
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tables_path = self.run_dir / "tables.jsonl"
         self._wandb = None
-        if mode != "disabled":
-            import wandb
+        self.mode = mode
+        if mode == "disabled":
+            return
+        import wandb
 
-            id_file = self.run_dir / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
-            id_file.write_text(run_id)
-            os.environ.setdefault("WANDB_SILENT", "true")
+        id_file = self.run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id)
+        os.environ.setdefault("WANDB_SILENT", "true")
+        if mode == "online" and not _wandb_credentials(wandb):  # wandb would prompt (a terminal) or fail later
+            self.mode = self._fall_back("no W&B API key (set WANDB_API_KEY or run `wandb login`)", fallback)
+        timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT_S}
+
+        def init(m: str) -> Any:
+            return wandb.init(project=project, entity=entity, name=name, id=run_id, resume="allow",
+                              dir=str(self.run_dir), mode=m, config=config,
+                              settings=wandb.Settings(console="off", x_disable_stats=True, **timeout))
+
+        try:
+            self._wandb = init(self.mode)
+        except Exception as e:  # e.g. the server does not answer
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            if self.mode != "online":
+                raise TrackerError(f"W&B failed to start in mode {self.mode!r}: {reason}. "
+                                   f"Use logging.wandb_mode=disabled.") from None
+            self.mode = self._fall_back(f"W&B did not start online ({reason})", fallback)
             try:
-                self._wandb = wandb.init(
-                    project=project, entity=entity, name=name, id=run_id, resume="allow",
-                    dir=str(self.run_dir), mode=mode, config=config,
-                    settings=wandb.Settings(console="off", x_disable_stats=True),
-                )
-            except Exception as e:  # e.g. online without credentials
-                raise RuntimeError(f"W&B failed to start in mode {mode!r}: {e}. "
-                                   f"Use logging.wandb_mode=offline or disabled.") from e
+                self._wandb = init(self.mode)
+            except Exception as e2:
+                raise TrackerError(f"W&B failed to start offline either: {e2}. "
+                                   f"Use logging.wandb_mode=disabled.") from None
+
+    def _fall_back(self, reason: str, fallback: str) -> str:
+        """``offline`` after printing one line (``fallback="offline"``), else raise :class:`TrackerError`."""
+        if fallback != "offline":
+            raise TrackerError(f"{reason}; use logging.wandb_mode=offline (sync later with `wandb sync`) or "
+                               f"disabled, or logging.wandb_fallback=offline to continue offline")
+        print(f"W&B: {reason}; logging offline instead (logging.wandb_fallback=offline); upload later with "
+              f"`wandb sync {self.run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
+        return "offline"
 
     @property
     def wandb_dir(self) -> Path | None:
