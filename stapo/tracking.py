@@ -9,11 +9,13 @@ a one-line :class:`TrackerError`. Tables (e.g. silenced-token examples) go to W&
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import netrc
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -32,15 +34,24 @@ class TrackerError(RuntimeError):
 
 def _wandb_credentials(wandb: Any) -> bool:
     """Whether W&B finds credentials without asking: ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE``, a netrc
-    entry (``NETRC`` or ``~/.netrc``, written by ``wandb login``) for the server (``WANDB_BASE_URL`` or wandb's
-    default), or an API key in W&B's settings. An unreadable netrc counts as credentials (wandb then reports it)."""
+    entry (``NETRC`` or ``~/.netrc``, written by ``wandb login``) for the server (``WANDB_BASE_URL``, else the
+    ``base_url`` of W&B's settings file, else wandb's default), or an API key in W&B's settings. An unreadable
+    netrc or settings file counts as credentials (wandb then reports it)."""
+    import configparser
+
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
     try:
         settings = wandb.Settings()
         if getattr(settings, "api_key", None):
             return True
-        host = urlsplit(str(settings.base_url)).netloc
+        base_url = os.environ.get("WANDB_BASE_URL")
+        if not base_url:
+            config_dir = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+            parser = configparser.ConfigParser()
+            parser.read(config_dir / "settings")
+            base_url = parser.get("default", "base_url", fallback=None) or str(settings.base_url)
+        host = urlsplit(base_url).netloc
     except Exception:
         return True  # let wandb.init decide
     path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
@@ -121,11 +132,20 @@ class Tracker:
                 raise TrackerError(f"W&B failed to start in mode {self.mode!r}: {reason}. "
                                    f"Use logging.wandb_mode=disabled.") from None
             self.mode = self._fall_back(f"W&B did not start online ({reason})", fallback)
-            try:
-                self._wandb = init(self.mode)
-            except Exception as e2:
-                raise TrackerError(f"W&B failed to start offline either: {e2}. "
-                                   f"Use logging.wandb_mode=disabled.") from None
+            with contextlib.suppress(Exception):  # the failed run holds its id in wandb's service for a while
+                wandb.teardown()
+            for attempt in range(6):  # the same id (a resume appends to the same W&B run), at last a new one
+                if attempt == 5:
+                    run_id = uuid.uuid4().hex[:8]
+                    id_file.write_text(run_id)
+                try:
+                    self._wandb = init(self.mode)
+                    break
+                except Exception as e2:
+                    if attempt == 5:
+                        raise TrackerError(f"W&B failed to start offline either: {e2}. "
+                                           f"Use logging.wandb_mode=disabled.") from None
+                    time.sleep(1.0)
 
     def _fall_back(self, reason: str, fallback: str) -> str:
         """``offline`` after printing one line (``fallback="offline"``), else raise :class:`TrackerError`."""
