@@ -30,8 +30,10 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
     if os.environ.get("RANK", "0") == "0":
         if hasattr(exc, "checkpoint"):  # stapo.train.trainer.Interrupted
             step, ckpt = exc.step, exc.checkpoint
-        else:  # before the training loop (loading, resuming)
-            step, ckpt = (trainer.step, latest_checkpoint(trainer.ckpt_root)) if trainer is not None else (0, None)
+        elif trainer is not None:  # before the training loop (resuming, starting W&B)
+            step, ckpt = trainer.step, latest_checkpoint(trainer.ckpt_root)
+        else:  # while building the trainer (loading the model)
+            step, ckpt = None, None
         script = os.path.relpath(os.path.abspath(__file__))
         if script.startswith(".."):
             script = os.path.abspath(__file__)
@@ -39,8 +41,11 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
         launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
         overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")]
         command = shlex.join([*launcher, script, "--config", args.config, *overrides, "--resume"])
-        where = (f"continues from {ckpt}" if ckpt is not None else "starts afresh: no checkpoint yet")
-        print(f"train.py: interrupted after step {step}; resume ({where}): {command}", file=sys.stderr)
+        if step is None:
+            print(f"train.py: interrupted before training started; resume: {command}", file=sys.stderr)
+        else:
+            where = f"continues from {ckpt}" if ckpt is not None else "starts afresh: no checkpoint yet"
+            print(f"train.py: interrupted after step {step}; resume ({where}): {command}", file=sys.stderr)
     return 130
 
 
