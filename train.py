@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/distributed.py)
 
 Ctrl-C: the first finishes the step in progress and checkpoints it (trainer.save_on_interrupt), a second stops at
-once keeping the checkpoints already written; either way one line says how to --resume, and the exit code is 130.
+once keeping the checkpoints already written; either way one line says how to --resume (or, with no checkpoint yet,
+to rerun), and the exit code is 130.
 
 The config schema and its checks live in stapo/config.py; the training loop in stapo/train/ (trainer.py: the loop and the step).
 """
@@ -40,12 +41,16 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
         world = int(os.environ.get("WORLD_SIZE", "1"))
         launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
         overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")]
-        command = shlex.join([*launcher, script, "--config", args.config, *overrides, "--resume"])
-        if step is None:
-            print(f"train.py: interrupted before training started; resume: {command}", file=sys.stderr)
+        base = [*launcher, script, "--config", args.config, *overrides]
+        if step is None:  # whether it was a resume is unknown here: the user's own command
+            command = shlex.join(base + (["--resume"] if args.resume else []))
+            print(f"train.py: interrupted before training started; rerun: {command}", file=sys.stderr)
+        elif ckpt is None:  # nothing to resume from: the same command starts afresh
+            print(f"train.py: interrupted after step {step}; no checkpoint yet, rerun to start afresh: "
+                  f"{shlex.join(base)}", file=sys.stderr)
         else:
-            where = f"continues from {ckpt}" if ckpt is not None else "starts afresh: no checkpoint yet"
-            print(f"train.py: interrupted after step {step}; resume ({where}): {command}", file=sys.stderr)
+            print(f"train.py: interrupted after step {step}; resume (continues from {ckpt}): "
+                  f"{shlex.join(base + ['--resume'])}", file=sys.stderr)
     return 130
 
 
