@@ -3,6 +3,10 @@
     python train.py --config configs/cpu_smollm2_stapo.yaml [dotted.key=value ...] [--resume]
     torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/distributed.py)
 
+Ctrl-C: the first finishes the step in progress and checkpoints it (trainer.save_on_interrupt), a second stops at
+once keeping the checkpoints already written; either way one line says how to --resume (or, with no checkpoint yet,
+to rerun), and the exit code is 130.
+
 The config schema and its checks live in stapo/config.py; the training loop in stapo/train/ (trainer.py: the loop and the step).
 """
 import argparse
@@ -16,6 +20,38 @@ def _error(message: str) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(f"train.py: {message}", file=sys.stderr)
     return 2
+
+
+def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> int:
+    """Ctrl-C: one line (rank 0) saying where the run stopped and the command that resumes it; exit code 130."""
+    import shlex
+
+    from stapo.checkpoint import latest_checkpoint
+
+    if os.environ.get("RANK", "0") == "0":
+        if hasattr(exc, "checkpoint"):  # stapo.train.trainer.Interrupted
+            step, ckpt = exc.step, exc.checkpoint
+        elif trainer is not None:  # before the training loop (resuming, starting W&B)
+            step, ckpt = trainer.step, latest_checkpoint(trainer.ckpt_root)
+        else:  # while building the trainer (loading the model)
+            step, ckpt = None, None
+        script = os.path.relpath(os.path.abspath(__file__))
+        if script.startswith(".."):
+            script = os.path.abspath(__file__)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
+        overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")]
+        base = [*launcher, script, "--config", args.config, *overrides]
+        if step is None:  # whether it was a resume is unknown here: the user's own command
+            command = shlex.join(base + (["--resume"] if args.resume else []))
+            print(f"train.py: interrupted before training started; rerun: {command}", file=sys.stderr)
+        elif ckpt is None:  # nothing to resume from: the same command starts afresh
+            print(f"train.py: interrupted after step {step}; no checkpoint yet, rerun to start afresh: "
+                  f"{shlex.join(base)}", file=sys.stderr)
+        else:
+            print(f"train.py: interrupted after step {step}; resume (continues from {ckpt}): "
+                  f"{shlex.join(base + ['--resume'])}", file=sys.stderr)
+    return 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.evaluation import EvalError, make_validation_hook_from_config
     from stapo.registry import ExtensionError
     from stapo.runlock import RunLockError
-    from stapo.tracking import CorruptJsonlError
+    from stapo.tracking import CorruptJsonlError, TrackerError
     from stapo.train import Trainer
 
     trainer = None
@@ -52,14 +88,17 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(e))
         try:
             trainer.train()
-        except (CheckpointError, ExtensionError) as e:  # a damaged checkpoint; a user mask / loss breaking its
-            return _error(str(e))                       # contract: one line, what to do (finished checkpoints kept)
-        except (RunLockError, CorruptJsonlError) as e:  # another process writes the run directory; a damaged
-            return _error(str(e))                       # metrics.jsonl / tables.jsonl line (not a torn last one)
+        # One line, what to do; the finished checkpoints are kept: no intact checkpoint to resume from; a user
+        # mask / loss breaking its contract; another process writing the run directory; a damaged metrics.jsonl /
+        # tables.jsonl line (not a torn last one); W&B online that cannot start with logging.wandb_fallback=error.
+        except (CheckpointError, ExtensionError, RunLockError, CorruptJsonlError, TrackerError) as e:
+            return _error(str(e))
         if trainer.dist.is_main:
             print(f"run directory: {trainer.run_dir}")
         barrier(trainer.dist)  # every rank done before any tears the process group down (W = 1: no-op)
         return 0
+    except KeyboardInterrupt as e:  # Ctrl-C (stapo.train.trainer.Interrupted from train(), or before it)
+        return _interrupted(args, trainer, e)
     finally:
         if trainer is not None:
             trainer.close()  # the vLLM engine first: under torchrun it tears down its own process groups
@@ -67,4 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C while importing or reading the config: nothing started yet
+        print("train.py: interrupted before training started", file=sys.stderr)
+        sys.exit(130)

@@ -190,6 +190,11 @@ class TrainerConfig:
     # the latest intact checkpoint, refused when there is none; auto: resume if there is one, else start at step 0
     # (saying so) — for job scripts resubmitted unchanged. Config changes on resume: RESUME_MUTABLE_KEYS.
     resume: Literal["never", "auto", "required"] = "never"
+    # Ctrl-C (SIGINT; stapo/train/trainer.py::Trainer.train): the first one lets the current step finish and then
+    # stops, writing a checkpoint of that step when this is true (or when one is due anyway); a second Ctrl-C
+    # abandons the step at once, keeping the checkpoints already written. train.py then prints how to --resume and
+    # exits 130.
+    save_on_interrupt: bool = True
     val_every: int = 0  # 0 disables in-training validation
     log_examples_every: int = 5  # table of silenced-token examples every N steps (0 disables)
     progress_bar: bool = True
@@ -223,6 +228,10 @@ class ValidationConfig:
 @dataclass
 class LoggingConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    # wandb_mode=online when W&B cannot start (no API key, server unreachable within a short init timeout):
+    # "offline" continues with offline W&B files (one line on stderr saying so and how to `wandb sync` them later),
+    # "error" stops at start-up with a one-line error (train.py: exit 2). stapo/tracking.py::Tracker.
+    wandb_fallback: Literal["offline", "error"] = "offline"
     project: str = "stapo"
     entity: Optional[str] = None
 
@@ -663,7 +672,7 @@ def _get(cfg: Any, dotted: str) -> Any:
 RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.val_every",
     "trainer.log_examples_every", "trainer.progress_bar", "trainer.output_dir", "trainer.run_name",
-    "trainer.device", "trainer.data_parallel", "trainer.import_modules",
+    "trainer.device", "trainer.data_parallel", "trainer.import_modules", "trainer.save_on_interrupt",
     "logging", "validation",
     "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
     "model.gradient_checkpointing", "model.attn_implementation", "model.cache_dir", "model.allow_low_precision_params",

@@ -1,7 +1,10 @@
 """Metrics tracking: a JSONL file of every step's metrics (always) plus Weights & Biases.
 
 W&B runs in ``offline`` mode by default and never needs an API key; ``online`` syncs, ``disabled`` turns it
-off (the JSONL file alone is then complete). Tables (e.g. silenced-token examples) go to W&B as
+off (the JSONL file alone is then complete). ``online`` fails fast when W&B cannot start: no credentials (checked
+before ``wandb.init``, so it never prompts or waits) or a server that does not answer within a short init timeout
+(:data:`INIT_TIMEOUT_S`); ``fallback`` then decides between continuing offline (one line on stderr saying so) and
+a one-line :class:`TrackerError`. Tables (e.g. silenced-token examples) go to W&B as
 ``wandb.Table`` and to ``tables.jsonl`` in the run directory.
 
 Crash safety of the JSONL files (the same rule as the evaluation's :class:`~stapo.evaluation.store.GenerationStore`):
@@ -13,15 +16,19 @@ one line on stderr. A *complete* line that is not a JSON row with an integer ``s
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import netrc
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Literal, Sequence
+from urllib.parse import urlsplit
 
-__all__ = ["Tracker", "CorruptJsonlError", "read_jsonl_rows"]
+__all__ = ["Tracker", "TrackerError", "INIT_TIMEOUT_S", "CorruptJsonlError", "read_jsonl_rows"]
 
 
 class CorruptJsonlError(ValueError):
@@ -71,6 +78,46 @@ def _row(path: Path, lineno: int, line: str) -> dict[str, Any]:
     return row
 
 
+# Seconds W&B may take to start an online run (wandb's own default is 90; its retries add ~10 s on top).
+# The environment variable WANDB_INIT_TIMEOUT, when set, is left to wandb instead.
+INIT_TIMEOUT_S = 15.0
+
+
+class TrackerError(RuntimeError):
+    """W&B cannot start in the requested mode (one line saying what to do; train.py: exit 2)."""
+
+
+def _wandb_credentials(wandb: Any) -> bool:
+    """Whether W&B finds credentials without asking: ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE``, a netrc
+    entry (``NETRC`` or ``~/.netrc``, written by ``wandb login``) for the server (``WANDB_BASE_URL``, else the
+    ``base_url`` of W&B's settings file, else wandb's default), or an API key in W&B's settings. An unreadable
+    netrc or settings file counts as credentials (wandb then reports it)."""
+    import configparser
+
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        settings = wandb.Settings()
+        if getattr(settings, "api_key", None):
+            return True
+        base_url = os.environ.get("WANDB_BASE_URL")
+        if not base_url:
+            config_dir = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+            parser = configparser.ConfigParser()
+            parser.read(config_dir / "settings")
+            base_url = parser.get("default", "base_url", fallback=None) or str(settings.base_url)
+        host = urlsplit(base_url).netloc
+    except Exception:
+        return True  # let wandb.init decide
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    if not path.exists():
+        return False
+    try:
+        return netrc.netrc(str(path)).authenticators(host) is not None
+    except (netrc.NetrcParseError, OSError):
+        return True
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
@@ -86,12 +133,16 @@ class Tracker:
         run_dir: the run directory (created if needed).
         config: plain dict logged as the run's config.
         mode: W&B mode: ``offline`` (default; files under ``<run_dir>/wandb``), ``online`` or ``disabled``.
+        fallback: what ``online`` does when W&B cannot start (no credentials, no answer within
+            :data:`INIT_TIMEOUT_S`): ``offline`` (default) continues offline and prints one line to stderr saying
+            so and how to sync later; ``error`` raises :class:`TrackerError`. :attr:`mode` is the mode in use.
         project, entity, name: W&B run identity.
         resume_id: the W&B run id to continue (stored in ``<run_dir>/wandb_run_id``), so a resumed run
             appends to the same W&B run.
 
     Raises:
-        RuntimeError: W&B cannot start in the requested mode (the message says how to disable it).
+        TrackerError: (a RuntimeError) W&B cannot start in the requested mode and cannot fall back (the message,
+            one line, says how to switch it offline or off).
     """
 
     torn_bytes: int = 0  # bytes of torn last lines cut off by truncate_after
@@ -105,28 +156,62 @@ class Tracker:
         project: str = "stapo",
         entity: str | None = None,
         name: str | None = None,
+        fallback: Literal["offline", "error"] = "offline",
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tables_path = self.run_dir / "tables.jsonl"
         self._wandb = None
-        if mode != "disabled":
-            import wandb
+        self.mode = mode
+        if mode == "disabled":
+            return
+        import wandb
 
-            id_file = self.run_dir / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
-            id_file.write_text(run_id)
-            os.environ.setdefault("WANDB_SILENT", "true")
-            try:
-                self._wandb = wandb.init(
-                    project=project, entity=entity, name=name, id=run_id, resume="allow",
-                    dir=str(self.run_dir), mode=mode, config=config,
-                    settings=wandb.Settings(console="off", x_disable_stats=True),
-                )
-            except Exception as e:  # e.g. online without credentials
-                raise RuntimeError(f"W&B failed to start in mode {mode!r}: {e}. "
-                                   f"Use logging.wandb_mode=offline or disabled.") from e
+        id_file = self.run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id)
+        os.environ.setdefault("WANDB_SILENT", "true")
+        if mode == "online" and not _wandb_credentials(wandb):  # wandb would prompt (a terminal) or fail later
+            self.mode = self._fall_back("no W&B API key (set WANDB_API_KEY or run `wandb login`)", fallback)
+        timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT_S}
+
+        def init(m: str) -> Any:
+            return wandb.init(project=project, entity=entity, name=name, id=run_id, resume="allow",
+                              dir=str(self.run_dir), mode=m, config=config,
+                              settings=wandb.Settings(console="off", x_disable_stats=True, **timeout))
+
+        try:
+            self._wandb = init(self.mode)
+        except Exception as e:  # e.g. the server does not answer
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            if self.mode != "online":
+                raise TrackerError(f"W&B failed to start in mode {self.mode!r}: {reason}. "
+                                   f"Use logging.wandb_mode=disabled.") from None
+            self.mode = self._fall_back(f"W&B did not start online ({reason})", fallback)
+            with contextlib.suppress(Exception):  # the failed run holds its id in wandb's service for a while
+                wandb.teardown()
+            for attempt in range(6):  # the same id (a resume appends to the same W&B run), at last a new one
+                if attempt == 5:
+                    run_id = uuid.uuid4().hex[:8]
+                    id_file.write_text(run_id)
+                try:
+                    self._wandb = init(self.mode)
+                    break
+                except Exception as e2:
+                    if attempt == 5:
+                        raise TrackerError(f"W&B failed to start offline either: {e2}. "
+                                           f"Use logging.wandb_mode=disabled.") from None
+                    time.sleep(1.0)
+
+    def _fall_back(self, reason: str, fallback: str) -> str:
+        """``offline`` after printing one line (``fallback="offline"``), else raise :class:`TrackerError`."""
+        if fallback != "offline":
+            raise TrackerError(f"{reason}; use logging.wandb_mode=offline (sync later with `wandb sync`) or "
+                               f"disabled, or logging.wandb_fallback=offline to continue offline")
+        print(f"W&B: {reason}; logging offline instead (logging.wandb_fallback=offline); upload later with "
+              f"`wandb sync {self.run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
+        return "offline"
 
     @property
     def wandb_dir(self) -> Path | None:

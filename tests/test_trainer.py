@@ -1,5 +1,6 @@
 """The training loop end to end on the tiny model (HF rollouts, CPU)."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -110,19 +111,39 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
         make_trainer(str(tmp_path), ["trainer.total_steps=1"]).train()
 
 
-def test_wandb_offline_run_directory_holds_the_metrics(tmp_path):
+def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
+    """An offline W&B run in the run directory that received exactly the metrics of metrics.jsonl.
+
+    wandb ships no public reader for its offline ``.wandb`` file (and writes it asynchronously: on a busy machine
+    it may hold only its header when ``finish()`` returns, and offline runs write no ``wandb-summary.json``), so
+    the test records what the tracker hands to the W&B run object (``wandb.Run.log``, wandb's public API) and
+    checks that the offline run's files exist, instead of reading wandb's private binary format."""
+    import wandb
+
+    logged: list[tuple[dict, int | None]] = []
+    original = wandb.Run.log
+
+    def spy(self, data, step=None, *args, **kwargs):
+        logged.append((dict(data), step))
+        return original(self, data, step, *args, **kwargs)
+
+    monkeypatch.setattr(wandb.Run, "log", spy)
     trainer = make_trainer(str(tmp_path), ["trainer.total_steps=1", "logging.wandb_mode=offline"])
     trainer.train()
     run_dir = tmp_path / "toy"
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
-    # The offline run file stores history rows as protobuf records holding each key and its JSON value
-    # verbatim; check that the step's metrics are in it (wandb ships no offline reader for this file).
-    data = next(offline[0].glob("*.wandb")).read_bytes()
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert offline[0].name.endswith(f"-{run_id}") and (offline[0] / f"run-{run_id}.wandb").exists()
     row = _rows(run_dir / "metrics.jsonl")[0]
+    scalars = [(data, step) for data, step in logged if "actor/entropy" in data]
+    assert len(scalars) == 1 and scalars[0][1] == row["step"] == 1
+    data = scalars[0][0]
     for key in ("critic/score/mean", "actor/entropy", "actor/pg_loss", "s2t/num_masked"):
-        assert key.encode() in data, key
-    assert json.dumps(row["actor/entropy"]).encode() in data
+        assert key in data, key
+    finite = {k: v for k, v in data.items() if isinstance(v, float) and math.isfinite(v)}
+    assert finite and all(row[k] == v for k, v in finite.items())  # the same values as metrics.jsonl
+    assert set(data) <= set(row)
 
 
 def test_train_py_reports_bad_config_and_exits_2(tmp_path):

@@ -162,7 +162,8 @@ class EvalOutputConfig:
 
 @dataclass
 class EvalLoggingConfig(LoggingConfig):
-    """The train config's logging section (``wandb_mode``, ``project``, ``entity``) plus the progress bar."""
+    """The train config's logging section (``wandb_mode``, ``wandb_fallback``, ``project``, ``entity``) plus the
+    progress bar."""
 
     progress_bar: bool = True
 

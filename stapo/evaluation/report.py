@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -313,15 +314,21 @@ def write_comparison(results: Sequence[dict[str, Any]], out_dir: str | os.PathLi
 
 
 def log_wandb(results: dict[str, Any], run_dir: str | os.PathLike, *, mode: str = "offline", project: str = "stapo",
-              entity: str | None = None) -> None:
+              entity: str | None = None, fallback: str = "offline") -> None:
     """Log the results to W&B (through :class:`stapo.tracking.Tracker`, offline by default: no API key needed)
     as scalars ``eval/<setting>/<benchmark>/<metric>`` and a summary table ``eval/summary`` (the paper table plus
     the long rows). ``mode="disabled"`` still writes ``metrics.jsonl`` and ``tables.jsonl`` in ``run_dir``;
-    a rerun replaces the previous rows there."""
-    from stapo.tracking import Tracker
+    a rerun replaces the previous rows there. ``fallback`` as ``logging.wandb_fallback``; the evaluation is
+    finished when this runs, so a W&B that cannot start never fails it: one line on stderr, and the JSONL files
+    are written without W&B."""
+    from stapo.tracking import Tracker, TrackerError
 
-    tracker = Tracker(run_dir, results.get("config", {}), mode=mode, project=project, entity=entity,
-                      name=f"eval-{results['label']}")
+    try:
+        tracker = Tracker(run_dir, results.get("config", {}), mode=mode, project=project, entity=entity,
+                          name=f"eval-{results['label']}", fallback=fallback)
+    except TrackerError as e:
+        print(f"evaluate.py: {e}; the results are complete, W&B skipped", file=sys.stderr)
+        tracker = Tracker(run_dir, {}, mode="disabled")
     try:
         tracker.truncate_after(-1)
         flat: dict[str, float] = {}

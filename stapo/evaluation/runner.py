@@ -671,5 +671,5 @@ def run_evaluation(
 
             _write(results, run_dir, plot=cfg.output.plot)
             log_wandb(results, run_dir, mode=cfg.logging.wandb_mode, project=cfg.logging.project,
-                      entity=cfg.logging.entity)
+                      entity=cfg.logging.entity, fallback=cfg.logging.wandb_fallback)
         return results

@@ -20,7 +20,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import random
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -44,7 +48,7 @@ from stapo.train.prompts import PromptLoader, load_prompts
 from stapo.train.state import RunState, plan_resume
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
 
-__all__ = ["Trainer", "StepProgress"]
+__all__ = ["Trainer", "StepProgress", "Interrupted"]
 
 ValidationHook = Callable[["Trainer", int], dict[str, float]]
 
@@ -70,6 +74,56 @@ class StepProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped :meth:`Trainer.train` before ``trainer.total_steps`` (train.py prints how to resume
+    and exits 130).
+
+    Attributes:
+        step: the last finished step.
+        checkpoint: the latest complete checkpoint (``--resume`` continues from it), or None.
+        abandoned: True when a second Ctrl-C abandoned the step in progress (nothing of it is saved).
+    """
+
+    def __init__(self, step: int, checkpoint: Path | None, abandoned: bool) -> None:
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.checkpoint, self.abandoned = step, checkpoint, abandoned
+
+
+class _InterruptGuard:
+    """SIGINT handling while :meth:`Trainer.train` steps (main thread only, and only over Python's default
+    handler): the first signal sets :attr:`requested` and calls ``announce()`` (the step in progress finishes),
+    the second raises KeyboardInterrupt where the code is (the step is abandoned; finished checkpoints stay), a
+    third exits the process at once (``os._exit(130)``, e.g. a clean-up that hangs)."""
+
+    def __init__(self, announce: Callable[[], None]) -> None:
+        self.announce = announce
+        self.requested = False
+        self._count = 0
+        self._previous: Any = None
+
+    def install(self) -> "_InterruptGuard":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self._count += 1
+        if self._count == 1:
+            self.requested = True
+            with contextlib.suppress(Exception):
+                self.announce()
+            return
+        if self._count == 2:
+            raise KeyboardInterrupt
+        os._exit(130)
 
 
 @contextlib.contextmanager
@@ -204,6 +258,7 @@ class Trainer:
             max_response_length=cfg.rollout.response_length)
 
         self.step = 0
+        self._stepping = 1  # the step train() is in (train_step runs with self.step one lower)
         self.tracker: Tracker | None = None
 
     # ------------------------------------------------------------------------------------------------
@@ -258,6 +313,11 @@ class Trainer:
         (``<run_dir>/run.lock``, :mod:`stapo.runlock`). Returns each step's metrics.
 
         Raises:
+            Interrupted: (a KeyboardInterrupt) Ctrl-C stopped the run early: the first SIGINT lets the step in
+                progress finish and checkpoints it (``trainer.save_on_interrupt``, or a checkpoint is due), a
+                second abandons the step at once; the checkpoints already written are kept either way.
+            stapo.tracking.TrackerError: ``logging.wandb_mode=online`` cannot start and
+                ``logging.wandb_fallback=error``.
             stapo.runlock.RunLockError: another live process is writing the run directory.
             stapo.tracking.CorruptJsonlError: ``metrics.jsonl`` / ``tables.jsonl`` hold a damaged line that is not a
                 torn last line (the message names the file and line).
@@ -274,14 +334,19 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
             self.tracker = Tracker(self.run_dir, to_dict(self.cfg), mode=self.cfg.logging.wandb_mode,
                                    project=self.cfg.logging.project, entity=self.cfg.logging.entity,
-                                   name=self.run_name)
+                                   name=self.run_name, fallback=self.cfg.logging.wandb_fallback)
             self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
             self._drop_stale_validation()
         history: list[dict[str, float]] = []
         bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
                    dynamic_ncols=True)
+        # Ctrl-C (docs/metrics.md#interrupting-and-resuming): the first lets the step in progress finish, then stops
+        # (checkpointing that step if trainer.save_on_interrupt or one is due); a second abandons the step now.
+        guard = _InterruptGuard(self._announce_interrupt if main else lambda: None).install()
+        stop = False
         try:
             while self.step < tc.total_steps:
+                self._stepping = self.step + 1  # the step in progress (the first Ctrl-C's message)
                 metrics = self.train_step()
                 self.step += 1
                 if self.validation_hook is not None and tc.val_every and self.step % tc.val_every == 0:
@@ -295,17 +360,36 @@ class Trainer:
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", ent=f"{metrics['actor/entropy']:.3f}",
                                 kept=f"{metrics['actor/num_kept_tokens']:.0f}/"
                                      f"{metrics['response_length/total_tokens']:.0f}")
-                if (tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps:
+                # every rank stops after the same step (a rank that missed the signal too)
+                stop = dist.all_reduce({"stop": float(guard.requested)}, self.dist, op="max")["stop"] > 0
+                if ((tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps
+                        or (stop and tc.save_on_interrupt)):
                     self.save()
+                if stop:
+                    break
+        except KeyboardInterrupt:  # the second Ctrl-C: the step in progress is abandoned
+            raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=True) from None
         finally:
-            bar.close()
-            if self.tracker is not None:
-                self.tracker.finish()
-            for owner in (self.reward_fn, self.validation_hook):  # grader process pools
-                close = getattr(owner, "close", None)
-                if callable(close):
-                    close()
+            try:
+                bar.close()
+                if self.tracker is not None:
+                    self.tracker.finish()
+                for owner in (self.reward_fn, self.validation_hook):  # grader process pools
+                    close = getattr(owner, "close", None)
+                    if callable(close):
+                        close()
+            finally:
+                guard.uninstall()  # until here a further Ctrl-C exits at once
+        if stop and self.step < tc.total_steps:
+            raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=False)
         return history
+
+    def _announce_interrupt(self) -> None:
+        """The first Ctrl-C's line on stderr (rank 0)."""
+        save = " and writing its checkpoint" if self.cfg.trainer.save_on_interrupt else ""
+        sys.stderr.write(f"\nCtrl-C: finishing step {self._stepping}{save}, then stopping; press Ctrl-C again to "
+                         f"stop now (the checkpoints already written are kept)\n")
+        sys.stderr.flush()
 
     def close(self) -> None:
         """Release the rollout engine (vLLM: its workers and, under torchrun, its process groups — before

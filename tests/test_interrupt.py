@@ -1,0 +1,143 @@
+"""Ctrl-C (SIGINT) while training: the first lets the step in progress finish and checkpoints it
+(``trainer.save_on_interrupt``), a second abandons the step; ``train.py`` prints one line with the ``--resume``
+command, no traceback, and exits 130; the resumed run has exactly one metrics row per step.
+
+In-process tests send the signal from inside a step (the toy reward), so they are deterministic; the ``train.py``
+test sends it to a real process group (as a terminal's Ctrl-C does) once the first metrics row is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from toy_run import make_trainer, toy_reward  # noqa: E402
+
+from stapo.checkpoint import latest_checkpoint  # noqa: E402
+from stapo.train.trainer import Interrupted  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def _sigint_in_reward(at_call: int, times: int):
+    """The toy reward, sending ``times`` SIGINTs to this process during its ``at_call``-th call (1-based)."""
+    calls = {"n": 0}
+
+    def reward(responses, golds):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)  # the handler runs between the two signals
+        return toy_reward(responses, golds)
+
+    return reward
+
+
+def _trainer(tmp_path, overrides, reward=None):
+    trainer = make_trainer(str(tmp_path), ["trainer.total_steps=5", *overrides])
+    if reward is not None:
+        trainer.reward_fn = reward
+    return trainer
+
+
+@pytest.mark.parametrize("save_on_interrupt", [True, False])
+def test_first_ctrl_c_finishes_the_step_and_checkpoints_it(tmp_path, save_on_interrupt):
+    trainer = _trainer(tmp_path, ["trainer.save_every=0", f"trainer.save_on_interrupt={save_on_interrupt}"],
+                       _sigint_in_reward(at_call=2, times=1))
+    with pytest.raises(Interrupted) as info:
+        trainer.train()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    e = info.value
+    assert (e.step, e.abandoned) == (2, False)
+    run_dir = tmp_path / "toy"
+    assert _steps(run_dir) == [1, 2]  # step 2 finished and was logged
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if save_on_interrupt:
+        assert e.checkpoint == ckpt and ckpt is not None and ckpt.name == "step_000002"
+    else:  # save_every=0: nothing was due
+        assert e.checkpoint is None and ckpt is None
+
+
+def test_second_ctrl_c_abandons_the_step_and_keeps_the_checkpoints(tmp_path):
+    trainer = _trainer(tmp_path, ["trainer.save_every=1"], _sigint_in_reward(at_call=2, times=2))
+    with pytest.raises(Interrupted) as info:
+        trainer.train()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    e = info.value
+    run_dir = tmp_path / "toy"
+    assert (e.step, e.abandoned) == (1, True)
+    assert e.checkpoint is not None and e.checkpoint.name == "step_000001"
+    assert not (run_dir / "checkpoints" / "step_000002").exists()
+    assert _steps(run_dir) == [1]
+
+    resumed = make_trainer(str(tmp_path), ["trainer.total_steps=3", "trainer.save_every=1", "trainer.resume=auto"])
+    resumed.train()
+    assert _steps(run_dir) == [1, 2, 3]
+
+
+def test_resume_after_an_unsaved_interrupt_drops_the_rows_after_the_checkpoint(tmp_path):
+    trainer = _trainer(tmp_path, ["trainer.save_every=2", "trainer.save_on_interrupt=false"],
+                       _sigint_in_reward(at_call=3, times=1))
+    with pytest.raises(Interrupted) as info:
+        trainer.train()
+    run_dir = tmp_path / "toy"
+    assert info.value.step == 3 and info.value.checkpoint.name == "step_000002"
+    assert _steps(run_dir) == [1, 2, 3]
+    make_trainer(str(tmp_path), ["trainer.total_steps=4", "trainer.resume=auto"]).train()
+    assert _steps(run_dir) == [1, 2, 3, 4]  # row 3 of the interrupted run was dropped and redone
+
+
+def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_path):
+    """A real Ctrl-C: SIGINT to train.py's process group after its first metrics row, then the printed command
+    (with a smaller trainer.total_steps appended, so the test stays short) finishes the run."""
+    out_dir = tmp_path / "runs"
+    run_dir = out_dir / "ctrlc"
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny_test.yaml"),
+           f"trainer.output_dir={out_dir}", "trainer.run_name=ctrlc", "trainer.total_steps=1000",
+           "trainer.save_every=0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while not _steps(run_dir):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.time() < deadline, "no metrics row within 600 s"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    hints = [line for line in err.splitlines() if "--resume" in line and line.startswith("train.py:")]
+    assert len(hints) == 1, err
+    steps = _steps(run_dir)
+    k = steps[-1]
+    assert steps == list(range(1, k + 1))
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    assert ckpt is not None and ckpt.name == f"step_{k:06d}"  # save_on_interrupt (default true)
+    assert f"interrupted after step {k}" in hints[0] and str(ckpt) in hints[0]
+
+    command = shlex.split(hints[0].split("): ", 1)[1])
+    assert command[0] == "python" and command[-1] == "--resume"
+    resume = subprocess.run([sys.executable, *command[1:-1], f"trainer.total_steps={k + 2}", "--resume"], env=env,
+                            capture_output=True, text=True, timeout=600, cwd=os.getcwd())
+    assert resume.returncode == 0, resume.stderr
+    assert "Traceback" not in resume.stderr
+    assert _steps(run_dir) == list(range(1, k + 3))  # exactly one row per step
