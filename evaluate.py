@@ -12,6 +12,7 @@ directory (default runs/eval/<label>): per-sample JSONL with grades, results.jso
 summary (offline by default). Rerunning the same command resumes where it stopped. The harness lives in stapo/evaluation/.
 """
 import argparse
+import os
 import sys
 
 
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-root", help="data.root")
     p.add_argument("--output", help="output.dir (run directory)")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], help="logging.wandb_mode")
+    p.add_argument("--debug", action="store_true",
+                   help="show the full traceback of a runtime failure (also: STAPO_DEBUG=1)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.samples.aime24=8")
     return p
 
@@ -69,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("evaluate.py: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except Exception as e:  # the error boundary: any other failure is one line, exit 1 (finished records kept)
+        if args.debug or os.environ.get("STAPO_DEBUG") == "1":
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:500]
+        print(f"evaluate.py: {type(e).__name__}: {first} (rerun the same command to resume; --debug or "
+              f"STAPO_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
 
     from stapo.evaluation.report import markdown_table
 

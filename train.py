@@ -14,6 +14,17 @@ import os
 import sys
 
 
+def _runtime_error(e: BaseException) -> int:
+    """A failure outside the known user errors (a library, the file system, the device): one line with its type
+    and first message line, the hint to rerun with --debug, exit code 1. Every rank reports its own (rank-tagged
+    under torchrun); the finished checkpoints and metrics are kept."""
+    first = (str(e).strip().splitlines() or [""])[0][:500]
+    rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"train.py: {rank}{type(e).__name__}: {first} (rerun with --debug or STAPO_DEBUG=1 for the traceback)",
+          file=sys.stderr)
+    return 1
+
+
 def _error(message: str) -> int:
     """Print a start-up error (once: rank 0 under torchrun) and return exit code 2. Under torchrun every rank
     exits 2 and torchrun itself then reports the failed child processes."""
@@ -59,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest intact checkpoint; "
                         "refused when the run folder has none (trainer.resume=required; docs/scaling.md)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of a runtime failure (also: STAPO_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=2e-6")
     args = parser.parse_args(argv)
 
@@ -99,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt as e:  # Ctrl-C (stapo.train.trainer.Interrupted from train(), or before it)
         return _interrupted(args, trainer, e)
+    except Exception as e:  # the error boundary: any other failure is one line, exit 1 (checkpoints are kept)
+        if args.debug or os.environ.get("STAPO_DEBUG") == "1":
+            raise
+        return _runtime_error(e)
     finally:
         if trainer is not None:
             trainer.close()  # the vLLM engine first: under torchrun it tears down its own process groups

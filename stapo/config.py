@@ -294,6 +294,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictC
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     parents = raw.pop("defaults", None) or []
+    if not parents and len(raw) == 0:  # an empty file would silently mean the paper-scale schema defaults
+        raise ConfigError(f"config file {path} is empty; start from one of configs/ (e.g. "
+                          f"configs/cpu_smollm2_stapo.yaml), or list one under 'defaults:'")
     out: list[tuple[str, DictConfig]] = []
     for p in parents:
         out += _read_yaml(path.parent / str(p), seen + (path,))
