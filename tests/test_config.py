@@ -318,22 +318,19 @@ def test_a_mask_config_key_missing_from_the_schema_is_one_line_naming_the_mask_t
         register_token_mask("cfg_tau_ok", params=TauParams, config_keys={"tau": "algorithm.s2t.prob_threshold"})(
             keep_all)
         register_objective(get_objective("justrl").replace(name="cfg_tau_obj", token_mask="cfg_tau_typo"))
-        with pytest.raises(ConfigError) as e:
-            load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides)
-        assert str(e.value) == ("token mask 'cfg_tau_typo' reads its parameter 'tau' from config key "
-                                "'algorithm.s2t.prob_treshold', which is not a config key; did you mean "
-                                "'algorithm.s2t.prob_threshold'? (fix the config_keys of register_token_mask)")
-        OBJECTIVES["cfg_tau_obj"] = OBJECTIVES["cfg_tau_obj"].replace(token_mask="cfg_tau_section")
-        with pytest.raises(ConfigError) as e:
-            load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides)
-        assert str(e.value) == ("token mask 'cfg_tau_section' reads its parameter 'tau' from config key "
+        for mask, message in [
+            ("cfg_tau_typo", "token mask 'cfg_tau_typo' reads its parameter 'tau' from config key "
+                             "'algorithm.s2t.prob_treshold', which is not a config key; did you mean "
+                             "'algorithm.s2t.prob_threshold'? (fix the config_keys of register_token_mask)"),
+            ("cfg_tau_section", "token mask 'cfg_tau_section' reads its parameter 'tau' from config key "
                                 "'algorithm.s2t', which is a config section, not a value (fix the config_keys of "
-                                "register_token_mask)")
-        OBJECTIVES["cfg_tau_obj"] = OBJECTIVES["cfg_tau_obj"].replace(token_mask="cfg_tau_far")
-        with pytest.raises(ConfigError) as e:
-            load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides)
-        assert str(e.value) == ("token mask 'cfg_tau_far' reads its parameter 'tau' from config key 'algorithm.tau', "
-                                "which is not a config key (fix the config_keys of register_token_mask)")
+                                "register_token_mask)"),
+            ("cfg_tau_far", "token mask 'cfg_tau_far' reads its parameter 'tau' from config key 'algorithm.tau', "
+                            "which is not a config key (fix the config_keys of register_token_mask)")]:
+            OBJECTIVES["cfg_tau_obj"] = OBJECTIVES["cfg_tau_obj"].replace(token_mask=mask)
+            with pytest.raises(ConfigError) as e:
+                load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides)
+            assert str(e.value) == message
         OBJECTIVES["cfg_tau_obj"] = OBJECTIVES["cfg_tau_obj"].replace(token_mask="cfg_tau_ok")
         cfg = load_config(REPO_ROOT / "configs/tiny_test.yaml", overrides + ["algorithm.s2t.prob_threshold=0.05"])
         assert objective_from_config(cfg).mask_params == {"tau": 0.05}  # the key is read

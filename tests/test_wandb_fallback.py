@@ -84,11 +84,15 @@ def _clean_env(tmp_path: Path) -> dict[str, str]:
             "WANDB_CONFIG_DIR": str(home / ".config" / "wandb"), "PYTHONPATH": str(REPO)}
 
 
+def _train_online(tmp_path, *overrides):
+    """train.py, one tiny step, W&B online, without credentials (a clean HOME and W&B folders)."""
+    return subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
+                           f"trainer.output_dir={tmp_path}", "trainer.total_steps=1", "logging.wandb_mode=online",
+                           *overrides], capture_output=True, text=True, env=_clean_env(tmp_path), timeout=600)
+
+
 def test_train_py_online_without_a_key_is_one_line_and_exits_2(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
-                          f"trainer.output_dir={tmp_path}", "trainer.total_steps=1", "logging.wandb_mode=online",
-                          "logging.wandb_fallback=error"],
-                         capture_output=True, text=True, env=_clean_env(tmp_path), timeout=600)
+    out = _train_online(tmp_path, "logging.wandb_fallback=error")
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("train.py:")]
@@ -96,10 +100,7 @@ def test_train_py_online_without_a_key_is_one_line_and_exits_2(tmp_path):
 
 
 def test_train_py_online_without_a_key_trains_offline_by_default(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
-                          f"trainer.output_dir={tmp_path}", "trainer.run_name=r", "trainer.total_steps=1",
-                          "logging.wandb_mode=online"],
-                         capture_output=True, text=True, env=_clean_env(tmp_path), timeout=600)
+    out = _train_online(tmp_path, "trainer.run_name=r")
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
     assert sum("logging offline instead" in line for line in out.stderr.splitlines()) == 1, out.stderr
