@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("evaluate.py: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
-    except Exception as e:  # the error boundary: any other failure is one line, exit 1 (finished records kept)
-        if args.debug or os.environ.get("STAPO_DEBUG") == "1":
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # the error boundary: any other failure is one line, exit 1 (finished records
+        if args.debug or os.environ.get("STAPO_DEBUG") == "1":  # kept); BaseException: e.g. torch DCP's errors
             raise
         first = (str(e).strip().splitlines() or [""])[0][:500]
         print(f"evaluate.py: {type(e).__name__}: {first} (rerun the same command to resume; --debug or "

@@ -18,8 +18,15 @@ def _runtime_error(e: BaseException) -> int:
     """A failure outside the known user errors (a library, the file system, the device): one line with its type
     and first message line, the hint to rerun with --debug, exit code 1. Every rank reports its own (rank-tagged
     under torchrun); the finished checkpoints and metrics are kept."""
+    import errno
+
+    from stapo.checkpoint import CheckpointSaveError
+
     first = (str(e).strip().splitlines() or [""])[0][:500]
     rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    storage = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+    if isinstance(e, CheckpointSaveError) or (isinstance(e, OSError) and e.errno in storage):
+        first += "; free space (or fix the file system) and rerun (--resume continues from the latest checkpoint)"
     print(f"train.py: {rank}{type(e).__name__}: {first} (rerun with --debug or STAPO_DEBUG=1 for the traceback)",
           file=sys.stderr)
     return 1
@@ -112,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt as e:  # Ctrl-C (stapo.train.trainer.Interrupted from train(), or before it)
         return _interrupted(args, trainer, e)
-    except Exception as e:  # the error boundary: any other failure is one line, exit 1 (checkpoints are kept)
-        if args.debug or os.environ.get("STAPO_DEBUG") == "1":
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # the error boundary: any other failure is one line, exit 1 (checkpoints are kept);
+        if args.debug or os.environ.get("STAPO_DEBUG") == "1":  # BaseException: torch DCP's CheckpointException
             raise
         return _runtime_error(e)
     finally:

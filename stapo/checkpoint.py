@@ -46,19 +46,25 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from stapo.checkpoint_files import (DCP_DIR, FULL_HASH_LIMIT, MARKER, _SAFE_INDEX, _fsync_dir,
                                     _write_marker, complete_checkpoints, is_sharded, latest_checkpoint,
                                     resumable_checkpoints, verify_checkpoint)
 from stapo.models import hf_class_name
 
-__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
+__all__ = ["CheckpointError", "CheckpointSaveError", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
            "export_hf", "is_sharded", "verify_checkpoint", "resumable_checkpoints", "DCP_DIR", "MARKER",
            "DEFAULT_MAX_SHARD_SIZE", "FULL_HASH_LIMIT"]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from; the message names its folder and what to do."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (a full disk, a quota, a file system that refuses writes): the message names the
+    folder and the cause; the partial folder is removed and the earlier checkpoints are intact."""
 
 
 #: Largest HF export shard (``save_pretrained``'s ``max_shard_size`` syntax) when none is passed; rank 0 holds at
@@ -123,6 +129,8 @@ def save_checkpoint(
 
     Raises:
         ValueError: ``keep_last`` < 1 or an unknown ``export_dtype``.
+        CheckpointSaveError: a file could not be written (full disk, quota, read-only): the message names the
+            folder and the OS error; the partial folder is removed, earlier checkpoints are untouched.
     """
     from stapo import distributed as dist
 
@@ -138,12 +146,16 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier(ctx)  # the folder exists before any rank writes into it
-    dist.save_sharded_state(model, optimizer, tmp / DCP_DIR)  # collective; every rank writes its shards
-    export_hf(model, tmp, tokenizer, dtype=export_dtype, max_shard_size=max_shard_size, ctx=ctx)  # collective
+    try:
+        dist.save_sharded_state(model, optimizer, tmp / DCP_DIR)  # collective; every rank writes its shards
+        export_hf(model, tmp, tokenizer, dtype=export_dtype, max_shard_size=max_shard_size, ctx=ctx)  # collective
+        if ctx.is_main:
+            torch.save({**trainer_state, "step": step, "format": "dcp"}, tmp / "trainer_state.pt")
+            _fsync_dir(tmp / DCP_DIR)
+            _write_marker(tmp, step)  # last: lists every other file (every rank's shards are written by now)
+    except (Exception, CheckpointException) as e:  # full disk, quota, EROFS, ...: torch, safetensors and DCP
+        raise _save_failed(root, final, tmp, e, ctx) from e  # word it each their own way
     if ctx.is_main:
-        torch.save({**trainer_state, "step": step, "format": "dcp"}, tmp / "trainer_state.pt")
-        _fsync_dir(tmp / DCP_DIR)
-        _write_marker(tmp, step)  # last: lists every other file (every rank's shards are written by now)
         if final.exists():  # re-saving the same step (e.g. a resumed run): replace it atomically-ish
             old = root / f"step_{step:06d}.old"
             if old.exists():
@@ -160,6 +172,58 @@ def save_checkpoint(
             shutil.rmtree(leftover, ignore_errors=True)
     dist.barrier(ctx)
     return final
+
+
+def _save_failed(root: Path, final: Path, tmp: Path, e: BaseException, ctx: Any) -> CheckpointSaveError:
+    """The one-line error for a failed save; rank 0 removes the partial ``.tmp`` folder (freeing its space)."""
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    earlier = complete_checkpoints(root)
+    cause = _root_cause(e, root)
+    keep = (f"the latest checkpoint {earlier[-1]} is intact" if earlier else
+            "no earlier checkpoint exists (the run restarts from step 0)")
+    return CheckpointSaveError(f"saving checkpoint {final} failed: {cause}; the partial folder was removed and "
+                               f"{keep}")
+
+
+def _root_cause(e: BaseException, folder: Path | None = None) -> str:
+    """What made a write fail, in one line: the innermost ``OSError`` of the exception chain (DCP's
+    ``CheckpointException`` is unwrapped to its first rank's error) as ``[Errno 28] No space left on device``;
+    else the first line of the innermost message, followed by what ``folder``'s file system says (free space, a
+    file-size limit of this process), since torch's C++ writer drops the OS error."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = e
+    while seen is not None and len(chain) < 20:
+        chain.append(seen)
+        failures = getattr(seen, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict) and failures:
+            seen = next(iter(failures.values()))[0]
+            continue
+        seen = seen.__cause__ or seen.__context__
+    for err in chain:
+        if isinstance(err, OSError) and err.errno is not None:
+            return f"[Errno {err.errno}] {err.strerror or err}"
+    inner = chain[-1]
+    text = f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0][:300]}"
+    return text + (_storage_state(folder) if folder is not None else "")
+
+
+def _storage_state(folder: Path) -> str:
+    """``" (file system of <folder>: 12.0 MiB free; this process may write files of at most 2.0 MiB)"``."""
+    import resource
+
+    notes = []
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        notes.append(f"{shutil.disk_usage(probe).free / 2**20:.1f} MiB free")
+    except OSError:
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft != resource.RLIM_INFINITY:
+        notes.append(f"this process may write files of at most {soft / 2**20:.1f} MiB (ulimit -f)")
+    return f" (file system of {probe}: {'; '.join(notes)})" if notes else ""
 
 
 def export_hf(model: torch.nn.Module, folder: str | Path, tokenizer: Any = None, *,

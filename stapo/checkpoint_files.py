@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DCP_DIR", "MARKER", "FULL_HASH_LIMIT", "is_sharded", "verify_checkpoint", "resumable_checkpoints",
+__all__ = ["DCP_DIR", "MARKER", "FULL_HASH_LIMIT", "WEIGHT_GLOBS", "has_hf_weights", "is_sharded", "verify_checkpoint", "resumable_checkpoints",
            "complete_checkpoints", "latest_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -25,9 +25,16 @@ MARKER = "COMPLETE.json"
 #: their size: a truncated or zero-filled shard is caught without reading gigabytes at every save and resume).
 FULL_HASH_LIMIT = 64 * 2**20
 _HASH_EDGE = 2**20
+#: The weight files of an HF model folder (safetensors, sharded or not, or PyTorch pickles).
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 _SAFE_WEIGHTS = "model.safetensors"
 _SAFE_INDEX = "model.safetensors.index.json"
 
+
+
+def has_hf_weights(folder: str | Path) -> bool:
+    """Whether ``folder`` holds HF weight files (:data:`WEIGHT_GLOBS`); a ``config.json`` alone is not a model."""
+    return any(any(Path(folder).glob(pattern)) for pattern in WEIGHT_GLOBS)
 
 def _fsync_dir(path: Path) -> None:
     try:

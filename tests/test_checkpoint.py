@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -124,24 +125,49 @@ def test_incomplete_checkpoints_are_never_picked(tmp_path, tokenizer):
 
 
 def test_a_crash_during_a_save_keeps_the_finished_checkpoints(tmp_path, tokenizer, monkeypatch):
-    """An error in the HF export (after dcp/ was written): the checkpoints written before stay, the partial one is
-    left as step_*.tmp and never picked; the next save removes it; keep_last prunes the oldest."""
+    """A full disk in the HF export (after dcp/ was written): one CheckpointSaveError naming the folder, the OS
+    error and the intact latest checkpoint; the partial folder is removed (its space freed), the checkpoints
+    written before stay; the next save works and keep_last prunes the oldest."""
     model, opt = _model_and_optimizer(tokenizer)
     ck.save_checkpoint(tmp_path, 1, model, tokenizer, {}, optimizer=opt, keep_last=2)
     ck.save_checkpoint(tmp_path, 2, model, tokenizer, {}, optimizer=opt, keep_last=2)
 
     def disk_full(*args, **kwargs):
-        raise OSError("No space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ck, "export_hf", disk_full)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(ck.CheckpointSaveError) as err:
         ck.save_checkpoint(tmp_path, 3, model, tokenizer, {}, optimizer=opt, keep_last=2)
-    assert (tmp_path / "step_000003.tmp" / "dcp" / ".metadata").is_file()
+    assert str(err.value) == (f"saving checkpoint {tmp_path / 'step_000003'} failed: [Errno 28] No space left on "
+                              f"device; the partial folder was removed and the latest checkpoint "
+                              f"{tmp_path / 'step_000002'} is intact")
     assert ck.latest_checkpoint(tmp_path).name == "step_000002"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002", "step_000003.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002"]
     monkeypatch.undo()
     ck.save_checkpoint(tmp_path, 3, model, tokenizer, {}, optimizer=opt, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
+
+
+def test_a_save_failure_without_an_os_error_names_the_cause_and_the_storage(tmp_path, tokenizer, monkeypatch):
+    """torch's C++ writer drops the OS error (``RuntimeError: ... file write failed``), and DCP wraps it in a
+    ``CheckpointException`` (a BaseException): the message gives the innermost error's first line and the free
+    space of the checkpoint folder's file system."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model, opt = _model_and_optimizer(tokenizer)
+
+    def dcp_fails(*args, **kwargs):
+        inner = RuntimeError("[enforce fail at inline_container.cc:672] . file write failed\nmore")
+        raise CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (inner, None)})
+
+    monkeypatch.setattr(dist, "save_sharded_state", dcp_fails)
+    with pytest.raises(ck.CheckpointSaveError) as err:
+        ck.save_checkpoint(tmp_path, 1, model, tokenizer, {}, optimizer=opt)
+    message = str(err.value)
+    assert message.startswith(f"saving checkpoint {tmp_path / 'step_000001'} failed: RuntimeError: [enforce fail "
+                              f"at inline_container.cc:672] . file write failed (file system of {tmp_path}: ")
+    assert " MiB free" in message and message.endswith("no earlier checkpoint exists (the run restarts from step 0)")
+    assert "\n" not in message and list(tmp_path.iterdir()) == []
 
 
 def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, tokenizer):

@@ -18,16 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stapo.checkpoint_files import _STEP_DIR, complete_checkpoints
+from stapo.checkpoint_files import _STEP_DIR, complete_checkpoints, has_hf_weights
 from stapo.evaluation.errors import EvalError
 
 __all__ = ["EMBEDDED_NAMES", "ModelSource", "resolve_model_source"]
 
 #: Same names as :data:`stapo.models.EMBEDDED_ALIASES` (kept here to avoid importing torch; a test checks).
 EMBEDDED_NAMES = ("embedded:smollm2", "embedded", "smollm2", "embedded:smollm2-135m-instruct")
-
-_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
-
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -64,15 +61,11 @@ class ModelSource:
         return {"style": data.get("prompt_style"), "system_prompt": data.get("system_prompt")}
 
 
-def _has_weights(folder: Path) -> bool:
-    return any(any(folder.glob(pattern)) for pattern in _WEIGHT_GLOBS)
-
-
 def _folder_source(spec: str, folder: Path) -> ModelSource:
     folder = folder.resolve()
     if folder.name.endswith(".tmp") and _STEP_DIR.match(folder.name[:-4]):
         raise EvalError(f"{folder} is an incomplete checkpoint (a crashed save); use a step_XXXXXX folder")
-    if (folder / "config.json").is_file() and _has_weights(folder):
+    if (folder / "config.json").is_file() and has_hf_weights(folder):
         m = _STEP_DIR.match(folder.name)
         if (folder / "trainer_state.pt").is_file() or m:
             step = int(m.group(1)) if m else None

@@ -57,6 +57,7 @@ from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
 from stapo.evaluation.store import GenerationStore
+from stapo.preflight import check_chat_template, check_device
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 
 __all__ = [
@@ -466,20 +467,41 @@ def _check_manifest(run_dir: Path, new: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _close_quietly(obj: Any) -> None:
+    """``obj.close()``; an exception from it (or a missing ``close``) is logged as a warning, not raised."""
+    try:
+        obj.close()
+    except Exception as e:  # noqa: BLE001 - clean-up after the results are on disk (or after the real error)
+        log.warning("closing %s failed: %s: %s", type(obj).__name__, type(e).__name__, e)
+
+
+def _preflight(check: Callable[..., None], *args: Any) -> None:
+    """Run a :mod:`stapo.preflight` check; its ConfigError becomes this module's one-line EvalError."""
+    from stapo.config import ConfigError
+
+    try:
+        check(*args)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+
+
 @contextlib.contextmanager
-def _holding_lock(run_dir: Path) -> Iterator[None]:
+def _holding_lock(run_dir: Path, key: str) -> Iterator[None]:
     """Hold ``<run_dir>/run.lock`` (:mod:`stapo.runlock`; the folder is created, and removed again when the run
     stops before writing anything) for the block.
 
     Raises:
-        EvalError: another live process holds the run directory (one line naming it and the holder).
+        EvalError: another live process holds the run directory (one line naming it and the holder), or the
+            folder cannot be written (naming ``key``, the config key it comes from).
     """
     try:
         lock = RunLock(run_dir).acquire()
     except RunLockError as e:
         raise EvalError(str(e)) from None
     except OSError as e:
-        raise EvalError(f"cannot create the run directory's lock file {run_dir / LOCK_NAME}: {e}") from None
+        reason = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else str(e)
+        raise EvalError(f"invalid value for {key!r}: cannot write the run directory {run_dir} (its lock file "
+                        f"{LOCK_NAME}): {reason}; choose a writable folder") from None
     try:
         yield
     finally:
@@ -512,8 +534,8 @@ def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
         if source.kind == "tiny":
             model, _ = build_tiny_model(seed=0, dtype=cfg.model.dtype, tokenizer=tokenizer)
             return model
-        model, _ = load_policy(source.path, dtype=cfg.model.dtype,
-                               attn_implementation=cfg.model.attn_implementation, cache_dir=cfg.model.cache_dir)
+        model, _ = load_policy(source.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+                               cache_dir=cfg.model.cache_dir, tokenizer=tokenizer)
         return model
     except (OSError, ValueError) as e:
         raise EvalError(f"cannot load model {source.spec!r}: {str(e).splitlines()[0]}") from None
@@ -589,16 +611,18 @@ def run_evaluation(
             that cannot be loaded).
     """
     validate_eval_config(cfg)
+    _preflight(check_device, cfg.engine.device, "engine.device")  # before anything loads (stapo/preflight.py)
     source = resolve_model_source(cfg.model.path)
     problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit, cfg.data.custom_benchmarks)
     totals = {b: len(p) for b, p in problems.items()}
     prompt = resolve_prompt(cfg.prompt, source)
     run_dir = default_run_dir(cfg, source)
-    with _holding_lock(run_dir):  # one writer per output directory: the manifest check holds under concurrency
+    with _holding_lock(run_dir, "output.dir" if cfg.output.dir else "output.root"):  # one writer per output directory: the manifest check holds under concurrency
         manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt))
         label = cfg.model.label or source.label
 
         tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(source, cfg)
+        _preflight(check_chat_template, tokenizer, prompt.style, "prompt.style", source.spec)
         dropped = encode_problems(problems, tokenizer, prompt, cfg.data.max_prompt_tokens)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -635,11 +659,10 @@ def run_evaluation(
                 max_new_tokens=cfg.generation.max_new_tokens, out_dir=run_dir, seed=cfg.generation.seed,
                 samples_per_call=cfg.generation.samples_per_call, verifier=verifier,
                 verifier_apply_to=tuple(cfg.verifier.apply_to), progress=cfg.logging.progress_bar, on_block=on_block)
-        finally:
-            if owned_grader is not None:
-                owned_grader.close()
-            if engine is not None:
-                engine.close()
+        finally:  # a failing close() is a warning: it must not replace the error that got us here
+            for closable in (owned_grader, engine):
+                if closable is not None:
+                    _close_quietly(closable)
 
         import stapo
 

@@ -53,7 +53,8 @@ def _fmt(v: Any) -> str:
 
 
 def _runs_in(output_dir: Path) -> str:
-    runs = sorted(p.name for p in output_dir.iterdir() if (p / "checkpoints").is_dir()) if output_dir.is_dir() else []
+    runs = sorted(p.name for p in output_dir.iterdir() if resumable_checkpoints(p / "checkpoints")) \
+        if output_dir.is_dir() else []
     return ", ".join(runs) if runs else "none"
 
 
@@ -77,7 +78,7 @@ def plan_resume(root: Path, cfg: Any, *, required: bool, ctx: dist.DistContext |
 
     Raises:
         FileNotFoundError: ``required`` and no ``step_N`` folder: names the run folder and the runs of
-            ``trainer.output_dir`` (those with a ``checkpoints/`` folder).
+            ``trainer.output_dir`` (those with a ``step_N`` checkpoint folder).
         stapo.checkpoint.CheckpointError: folders exist but none is intact (each one's reason).
         stapo.config.ConfigError: keys that cannot change mid-run differ, as ``key: old → new`` in one line.
     """

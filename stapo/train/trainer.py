@@ -36,8 +36,9 @@ from tqdm.auto import tqdm
 from stapo import distributed as dist
 from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
-from stapo.config import TrainConfig, objective_from_config, to_dict
+from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
 from stapo.precision import PrecisionPolicy
+from stapo.preflight import check_chat_template, check_device, check_writable
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.token_stats import TokenStats
 from stapo.tracking import Tracker
@@ -178,7 +179,10 @@ class Trainer:
         FileNotFoundError: ``trainer.resume=required`` (train.py ``--resume``) and the run folder holds no checkpoint.
         stapo.checkpoint.CheckpointError: resuming, and no checkpoint of the run folder is intact.
         stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key); resuming
-            with a changed key that cannot change mid-run (:func:`stapo.train.state.plan_resume`).
+            with a changed key that cannot change mid-run (:func:`stapo.train.state.plan_resume`); before any model
+            loads (:mod:`stapo.preflight`): ``trainer.device`` not available, the run folder not writable,
+            ``model.path`` not a model (a folder without weights, an unreachable hub id), ``data.prompt_style=chat``
+            with a tokenizer that has no chat template.
         stapo.data.DataError: an unreadable training file, or no training prompts left (naming the file and key).
 
     :meth:`train` raises :class:`stapo.checkpoint.CheckpointError` for a damaged checkpoint,
@@ -194,6 +198,7 @@ class Trainer:
         self.objective = objective_from_config(cfg)  # the registered objective + the config's overrides (as verl)
         self.validation_hook = validation_hook
         tc = cfg.trainer
+        check_device(tc.device, "trainer.device")  # checks that need no model run first (stapo/preflight.py)
         # data parallelism (torchrun, WORLD_SIZE > 1); W = 1: nothing is initialised and nothing below changes
         self.dist = dist.init_distributed(tc.device, tc.data_parallel)
         dist.check_dp_config(cfg, self.dist)  # ConfigError naming the key (train.py: exit 2)
@@ -210,21 +215,27 @@ class Trainer:
         elif latest_checkpoint(self.ckpt_root) is not None:  # before loading anything
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
                                   f"(trainer.resume=auto) or choose another trainer.run_name")
+        check_writable(self.run_dir, "trainer.output_dir")
         self._seed_everything(tc.seed)
+
+        # --- tokenizer and training prompts: before the model, so a data problem costs seconds -------------
+        self.tokenizer = self._load_tokenizer()
+        check_chat_template(self.tokenizer, cfg.data.prompt_style, "data.prompt_style", cfg.model.path)
+        prompts, self.prompt_stats = load_prompts(cfg, self.tokenizer)  # data/num_prompts, ... (logged each step)
 
         # --- policy, reference, optimizer -------------------------------------------------------------
         # Precision policy (stapo/precision.py): parameters, gradients and AdamW state in param_dtype (fp32 master
         # weights), forward/backward in compute_dtype (autocast; FSDP2's MixedPrecisionPolicy).
         self.precision = PrecisionPolicy.from_config(cfg.model)
         self.compute_dtype = self.precision.compute_dtype
-        self.model, self.tokenizer = self._load_initial_model(self.precision.param_dtype)
+        self.model = self._load_initial_model(self.precision.param_dtype)
         if self.dist.strategy != "fsdp2":  # FSDP2: fully_shard moves each layer's shards to the device itself,
             self.model.to(self.device)     # so the whole fp32 model never sits on one GPU
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
         if self.objective.kl_coef > 0:  # the initial policy, frozen, loaded again in the compute dtype (no fp32 copy)
-            ref, _ = self._load_initial_model(self.compute_dtype)
+            ref = self._load_initial_model(self.compute_dtype)
             ref = ref.eval().requires_grad_(False)
             # FSDP2: sharded like the policy (its no-grad forwards are collectives too); else on the device
             self.ref_model = dist.wrap_policy(ref, self.dist) if self.dist.strategy == "fsdp2" else ref.to(self.device)
@@ -238,8 +249,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
 
-        # --- data, reward, rollout engine -------------------------------------------------------------
-        prompts, self.prompt_stats = load_prompts(cfg, self.tokenizer)  # data/num_prompts, ... (logged each step)
+        # --- data order, reward, rollout engine -------------------------------------------------------
         self.loader = PromptLoader(prompts, cfg.data.train_batch_size, tc.seed, cfg.data.shuffle)
         from stapo.rewards import make_reward_fn
 
@@ -276,15 +286,33 @@ class Trainer:
             enable_sleep_mode=rc.sleep_during_update)
         return engine_kwargs(rc.backend, options)
 
-    def _load_initial_model(self, dtype: torch.dtype):
-        """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU →
-        ``(model, tokenizer)``. Called for the policy (param dtype) and for the reference model (compute dtype)."""
+    def _load_tokenizer(self):
+        """The tokenizer of ``model.path`` (``"tiny"``: the embedded SmolLM2's), loaded before the model.
+
+        Raises:
+            stapo.config.ConfigError: ``model.path`` is not a model folder with weights, an embedded alias or a
+                reachable hub id, or its tokenizer cannot be loaded (one line naming the key).
+        """
+        from stapo.models import EMBEDDED_ALIASES, load_tokenizer
+
+        mc = self.cfg.model
+        try:
+            return load_tokenizer(EMBEDDED_ALIASES[0] if mc.path == "tiny" else mc.path, cache_dir=mc.cache_dir)
+        except (OSError, ValueError) as e:  # FileNotFoundError naming the path; the hub's OSError; a bad tokenizer
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"invalid value for 'model.path' ({mc.path}): {first}") from None
+
+    def _load_initial_model(self, dtype: torch.dtype) -> torch.nn.Module:
+        """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU,
+        with :attr:`tokenizer`. Called for the policy (param dtype) and for the reference model (compute dtype)."""
         from stapo.models import build_tiny_model, load_policy
 
         mc = self.cfg.model
         if mc.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model (the same for every call)
-            return build_tiny_model(seed=self.cfg.trainer.seed, dtype=dtype, cache_dir=mc.cache_dir)
-        return load_policy(mc.path, dtype=dtype, attn_implementation=mc.attn_implementation, cache_dir=mc.cache_dir)
+            return build_tiny_model(seed=self.cfg.trainer.seed, dtype=dtype, cache_dir=mc.cache_dir,
+                                    tokenizer=self.tokenizer)[0]
+        return load_policy(mc.path, dtype=dtype, attn_implementation=mc.attn_implementation, cache_dir=mc.cache_dir,
+                           tokenizer=self.tokenizer)[0]
 
     def _check_param_dtype(self) -> None:
         """Every trainable parameter holds at least ``model.param_dtype``'s precision (what the optimizer steps on).
@@ -293,8 +321,6 @@ class Trainer:
             stapo.config.ConfigError: a trainable parameter in a 16-bit dtype while ``model.param_dtype`` is
                 float32 (a model class that forces some weights into bf16), naming the parameter.
         """
-        from stapo.config import ConfigError
-
         want = self.precision.param_dtype
         for name, p in self.model.named_parameters():
             if p.requires_grad and p.dtype != want and torch.finfo(p.dtype).eps > torch.finfo(want).eps:

@@ -1,0 +1,220 @@
+"""Checks that run before a model loads (stapo/preflight.py) and storage failures while running.
+
+A user's mistake that needs no model to find (an output folder that cannot be written, ``trainer.device=cuda``
+without a GPU, a model folder without weights, ``prompt_style=chat`` with a tokenizer that has no chat template,
+no training prompt left) is one line naming the key, raised before the model loads — the tests make loading the
+model fail loudly to prove the order. A full disk during a checkpoint save (a real process whose file-size limit
+refuses the checkpoint's files) is one line, exit 1, and the previous checkpoint stays usable.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stapo import preflight
+from stapo.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- the checks themselves --------------------------------------------------------------------------------------
+def test_check_writable_creates_the_folder_and_leaves_no_probe(tmp_path):
+    out = preflight.check_writable(tmp_path / "a" / "b", "trainer.output_dir")
+    assert out == tmp_path / "a" / "b" and out.is_dir() and list(out.iterdir()) == []
+
+
+def test_check_writable_names_the_key_and_the_os_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError) as err:
+        preflight.check_writable(tmp_path / "afile" / "runs", "trainer.output_dir")
+    assert str(err.value) == (f"invalid value for 'trainer.output_dir': cannot write to {tmp_path}/afile/runs: "
+                              f"[Errno 20] Not a directory; choose a writable folder")
+
+
+def test_check_writable_in_a_process_that_may_not_write_files(tmp_path):
+    """A real process whose file-size limit is 0 (as a full disk or a quota: the folder can be made, no byte
+    written; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
+    code = ("import sys; from stapo.preflight import check_writable\n"
+            "try:\n    check_writable(sys.argv[1], 'trainer.output_dir')\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs")], capture_output=True, text=True,
+                         cwd=REPO, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    assert out.stdout.strip() == (f"ConfigError invalid value for 'trainer.output_dir': cannot write to "
+                                  f"{tmp_path}/runs: [Errno 27] File too large; choose a writable folder"), out.stderr
+    assert list((tmp_path / "runs").iterdir()) == []  # the empty probe was removed
+
+
+def test_check_device(monkeypatch):
+    import torch
+
+    preflight.check_device("cpu", "trainer.device")
+    preflight.check_device("auto", "trainer.device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError) as err:
+        preflight.check_device("cuda", "trainer.device")
+    assert str(err.value) == ("invalid value for 'trainer.device' (cuda): torch sees no GPU (CUDA_VISIBLE_DEVICES=''); "
+                              "use trainer.device=auto or trainer.device=cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    preflight.check_device("cuda:1", "engine.device")
+    with pytest.raises(ConfigError, match=r"^invalid value for 'engine.device' \(cuda:2\): 2 GPU\(s\) visible; "
+                                          r"use cuda:0..cuda:1, auto or cpu$"):
+        preflight.check_device("cuda:2", "engine.device")
+
+
+def test_check_chat_template():
+    class Tok:
+        chat_template = None
+
+    for style in ("plain", "auto", False):
+        preflight.check_chat_template(Tok(), style, "data.prompt_style", "m")
+    with pytest.raises(ConfigError) as err:
+        preflight.check_chat_template(Tok(), "chat", "data.prompt_style", "/models/base")
+    assert str(err.value) == ("invalid value for 'data.prompt_style' (chat): the tokenizer of /models/base has no "
+                              "chat template (a base model?); use data.prompt_style=plain")
+    Tok.chat_template = "{{ messages }}"
+    preflight.check_chat_template(Tok(), "chat", "data.prompt_style", "m")
+
+
+# --- the trainer runs them before loading a model ----------------------------------------------------------------
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Loading any model (the tiny one or a folder) fails the test: the error must come before it."""
+    import stapo.models
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(stapo.models, "build_tiny_model", fail)
+    monkeypatch.setattr(stapo.models, "load_policy", fail)
+
+
+def _embedded_copy(folder: Path, chat_template: bool = True, weights: bool = True) -> Path:
+    """An HF folder of links to the embedded model's files, optionally without its chat template or weights."""
+    from stapo.models import embedded_model_path
+
+    src = embedded_model_path()
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.name == "chat_template.jinja" and not chat_template:
+            continue
+        if f.suffix == ".safetensors" and not weights:
+            continue
+        if f.name == "tokenizer_config.json" and not chat_template:
+            cfg = json.loads(f.read_text())
+            cfg.pop("chat_template", None)
+            (folder / f.name).write_text(json.dumps(cfg))
+            continue
+        (folder / f.name).symlink_to(f)
+    return folder
+
+
+def _trainer(tmp_path, overrides):
+    from stapo.train import Trainer
+
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml",
+                      [f"trainer.output_dir={tmp_path / 'runs'}", "trainer.run_name=r", *overrides])
+    return Trainer(cfg)
+
+
+def test_trainer_device_without_a_gpu_fails_before_the_model(tmp_path, monkeypatch, no_model_loads):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^invalid value for 'trainer.device' \(cuda\): "):
+        _trainer(tmp_path, ["trainer.device=cuda"])
+
+
+def test_trainer_unwritable_output_fails_before_the_model(tmp_path, no_model_loads):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path / "afile", [])
+    assert str(err.value) == (f"invalid value for 'trainer.output_dir': cannot write to {tmp_path}/afile/runs/r: "
+                              f"[Errno 20] Not a directory; choose a writable folder")
+
+
+def test_trainer_model_folder_without_weights_fails_before_the_model(tmp_path, no_model_loads):
+    folder = _embedded_copy(tmp_path / "noweights", weights=False)
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path, [f"model.path={folder}"])
+    assert str(err.value) == (f"invalid value for 'model.path' ({folder}): model folder {folder} has config.json but "
+                              f"no weights (*.safetensors / pytorch_model*.bin); an incomplete download or copy?")
+
+
+def test_trainer_chat_style_without_a_chat_template_fails_before_the_model(tmp_path, no_model_loads):
+    folder = _embedded_copy(tmp_path / "base", chat_template=False)
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path, [f"model.path={folder}", "data.prompt_style=chat"])
+    assert str(err.value) == (f"invalid value for 'data.prompt_style' (chat): the tokenizer of {folder} has no chat "
+                              f"template (a base model?); use data.prompt_style=plain")
+
+
+def test_trainer_no_training_prompt_fails_before_the_model(tmp_path, no_model_loads):
+    from stapo.data import DataError
+
+    with pytest.raises(DataError, match=r"^no training prompts from data.train_set=synthetic: 16 rows read, 0 skipped, "
+                                        r"16 longer than data.max_prompt_length=2 tokens; raise data.max_prompt_length$"):
+        _trainer(tmp_path, ["data.max_prompt_length=2"])
+
+
+def test_evaluate_py_chat_style_without_a_chat_template_is_one_line(tmp_path):
+    folder = _embedded_copy(tmp_path / "base", chat_template=False)
+    out = subprocess.run([sys.executable, str(REPO / "evaluate.py"), "--config", str(REPO / "configs/eval/tiny_test.yaml"),
+                          "--model", str(folder), "--output", str(tmp_path / "eval"), "--limit", "1",
+                          "--data-root", str(REPO.parent / "shared" / "data"), "prompt.style=chat"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"evaluate.py: error: invalid value for 'prompt.style' (chat): the tokenizer of {folder} has no chat "
+        f"template (a base model?); use prompt.style=plain")
+
+
+# --- storage failures while running ------------------------------------------------------------------------------
+def test_a_metrics_write_on_a_full_device_names_the_file(tmp_path):
+    """/dev/full refuses every write with ENOSPC, as a full disk does."""
+    from stapo.tracking import Tracker
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    tracker = Tracker(tmp_path, {}, mode="disabled")
+    tracker.metrics_path = Path("/dev/full")
+    with pytest.raises(OSError) as err:
+        tracker.log(1, {"a": 1.0})
+    assert err.value.errno == 28
+    assert str(err.value) == "[Errno 28] cannot write /dev/full: No space left on device"
+
+
+def test_train_py_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """Step 1 is saved; the resumed process may write files of at most 2 MiB (``ulimit -f``), so the step-2
+    checkpoint (a 12 MiB weight file) fails mid-write: one line naming the folder and the OS error, exit 1, the
+    partial folder gone, step 1 intact; without the limit ``--resume`` redoes step 2, one metrics row per step."""
+    base = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
+            f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]
+    env = {**os.environ, "STAPO_DEBUG": "0"}
+    first = subprocess.run(base + ["trainer.total_steps=1"], capture_output=True, text=True, cwd=REPO, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    limit = 2 * 2**20
+    full = subprocess.run(base + ["trainer.total_steps=2", "--resume"], capture_output=True, text=True, cwd=REPO,
+                          env=env, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    ckpts = tmp_path / "r" / "checkpoints"
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert full.stderr.strip().splitlines()[-1] == (
+        f"train.py: CheckpointSaveError: saving checkpoint {ckpts / 'step_000002'} failed: [Errno 27] File too "
+        f"large; the partial folder was removed and the latest checkpoint {ckpts / 'step_000001'} is intact; free "
+        f"space (or fix the file system) and rerun (--resume continues from the latest checkpoint) (rerun with "
+        f"--debug or STAPO_DEBUG=1 for the traceback)")
+    assert "Traceback" not in full.stderr
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001"]
+    again = subprocess.run(base + ["trainer.total_steps=2", "--resume"], capture_output=True, text=True, cwd=REPO,
+                           env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and sorted(p.name for p in ckpts.iterdir()) == ["step_000001", "step_000002"]
