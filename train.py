@@ -3,9 +3,9 @@
     python train.py --config configs/cpu_smollm2_stapo.yaml [dotted.key=value ...] [--resume]
     torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/distributed.py)
 
-Ctrl-C: the first finishes the step in progress and checkpoints it (trainer.save_on_interrupt), a second stops at
-once keeping the checkpoints already written; either way one line says how to --resume (or, with no checkpoint yet,
-to rerun), and the exit code is 130.
+Ctrl-C or SIGTERM (a scheduler's preemption): the first finishes the step in progress and checkpoints it
+(trainer.save_on_interrupt), a second stops at once keeping the checkpoints already written; either way one line
+says how to --resume (or, with no checkpoint yet, to rerun), and the exit code is 130 (Ctrl-C) or 143 (SIGTERM).
 
 The config schema and its checks live in stapo/config.py; the training loop in stapo/train/ (trainer.py: the loop and the step).
 """
@@ -41,11 +41,14 @@ def _error(message: str) -> int:
 
 
 def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> int:
-    """Ctrl-C: one line (rank 0) saying where the run stopped and the command that resumes it; exit code 130."""
+    """Ctrl-C / SIGTERM: one line (rank 0) saying where the run stopped and the command that resumes it; exit code
+    128 + the signal (130, 143)."""
     import shlex
+    import signal
 
     from stapo.checkpoint import latest_checkpoint
 
+    signum = getattr(exc, "signum", signal.SIGINT)  # stapo.train.trainer.Interrupted carries it
     if os.environ.get("RANK", "0") == "0":
         if hasattr(exc, "checkpoint"):  # stapo.train.trainer.Interrupted
             step, ckpt = exc.step, exc.checkpoint
@@ -60,16 +63,17 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
         launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
         overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")]
         base = [*launcher, script, "--config", args.config, *overrides]
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
         if step is None:  # whether it was a resume is unknown here: the user's own command
             command = shlex.join(base + (["--resume"] if args.resume else []))
-            print(f"train.py: interrupted before training started; rerun: {command}", file=sys.stderr)
+            print(f"train.py: {how} before training started; rerun: {command}", file=sys.stderr)
         elif ckpt is None:  # nothing to resume from: the same command starts afresh
-            print(f"train.py: interrupted after step {step}; no checkpoint yet, rerun to start afresh: "
+            print(f"train.py: {how} after step {step}; no checkpoint yet, rerun to start afresh: "
                   f"{shlex.join(base)}", file=sys.stderr)
         else:
-            print(f"train.py: interrupted after step {step}; resume (continues from {ckpt}): "
+            print(f"train.py: {how} after step {step}; resume (continues from {ckpt}): "
                   f"{shlex.join(base + ['--resume'])}", file=sys.stderr)
-    return 130
+    return 128 + signum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run directory: {trainer.run_dir}")
         barrier(trainer.dist)  # every rank done before any tears the process group down (W = 1: no-op)
         return 0
-    except KeyboardInterrupt as e:  # Ctrl-C (stapo.train.trainer.Interrupted from train(), or before it)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM (stapo.train.trainer.Interrupted from train(), or before it)
         return _interrupted(args, trainer, e)
     except (SystemExit, GeneratorExit):
         raise

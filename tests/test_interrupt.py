@@ -1,6 +1,6 @@
-"""Ctrl-C (SIGINT) while training: the first lets the step in progress finish and checkpoints it
+"""Ctrl-C (SIGINT) or SIGTERM while training: the first lets the step in progress finish and checkpoints it
 (``trainer.save_on_interrupt``), a second abandons the step; ``train.py`` prints one line with the ``--resume``
-command, no traceback, and exits 130; the resumed run has exactly one metrics row per step.
+command, no traceback, and exits 130 (143 for SIGTERM); the resumed run has exactly one metrics row per step.
 
 In-process tests send the signal from inside a step (the toy reward), so they are deterministic; the ``train.py``
 test sends it to a real process group (as a terminal's Ctrl-C does) once the first metrics row is written.
@@ -32,15 +32,16 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def _sigint_in_reward(at_call: int, times: int):
-    """The toy reward, sending ``times`` SIGINTs to this process during its ``at_call``-th call (1-based)."""
+def _signal_in_reward(at_call: int, times: int = 1, signum: int = signal.SIGINT):
+    """The toy reward, sending ``times`` signals ``signum`` to this process during its ``at_call``-th call
+    (1-based)."""
     calls = {"n": 0}
 
     def reward(responses, golds):
         calls["n"] += 1
         if calls["n"] == at_call:
             for _ in range(times):
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
                 time.sleep(0.01)  # the handler runs between the two signals
         return toy_reward(responses, golds)
 
@@ -57,7 +58,7 @@ def _trainer(tmp_path, overrides, reward=None):
 @pytest.mark.parametrize("save_on_interrupt", [True, False])
 def test_first_ctrl_c_finishes_the_step_and_checkpoints_it(tmp_path, save_on_interrupt):
     trainer = _trainer(tmp_path, ["trainer.save_every=0", f"trainer.save_on_interrupt={save_on_interrupt}"],
-                       _sigint_in_reward(at_call=2, times=1))
+                       _signal_in_reward(at_call=2, times=1))
     with pytest.raises(Interrupted) as info:
         trainer.train()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
@@ -73,7 +74,7 @@ def test_first_ctrl_c_finishes_the_step_and_checkpoints_it(tmp_path, save_on_int
 
 
 def test_second_ctrl_c_abandons_the_step_and_keeps_the_checkpoints(tmp_path):
-    trainer = _trainer(tmp_path, ["trainer.save_every=1"], _sigint_in_reward(at_call=2, times=2))
+    trainer = _trainer(tmp_path, ["trainer.save_every=1"], _signal_in_reward(at_call=2, times=2))
     with pytest.raises(Interrupted) as info:
         trainer.train()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -91,7 +92,7 @@ def test_second_ctrl_c_abandons_the_step_and_keeps_the_checkpoints(tmp_path):
 
 def test_resume_after_an_unsaved_interrupt_drops_the_rows_after_the_checkpoint(tmp_path):
     trainer = _trainer(tmp_path, ["trainer.save_every=2", "trainer.save_on_interrupt=false"],
-                       _sigint_in_reward(at_call=3, times=1))
+                       _signal_in_reward(at_call=3, times=1))
     with pytest.raises(Interrupted) as info:
         trainer.train()
     run_dir = tmp_path / "toy"
@@ -101,9 +102,23 @@ def test_resume_after_an_unsaved_interrupt_drops_the_rows_after_the_checkpoint(t
     assert _steps(run_dir) == [1, 2, 3, 4]  # row 3 of the interrupted run was dropped and redone
 
 
-def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_path):
-    """A real Ctrl-C: SIGINT to train.py's process group after its first metrics row, then the printed command
-    (with a smaller trainer.total_steps appended, so the test stays short) finishes the run."""
+def test_sigterm_finishes_the_step_and_checkpoints_it(tmp_path):
+    """SIGTERM (a scheduler's preemption) is handled as the first Ctrl-C: the step finishes and is saved."""
+    trainer = _trainer(tmp_path, ["trainer.save_every=0"], _signal_in_reward(at_call=2, signum=signal.SIGTERM))
+    with pytest.raises(Interrupted) as info:
+        trainer.train()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    e = info.value
+    assert (e.step, e.abandoned, e.signum) == (2, False, signal.SIGTERM)
+    assert e.checkpoint is not None and e.checkpoint.name == "step_000002"
+    assert _steps(tmp_path / "toy") == [1, 2]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_path, signum):
+    """A real Ctrl-C: SIGINT to train.py's process group after its first metrics row (SIGTERM: to the process,
+    as ``kill`` or a scheduler sends it; exit code 143), then the printed command (with a smaller
+    trainer.total_steps appended, so the test stays short) finishes the run."""
     out_dir = tmp_path / "runs"
     run_dir = out_dir / "ctrlc"
     cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny_test.yaml"),
@@ -118,12 +133,15 @@ def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_
             assert proc.poll() is None, proc.communicate()[1]
             assert time.time() < deadline, "no metrics row within 600 s"
             time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 128 + signum, err
     assert "Traceback" not in err, err
     hints = [line for line in err.splitlines() if "--resume" in line and line.startswith("train.py:")]
     assert len(hints) == 1, err
@@ -132,7 +150,8 @@ def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_
     assert steps == list(range(1, k + 1))
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     assert ckpt is not None and ckpt.name == f"step_{k:06d}"  # save_on_interrupt (default true)
-    assert f"interrupted after step {k}" in hints[0] and str(ckpt) in hints[0]
+    how = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert f"train.py: {how} after step {k}; resume" in hints[0] and str(ckpt) in hints[0]
 
     command = shlex.split(hints[0].split("): ", 1)[1])
     assert command[0] == "python" and command[-1] == "--resume"

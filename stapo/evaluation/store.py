@@ -113,6 +113,9 @@ class GenerationStore:
 
         Returns:
             Number of records written.
+
+        Raises:
+            OSError: the write failed (full disk, quota, read-only): same errno, the message names the file.
         """
         lines = []
         for rec in records:
@@ -124,8 +127,11 @@ class GenerationStore:
         if not lines:
             return 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("".join(lines))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # full disk, quota: name the file (a torn last line is cut when the store reopens)
+            raise type(e)(e.errno, f"cannot write {self.path}: {e.strerror or e}") from None
         return len(lines)

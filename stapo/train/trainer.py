@@ -78,53 +78,60 @@ class StepProgress:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) stopped :meth:`Trainer.train` before ``trainer.total_steps`` (train.py prints how to resume
-    and exits 130).
+    """Ctrl-C (SIGINT) or SIGTERM (a cluster scheduler's preemption, ``kill``) stopped :meth:`Trainer.train`
+    before ``trainer.total_steps`` (train.py prints how to resume and exits 128 + the signal: 130 / 143).
 
     Attributes:
         step: the last finished step.
         checkpoint: the latest complete checkpoint (``--resume`` continues from it), or None.
-        abandoned: True when a second Ctrl-C abandoned the step in progress (nothing of it is saved).
+        abandoned: True when a second signal abandoned the step in progress (nothing of it is saved).
+        signum: the first signal received (``signal.SIGINT`` or ``signal.SIGTERM``).
     """
 
-    def __init__(self, step: int, checkpoint: Path | None, abandoned: bool) -> None:
+    def __init__(self, step: int, checkpoint: Path | None, abandoned: bool,
+                 signum: int = signal.SIGINT) -> None:
         super().__init__(f"interrupted after step {step}")
-        self.step, self.checkpoint, self.abandoned = step, checkpoint, abandoned
+        self.step, self.checkpoint, self.abandoned, self.signum = step, checkpoint, abandoned, int(signum)
 
 
 class _InterruptGuard:
-    """SIGINT handling while :meth:`Trainer.train` steps (main thread only, and only over Python's default
-    handler): the first signal sets :attr:`requested` and calls ``announce()`` (the step in progress finishes),
-    the second raises KeyboardInterrupt where the code is (the step is abandoned; finished checkpoints stay), a
-    third exits the process at once (``os._exit(130)``, e.g. a clean-up that hangs)."""
+    """SIGINT and SIGTERM handling while :meth:`Trainer.train` steps (main thread only, and only over Python's
+    default handlers): the first signal sets :attr:`requested` (and :attr:`signum`) and calls ``announce(signum)``
+    (the step in progress finishes), the second raises KeyboardInterrupt where the code is (the step is
+    abandoned; finished checkpoints stay), a third exits the process at once (``os._exit(128 + signum)``, e.g. a
+    clean-up that hangs)."""
 
-    def __init__(self, announce: Callable[[], None]) -> None:
+    _DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+    def __init__(self, announce: Callable[[int], None]) -> None:
         self.announce = announce
         self.requested = False
+        self.signum = int(signal.SIGINT)
         self._count = 0
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> "_InterruptGuard":
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for signum, default in self._DEFAULTS.items():
+                if signal.getsignal(signum) is default:  # a handler someone else installed is left alone
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         self._count += 1
         if self._count == 1:
-            self.requested = True
+            self.requested, self.signum = True, int(signum)
             with contextlib.suppress(Exception):
-                self.announce()
+                self.announce(signum)
             return
         if self._count == 2:
             raise KeyboardInterrupt
-        os._exit(130)
+        os._exit(128 + self.signum)
 
 
 @contextlib.contextmanager
@@ -339,9 +346,9 @@ class Trainer:
         (``<run_dir>/run.lock``, :mod:`stapo.runlock`). Returns each step's metrics.
 
         Raises:
-            Interrupted: (a KeyboardInterrupt) Ctrl-C stopped the run early: the first SIGINT lets the step in
-                progress finish and checkpoints it (``trainer.save_on_interrupt``, or a checkpoint is due), a
-                second abandons the step at once; the checkpoints already written are kept either way.
+            Interrupted: (a KeyboardInterrupt) Ctrl-C or SIGTERM stopped the run early: the first signal lets the
+                step in progress finish and checkpoints it (``trainer.save_on_interrupt``, or a checkpoint is due),
+                a second abandons the step at once; the checkpoints already written are kept either way.
             stapo.tracking.TrackerError: ``logging.wandb_mode=online`` cannot start and
                 ``logging.wandb_fallback=error``.
             stapo.runlock.RunLockError: another live process is writing the run directory.
@@ -366,9 +373,9 @@ class Trainer:
         history: list[dict[str, float]] = []
         bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
                    dynamic_ncols=True)
-        # Ctrl-C (docs/metrics.md#interrupting-and-resuming): the first lets the step in progress finish, then stops
-        # (checkpointing that step if trainer.save_on_interrupt or one is due); a second abandons the step now.
-        guard = _InterruptGuard(self._announce_interrupt if main else lambda: None).install()
+        # Ctrl-C or SIGTERM (docs/metrics.md#interrupting-and-resuming): the first lets the step in progress finish,
+        # then stops (checkpointing it if trainer.save_on_interrupt or one is due); a second abandons the step now.
+        guard = _InterruptGuard(self._announce_interrupt if main else lambda signum: None).install()
         stop = False
         try:
             while self.step < tc.total_steps:
@@ -393,8 +400,9 @@ class Trainer:
                     self.save()
                 if stop:
                     break
-        except KeyboardInterrupt:  # the second Ctrl-C: the step in progress is abandoned
-            raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=True) from None
+        except KeyboardInterrupt:  # the second Ctrl-C / SIGTERM: the step in progress is abandoned
+            raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=True,
+                              signum=guard.signum) from None
         finally:
             try:
                 bar.close()
@@ -407,14 +415,15 @@ class Trainer:
             finally:
                 guard.uninstall()  # until here a further Ctrl-C exits at once
         if stop and self.step < tc.total_steps:
-            raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=False)
+            raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=False, signum=guard.signum)
         return history
 
-    def _announce_interrupt(self) -> None:
-        """The first Ctrl-C's line on stderr (rank 0)."""
+    def _announce_interrupt(self, signum: int) -> None:
+        """The first Ctrl-C's (or SIGTERM's) line on stderr (rank 0)."""
         save = " and writing its checkpoint" if self.cfg.trainer.save_on_interrupt else ""
-        sys.stderr.write(f"\nCtrl-C: finishing step {self._stepping}{save}, then stopping; press Ctrl-C again to "
-                         f"stop now (the checkpoints already written are kept)\n")
+        what, again = ("Ctrl-C", "press Ctrl-C again") if signum == signal.SIGINT else ("SIGTERM", "a second signal")
+        sys.stderr.write(f"\n{what}: finishing step {self._stepping}{save}, then stopping; {again} stops now (the "
+                         f"checkpoints already written are kept)\n")
         sys.stderr.flush()
 
     def close(self) -> None:

@@ -1,0 +1,643 @@
+#!/usr/bin/env python
+"""Try bad inputs and faults against train.py / evaluate.py as a new user would, and tabulate what happens.
+
+Run from the repository root (CPU only, tiny random model; all cases take a few minutes on 2 cores)::
+
+    python scripts/check_reliability.py                                   # all cases, table on stdout
+    python scripts/check_reliability.py --only yaml --only resume         # cases whose kind contains a substring
+    python scripts/check_reliability.py --out results/reliability_table.md
+    python scripts/check_reliability.py --list                            # the case kinds, nothing run
+    python scripts/check_reliability.py --keep                            # keep each case's temporary folder
+
+Each case runs in its own temporary folder (``{tmp}`` in its command), optionally after a ``setup`` that creates
+bad files, with its own environment / resource limits, and optionally sends a signal (SIGTERM, SIGINT, SIGKILL)
+once a file appears (e.g. the first row of ``{tmp}/runs/r/metrics.jsonl``) and then runs a follow-up command
+(e.g. ``--resume``).  The contract checked is docs/runs.md "Errors": a usage error is ONE informative line on
+stderr, exit 2; a runtime failure one line, exit 1; Ctrl-C exit 130; never a Python traceback; never silent data
+loss; finished checkpoints / evaluation records survive a crash.
+
+Verdicts:
+
+* GOOD — the exit code is one of the expected ones, stderr has no ``Traceback``, the last stderr line is a single
+  informative line (not empty, ≤ 600 characters, not a bare exception repr) containing the expected substring
+  (case-insensitive), and the case's extra checks (checkpoint kept, one metrics row per step, ...) pass.
+* POOR — as GOOD, but the case declares ``known="POOR: <reason>"``: acceptable behaviour that could be better.
+* BAD — anything else, with the reason; a case that runs past its timeout (default 180 s) is BAD.
+
+The script exits 0 when no case is BAD, else 1.  It only reads the repository; everything it writes goes to
+temporary folders (and ``--out``).  It never touches the real model cache (``~/.cache/stapo``): the HOME cases point
+HOME at a fresh folder and copy nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+DATA_ROOT = (REPO.parent / "shared" / "data").resolve()
+TRAIN_CFG = str(REPO / "configs" / "tiny_test.yaml")
+EVAL_CFG = str(REPO / "configs" / "eval" / "tiny_test.yaml")
+
+#: Overrides that every training case starts from.
+TRAIN = ["train.py", "--config", TRAIN_CFG, "trainer.output_dir={tmp}/runs", "trainer.run_name=r",
+         "trainer.total_steps=2"]
+#: Options that every evaluation case starts from.
+def ev(*extra: str, output: str = "{tmp}/eval", limit: str = "1", data_root: str = str(DATA_ROOT)) -> list[str]:
+    """evaluate.py's argv with the tiny config; ``extra`` appended."""
+    return ["evaluate.py", "--config", EVAL_CFG, "--output", output, "--limit", limit, "--data-root", data_root,
+            "--wandb", "disabled", *extra]
+
+
+EVAL = ev()
+
+
+@dataclasses.dataclass
+class Result:
+    argv: list[str]
+    rc: Optional[int]  # None: timed out
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def last_line(self) -> str:
+        lines = [ln for ln in self.stderr.splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else ""
+
+
+@dataclasses.dataclass
+class Case:
+    """One bad input or fault.
+
+    ``args`` is the argv after the interpreter, with ``{tmp}`` placeholders.  ``expect_rc`` / ``expect`` apply to
+    the LAST command run (the follow-up when there is one); ``signal_rc`` (if given) to the signalled process.
+    ``check(tmp, results)`` returns None or the reason the data state is wrong.
+    """
+
+    kind: str
+    args: list[str]
+    expect_rc: tuple[int, ...] = (2,)
+    expect: str = ""
+    setup: Optional[Callable[[Path], None]] = None
+    env: Optional[dict[str, str]] = None
+    preexec: Optional[Callable[[], None]] = None
+    # signal: send `sig` once the file `signal_when` (glob relative to tmp) exists and is non-empty
+    sig: Optional[int] = None
+    signal_when: str = "runs/r/metrics.jsonl"
+    signal_rc: Optional[tuple[int, ...]] = None
+    signal_expect: str = ""  # substring of the signalled process's last stderr line
+    then: Optional[list[str]] = None  # follow-up command
+    check: Optional[Callable[[Path, list[Result]], Optional[str]]] = None
+    known: Optional[str] = None  # "POOR: <reason>"
+    timeout: float = 180.0
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+def fill(args: Sequence[str], tmp: Path) -> list[str]:
+    return [a.replace("{tmp}", str(tmp)) for a in args]
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def jsonl(rows: Sequence[dict | str]) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+GOOD_ROWS = [{"id": i, "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 7)]
+
+
+def metrics_steps(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.strip():
+            try:
+                steps.append(json.loads(line)["step"])
+            except Exception:  # noqa: BLE001
+                steps.append(-1)
+    return steps
+
+
+def checkpoints(tmp: Path, run: str = "runs/r") -> list[str]:
+    d = tmp / run / "checkpoints"
+    return sorted(p.name for p in d.glob("step_*") if (p / "COMPLETE.json").exists()) if d.exists() else []
+
+
+def need_checkpoint(*names: str, run: str = "runs/r"):
+    def check(tmp: Path, results: list[Result]) -> Optional[str]:
+        have = checkpoints(tmp, run)
+        missing = [n for n in names if n not in have]
+        return f"missing checkpoint(s) {missing} (have {have})" if missing else None
+    return check
+
+
+def steps_exactly(expected: Sequence[int], run: str = "runs/r"):
+    def check(tmp: Path, results: list[Result]) -> Optional[str]:
+        got = metrics_steps(tmp / run / "metrics.jsonl")
+        return None if got == list(expected) else f"metrics.jsonl steps {got}, expected {list(expected)}"
+    return check
+
+
+def all_checks(*fns):
+    def check(tmp: Path, results: list[Result]) -> Optional[str]:
+        for fn in fns:
+            why = fn(tmp, results)
+            if why:
+                return why
+        return None
+    return check
+
+
+# A reference training run, built once and copied into the cases that need a finished run folder.
+_REF: dict[str, Path] = {}
+
+
+def ref_run() -> Path:
+    if "train" not in _REF:
+        root = Path(tempfile.mkdtemp(prefix="rel_ref_"))
+        r = subprocess.run([PY, *fill(TRAIN, root)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"reference training run failed (rc {r.returncode}): {r.stderr[-500:]}")
+        _REF["train"] = root / "runs" / "r"
+    return _REF["train"]
+
+
+def copy_ref(tmp: Path) -> Path:
+    dst = tmp / "runs" / "r"
+    shutil.copytree(ref_run(), dst)
+    (dst / "run.lock").unlink(missing_ok=True)
+    return dst
+
+
+def gen_responses(folder: Path) -> dict:
+    out = {}
+    for f in sorted((folder / "generations").glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out[(row["problem_id"], row["setting"], row["sample"])] = (row["response"], row["correct"])
+    return out
+
+
+def results_metrics(folder: Path) -> Optional[dict]:
+    p = folder / "results.json"
+    return json.loads(p.read_text(encoding="utf-8")).get("metrics") if p.exists() else None
+
+
+def limit_memory(gib: float):
+    def pre():
+        n = int(gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (n, n))
+    return pre
+
+
+def limit_files(n: int):
+    def pre():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    return pre
+
+
+# --------------------------------------------------------------------------------------------- the cases
+
+def _cases() -> list[Case]:
+    C: list[Case] = []
+    add = C.append
+    T, E = TRAIN, EVAL
+    bad_cfg = "{tmp}/bad.yaml"
+
+    def cfg_from(text: str | bytes, name: str = "bad.yaml"):
+        return lambda tmp: write(tmp / name, text)
+
+    def train_file(rows_text: str | bytes, name: str = "set.jsonl", extra: Sequence[str] = ()):
+        args = [*T, "data.train_set=file", f"data.train_file.path={{tmp}}/{name}", *extra]
+        return args, (lambda tmp: write(tmp / name, rows_text))
+
+    # ---- config files and overrides
+    tiny_text = Path(TRAIN_CFG).read_text(encoding="utf-8")
+    add(Case("config: YAML syntax error", ["train.py", "--config", bad_cfg, "trainer.output_dir={tmp}/runs"],
+             expect="bad.yaml", setup=cfg_from(tiny_text.replace("  n: 4", "  n: [4")),
+             check=lambda tmp, r: "run folder created" if (tmp / "runs").exists() else None))
+    add(Case("config: path is a directory", ["train.py", "--config", "{tmp}/cfgdir"], expect="cfgdir",
+             setup=lambda tmp: (tmp / "cfgdir").mkdir()))
+    add(Case("config: file does not exist", ["train.py", "--config", "{tmp}/nope.yaml"], expect="nope.yaml"))
+    add(Case("config: binary / not UTF-8", ["train.py", "--config", bad_cfg], expect="bad.yaml",
+             setup=cfg_from(b"\xff\xfe\x00\x01model:\x80\x81\n" + bytes(range(128, 256)))))
+    add(Case("config: top level is a list", ["train.py", "--config", bad_cfg], expect="bad.yaml",
+             setup=cfg_from("- model\n- data\n")))
+    add(Case("config: section is a scalar (actor: 3)", ["train.py", "--config", bad_cfg], expect="actor",
+             setup=cfg_from(tiny_text.replace("actor:\n", "actor: 3\nunused_actor:\n", 1))))
+    add(Case("override without '='", [*T, "actor.lr"], expect="actor.lr"))
+    add(Case("override wrong type actor.lr=fast", [*T, "actor.lr=fast"], expect="actor.lr"))
+    add(Case("override list for int (rollout.n=[4])", [*T, "rollout.n=[4]"], expect="rollout.n"))
+    add(Case("trainer.total_steps=-1", [*T, "trainer.total_steps=-1"], expect="trainer.total_steps"))
+    add(Case("rollout.n=1 (no group to compare)", [*T, "rollout.n=1"], expect="rollout.n"))
+    add(Case("ppo_mini_batch_size > train_batch_size", [*T, "actor.ppo_mini_batch_size=8"],
+             expect="ppo_mini_batch_size"))
+    add(Case("train_batch_size > number of problems", [*T, "data.synthetic.num_problems=3", "data.train_batch_size=4"], expect_rc=(0, 2),
+             expect="train_batch_size"))
+    add(Case("rollout.temperature=0", [*T, "rollout.temperature=0"], expect="rollout.temperature"))
+    add(Case("rollout.response_length=0", [*T, "rollout.response_length=0"], expect="rollout.response_length"))
+    add(Case("actor.lr=0 (allowed: a no-op update)", [*T, "actor.lr=0"], expect_rc=(0,), expect="run directory",
+             check=need_checkpoint("step_000002")))
+
+    def no_silent_nan(tmp: Path, results: list[Result]) -> Optional[str]:
+        text = (tmp / "runs/r/metrics.jsonl").read_text() if (tmp / "runs/r/metrics.jsonl").exists() else ""
+        if results[-1].rc == 0 and re.search(r"\bNaN\b|\bInfinity\b", text) and "nan" not in results[-1].stderr.lower():
+            return "NaN/Inf in metrics.jsonl and exit 0 without a word on stderr"
+        return None
+    add(Case("actor.lr=1e3 (divergence)", [*T, "actor.lr=1e3", "trainer.total_steps=3"], expect_rc=(0, 1, 2),
+             expect="", check=no_silent_nan))
+    add(Case("trainer.keep_last=0", [*T, "trainer.keep_last=0"], expect="trainer.keep_last"))
+    add(Case("trainer.save_every > total_steps (final checkpoint?)", [*T, "trainer.save_every=5"], expect_rc=(0,),
+             expect="run directory", check=need_checkpoint("step_000002")))
+    add(Case("trainer.total_steps=0", [*T, "trainer.total_steps=0"], expect="trainer.total_steps"))
+    add(Case("trainer.device=gpu (not a device)", [*T, "trainer.device=gpu"], expect="trainer.device"))
+    add(Case("run_name containing '/'", [*T, "trainer.run_name=a/b"], expect="run_name"))
+    add(Case("run_name '..' (escapes output_dir)", [*T, "trainer.run_name=.."], expect="run_name",
+             check=lambda tmp, r: "wrote into the parent of output_dir" if (tmp / "metrics.jsonl").exists() else None))
+    add(Case("output_dir with spaces and unicode", [*T, "trainer.output_dir={tmp}/my runs/éxp ü"], expect_rc=(0,),
+             expect="run directory", check=need_checkpoint("step_000002", run="my runs/éxp ü/r")))
+
+    # ---- import_modules
+    add(Case("import_modules: missing file", [*T, "trainer.import_modules=[{tmp}/missing.py]"],
+             expect="missing.py"))
+    add(Case("import_modules: syntax error", [*T, "trainer.import_modules=[{tmp}/bad_syntax.py]"],
+             expect="bad_syntax.py", setup=lambda tmp: write(tmp / "bad_syntax.py", "def f(:\n    pass\n")))
+    add(Case("import_modules: module raises at import", [*T, "trainer.import_modules=[{tmp}/boom.py]"],
+             expect="boom.py", setup=lambda tmp: write(tmp / "boom.py", "raise RuntimeError('boom at import')\n")))
+
+    # ---- training data from the user's file
+    add(Case("train_file: path missing", [*T, "data.train_set=file", "data.train_file.path={tmp}/nope.jsonl"],
+             expect="nope.jsonl"))
+    add(Case("train_set=file without train_file.path", [*T, "data.train_set=file"], expect="data.train_file.path"))
+    a, s = train_file("problem,answer\n1+1,2\n2+2,4\n3+3,6\n", name="set.csv")
+    add(Case("train_file: a CSV", a, expect="set.csv", setup=s))
+    lines = [json.dumps(r) for r in GOOD_ROWS]
+    lines[2] = lines[2][:15]
+    a, s = train_file(jsonl(lines))
+    add(Case("train_file: JSONL broken middle line", a, expect="set.jsonl", setup=s))
+    a, s = train_file(jsonl([{"id": r["id"], "problem": r["problem"]} for r in GOOD_ROWS]))
+    add(Case("train_file: rows missing the answer key", a, expect="answer", setup=s))
+    a, s = train_file(jsonl([{**r, "problem": 12345} for r in GOOD_ROWS]))
+    add(Case("train_file: problem is a number", a, expect="problem", setup=s))
+    a, s = train_file(jsonl([{**r, "problem": "", "answer": ""} for r in GOOD_ROWS]))
+    add(Case("train_file: empty strings", a, expect="problem", setup=s))
+    a, s = train_file(jsonl([{**r, "id": 7} for r in GOOD_ROWS]), extra=["data.train_file.id_key=id"])
+    add(Case("train_file: duplicate ids", a, expect="duplicate", setup=s))
+    a, s = train_file(jsonl(GOOD_ROWS), extra=["data.train_file.answer_key=solution"])
+    add(Case("train_file: answer_key names no column", a, expect="solution", setup=s))
+    add(Case("train_set=dapo_math_17k, data.root missing",
+             [*T, "data.train_set=dapo_math_17k", "data.root={tmp}/no_data"], expect="no_data"))
+    add(Case("train_set=dapo (near miss of a name)", [*T, "data.train_set=dapo"], expect="dapo_math_17k"))
+
+    # ---- resume, signals
+    def del_state(tmp: Path):
+        d = copy_ref(tmp)
+        shutil.rmtree(d / "checkpoints" / "step_000001")
+        (d / "checkpoints" / "step_000002" / "trainer_state.pt").unlink()
+    add(Case("--resume: only checkpoint lacks trainer_state.pt", [*T, "trainer.total_steps=3", "--resume"],
+             expect="step_000002", setup=del_state,
+             check=lambda tmp, r: None if (tmp / "runs/r/checkpoints/step_000002/model.safetensors").exists()
+             else "the damaged checkpoint was deleted"))
+    add(Case("--resume with no run folder", [*T, "--resume"], expect="resume"))
+    add(Case("--resume a finished run (total_steps reached)", [*T, "--resume"], expect_rc=(0, 2), expect="",
+             setup=copy_ref, check=steps_exactly([1, 2])))
+    add(Case("SIGTERM during training (cluster scheduler)", [*T, "trainer.total_steps=3"], sig=signal.SIGTERM,
+             signal_rc=(1, 130, 143), signal_expect="resume", expect_rc=(1, 130, 143), expect="resume",
+             check=need_checkpoint("step_000001")))
+    add(Case("SIGKILL during training, then --resume", [*T, "trainer.total_steps=3"], sig=signal.SIGKILL,
+             signal_when="runs/r/checkpoints/step_000001/COMPLETE.json", signal_rc=(-9,),
+             then=[*T, "trainer.total_steps=3", "--resume"], expect_rc=(0,), expect="",
+             check=all_checks(steps_exactly([1, 2, 3]), need_checkpoint("step_000003"))))
+    add(Case("SIGTERM during training, then --resume", [*T, "trainer.total_steps=3"], sig=signal.SIGTERM,
+             then=[*T, "trainer.total_steps=3", "--resume"], expect_rc=(0,), expect="",
+             check=all_checks(steps_exactly([1, 2, 3]), need_checkpoint("step_000003"))))
+
+    # ---- evaluate.py
+    add(Case("eval: unknown benchmark", [*E, "--benchmarks", "aime23"], expect="aime23"))
+    add(Case("eval: --limit 0", ev(limit="0"), expect="limit"))
+    add(Case("eval: --limit -1", ev(limit="-1"), expect="limit"))
+    add(Case("eval: --limit abc", ev(limit="abc"), expect="limit"))
+    add(Case("eval: --max-new-tokens 0", [*E, "--max-new-tokens", "0"], expect="max_new_tokens"))
+    add(Case("eval: --settings unknown name", [*E, "--settings", "t0.5"], expect="t0.5"))
+    add(Case("eval: override wrong type", [*E, "generation.max_new_tokens=lots"], expect="max_new_tokens"))
+    add(Case("eval: --data-root missing", ev(data_root="{tmp}/no_data"), expect="no_data"))
+
+    def damage_bench(tmp: Path):
+        shutil.copytree(DATA_ROOT / "benchmarks", tmp / "data" / "benchmarks")
+        f = tmp / "data" / "benchmarks" / "math500" / "test.jsonl"
+        lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
+        lines[3] = lines[3][: len(lines[3]) // 2] + "\n"
+        f.write_text("".join(lines), encoding="utf-8")
+    add(Case("eval: benchmark file with a corrupt line", ev(data_root="{tmp}/data"), expect="test.jsonl",
+             setup=damage_bench))
+
+    def run_without_ckpt(tmp: Path):
+        d = copy_ref(tmp)
+        shutil.rmtree(d / "checkpoints")
+        (d / "checkpoints").mkdir()
+    add(Case("eval: --model a run folder with no checkpoint", [*E, "--model", "{tmp}/runs/r"], expect="runs/r",
+             setup=run_without_ckpt))
+    add(Case("eval: --model nonexistent path", [*E, "--model", "{tmp}/no_model"], expect="no_model"))
+    add(Case("eval: --model nonexistent relative path", [*E, "--model", "runs/definitely_not_here"],
+             expect="definitely_not_here"))
+
+    def truncate_weights(tmp: Path):
+        d = copy_ref(tmp)
+        w = d / "checkpoints" / "step_000002" / "model.safetensors"
+        data = w.read_bytes()
+        w.write_bytes(data[: len(data) // 3])
+    add(Case("eval: --model checkpoint with truncated safetensors",
+             [*E, "--model", "{tmp}/runs/r/checkpoints/step_000002"], expect_rc=(1, 2), expect="model.safetensors",
+             setup=truncate_weights))
+    add(Case("eval: --output is a file", ev(output="{tmp}/out.txt"), expect="out.txt",
+             setup=lambda tmp: write(tmp / "out.txt", "hello\n"),
+             check=lambda tmp, r: None if (tmp / "out.txt").read_text() == "hello\n" else "the file was overwritten"))
+
+    def identical_to_fresh(tmp: Path, results: list[Result]) -> Optional[str]:
+        fresh = subprocess.run([PY, *fill(ev(output="{tmp}/fresh", limit="2"), tmp)],
+                               cwd=REPO, capture_output=True, text=True, timeout=300)
+        if fresh.returncode != 0:
+            return f"fresh reference eval failed rc {fresh.returncode}"
+        a, b = gen_responses(tmp / "eval"), gen_responses(tmp / "fresh")
+        if a != b:
+            return f"generations differ from an uninterrupted run ({len(a)} vs {len(b)} samples)"
+        if results_metrics(tmp / "eval") != results_metrics(tmp / "fresh"):
+            return "results.json metrics differ from an uninterrupted run"
+        return None
+    eval2 = ev(limit="2")
+    add(Case("eval: SIGKILL mid-run, rerun resumes (identical)", eval2, sig=signal.SIGKILL,
+             signal_when="eval/generations/*.jsonl", signal_rc=(-9,), then=eval2, expect_rc=(0,),
+             expect="run directory", check=identical_to_fresh))
+    add(Case("eval: Ctrl-C (SIGINT) mid-run", eval2, sig=signal.SIGINT, signal_when="eval/generations/*.jsonl",
+             expect_rc=(130,), expect="evaluate.py",
+             check=lambda tmp, r: None if list((tmp / "eval/generations").glob("*.jsonl"))
+             else "finished generations lost"))
+
+    # ---- environment
+    def home_under_file(tmp: Path):
+        write(tmp / "afile", "x")
+    add(Case("env: HOME unwritable (cache must be created under a file)", T,
+             env={"HOME": "{tmp}/afile/home", "XDG_CACHE_HOME": "", "HF_HOME": ""}, expect_rc=(1, 2),
+             expect="cache", setup=home_under_file, timeout=240))
+    add(Case("env: HOME nonexistent (cache converted there)", T,
+             env={"HOME": "{tmp}/newhome", "XDG_CACHE_HOME": "", "HF_HOME": ""}, expect_rc=(0,),
+             expect="run directory", check=need_checkpoint("step_000002"), timeout=300))
+    add(Case("env: STAPO_CACHE_DIR is a file", T, env={"STAPO_CACHE_DIR": "{tmp}/afile"}, expect_rc=(1, 2),
+             expect="afile", setup=home_under_file, timeout=240))
+    add(Case("env: WANDB_MODE=garbage (config disabled)", T, env={"WANDB_MODE": "garbage"}, expect_rc=(0,),
+             expect="run directory"))
+    add(Case("env: WANDB_MODE=garbage with wandb_mode=offline", [*T, "logging.wandb_mode=offline"],
+             env={"WANDB_MODE": "garbage", "WANDB_DIR": "{tmp}/wandb"}, expect_rc=(0, 2), expect="wandb",
+             setup=lambda tmp: (tmp / "wandb").mkdir()))
+    add(Case("env: wandb offline, WANDB_DIR unwritable", [*T, "logging.wandb_mode=offline"],
+             env={"WANDB_DIR": "{tmp}/afile/wandb"}, expect_rc=(0, 1, 2), expect="wandb", setup=home_under_file))
+    add(Case("env: open-file limit 64 (RLIMIT_NOFILE)", T, preexec=limit_files(64), expect_rc=(0, 1),
+             expect="run directory"))
+    add(Case("env: address space 3 GiB (RLIMIT_AS)", T, preexec=limit_memory(3), expect_rc=(0, 1),
+             expect=""))
+    return C
+
+
+# --------------------------------------------------------------------------------------------- running
+
+_RUNNING: list[subprocess.Popen] = []  # the child in progress, stopped if this script is interrupted
+
+
+def _spawn(argv: list[str], tmp: Path, case: Case):
+    env = dict(os.environ)
+    env.pop("STAPO_DEBUG", None)
+    for k, v in (case.env or {}).items():
+        v = v.replace("{tmp}", str(tmp))
+        if v == "":
+            env.pop(k, None)
+        else:
+            env[k] = v
+    out_f = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+    err_f = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+    proc = subprocess.Popen([PY, *argv], cwd=REPO, env=env, stdout=out_f, stderr=err_f, preexec_fn=case.preexec,
+                            start_new_session=True)
+    _RUNNING[:] = [proc]
+    return proc, out_f, err_f, time.time()
+
+
+def _finish(proc, out_f, err_f, t0, argv, timeout: float) -> Result:
+    try:
+        rc: Optional[int] = proc.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        rc = None
+    out_f.seek(0)
+    err_f.seek(0)
+    res = Result(argv, rc, out_f.read(), err_f.read(), time.time() - t0)
+    out_f.close()
+    err_f.close()
+    return res
+
+
+def run_case(case: Case, tmp: Path) -> tuple[list[Result], Optional[str]]:
+    """Run one case; returns its results and a harness problem (None when the case ran as designed)."""
+    deadline = time.time() + case.timeout
+    if case.setup:
+        case.setup(tmp)
+    results: list[Result] = []
+    argv = fill(case.args, tmp)
+    proc, out_f, err_f, t0 = _spawn(argv, tmp, case)
+    if case.sig is not None:
+        sent = False
+        while proc.poll() is None and time.time() < deadline:
+            hits = [p for p in tmp.glob(case.signal_when) if p.is_file() and p.stat().st_size > 0]
+            if hits:
+                time.sleep(0.05)
+                proc.send_signal(case.sig)
+                sent = True
+                break
+            time.sleep(0.05)
+        res = _finish(proc, out_f, err_f, t0, argv, deadline - time.time())
+        results.append(res)
+        if not sent:
+            return results, f"no signal sent: {case.signal_when} never appeared (rc {res.rc})"
+        if case.then is None:
+            return results, None
+        argv = fill(case.then, tmp)
+        proc, out_f, err_f, t0 = _spawn(argv, tmp, case)
+    results.append(_finish(proc, out_f, err_f, t0, argv, deadline - time.time()))
+    return results, None
+
+
+#: Progress lines that may precede the one error line.
+INFO_LINE = re.compile(r"^(run directory:|resuming |wandb: )", re.I)
+
+
+def informative(line: str) -> Optional[str]:
+    if not line:
+        return "stderr is empty"
+    if len(line) > 600:
+        return f"last stderr line is {len(line)} characters"
+    if re.fullmatch(r"[A-Za-z_.]*(Error|Exception)(: .{0,20})?", line):
+        return "last stderr line is a bare exception"
+    return None
+
+
+def judge(case: Case, results: list[Result], harness: Optional[str], check_err: Optional[str]) -> tuple[str, str]:
+    if harness:
+        return "BAD", harness
+    reasons = []
+    if any(r.rc is None for r in results):
+        reasons.append(f"timed out after {case.timeout:.0f} s")
+    if case.sig is not None and case.signal_rc is not None and results[0].rc not in case.signal_rc:
+        reasons.append(f"signalled process exit {results[0].rc}, expected {'/'.join(map(str, case.signal_rc))}")
+    if case.sig is not None and case.signal_expect and case.signal_expect.lower() not in results[0].last_line.lower():
+        reasons.append(f"signalled process's last line lacks {case.signal_expect!r}")
+    last = results[-1]
+    if last.rc is not None and last.rc not in case.expect_rc:
+        reasons.append(f"exit {last.rc}, expected {'/'.join(map(str, case.expect_rc))}")
+    for r in results:
+        if "Traceback" in r.stderr:
+            reasons.append("Python traceback on stderr")
+            break
+    if last.rc not in (0, None):
+        why = informative(last.last_line)
+        if why:
+            reasons.append(why)
+        extra = [ln for ln in last.stderr.splitlines() if ln.strip() and not INFO_LINE.match(ln)]
+        if len(extra) > 1:
+            reasons.append(f"{len(extra)} lines on stderr, one expected (first: {extra[0].strip()[:80]!r})")
+    if case.expect and case.expect.lower() not in last.last_line.lower():
+        reasons.append(f"last line lacks {case.expect!r}")
+    if check_err:
+        reasons.append(check_err)
+    if reasons:
+        return "BAD", "; ".join(reasons)
+    if case.known:
+        return "POOR", case.known.removeprefix("POOR:").strip()
+    return "GOOD", ""
+
+
+def md(s: str, n: int = 200) -> str:
+    s = " ".join(s.split())
+    if len(s) > n:
+        s = s[: n - 1] + "…"
+    return s.replace("|", "\\|").replace("`", "'")
+
+
+def pretty_cmd(argv: list[str], tmp: Path) -> str:
+    s = " ".join(shlex.quote(a) for a in argv)
+    return s.replace(str(tmp), "$TMP").replace(TRAIN_CFG, "configs/tiny_test.yaml") \
+        .replace(EVAL_CFG, "configs/eval/tiny_test.yaml").replace(str(DATA_ROOT), "../shared/data")
+
+
+def header() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        commit += " (+ uncommitted changes)" if dirty else ""
+    except OSError:
+        commit = "unknown"
+    return (f"# Reliability check (scripts/check_reliability.py)\n\n"
+            f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, Python "
+            f"{platform.python_version()}, uid {os.getuid()}\n"
+            f"- git commit: {commit}\n- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
+            f"- `$TMP` is each case's own temporary folder; commands run from the repository root.\n"
+            f"- verdict: GOOD (the docs/runs.md contract holds), POOR (holds, but known to be weak), BAD (why).\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", default=[], help="run the cases whose kind contains SUBSTR "
+                    "(case-insensitive; repeatable)")
+    ap.add_argument("--out", help="write the Markdown table here (default: stdout)")
+    ap.add_argument("--list", action="store_true", help="list the case kinds and exit")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folders (their paths go to stderr)")
+    args = ap.parse_args(argv)
+    cases = [c for c in _cases() if not args.only or any(s.lower() in c.kind.lower() for s in args.only)]
+    if args.list:
+        for c in cases:
+            print(c.kind)
+        return 0
+    if not cases:
+        print(f"check_reliability.py: no case matches --only {args.only}", file=sys.stderr)
+        return 2
+    rows, counts = [], {"GOOD": 0, "POOR": 0, "BAD": 0}
+    t_all = time.time()
+    try:
+        for i, case in enumerate(cases, 1):
+            tmp = Path(tempfile.mkdtemp(prefix=f"rel_{i:02d}_"))
+            print(f"[{i}/{len(cases)}] {case.kind} ...", end="", file=sys.stderr, flush=True)
+            check_err = None
+            try:
+                results, harness = run_case(case, tmp)
+                if not harness and case.check:
+                    check_err = case.check(tmp, results)
+            except Exception as exc:  # noqa: BLE001 - the harness itself failed; report, go on
+                results, harness = [], f"harness error: {type(exc).__name__}: {exc}"
+            verdict, why = judge(case, results, harness, check_err)
+            counts[verdict] += 1
+            cmd = " ; then ".join(pretty_cmd(r.argv, tmp) for r in results) or pretty_cmd(fill(case.args, tmp), tmp)
+            if case.sig is not None and results:
+                cmd = cmd.replace(" ; then ", f" ; {signal.Signals(case.sig).name} ; then ", 1) \
+                    if case.then else cmd + f" ; {signal.Signals(case.sig).name}"
+            res = " / ".join(f"exit {r.rc if r.rc is not None else 'TIMEOUT'}: {md(r.last_line, 200) or '(no stderr)'}"
+                             for r in results)
+            rows.append(f"| {md(case.kind, 80)} | `{md(cmd, 400)}` | {md(res, 420)} | "
+                        f"**{verdict}**{(': ' + md(why, 300)) if why else ''} |")
+            secs = sum(r.seconds for r in results)
+            print(f" {verdict} ({secs:.0f} s){': ' + why if why else ''}", file=sys.stderr, flush=True)
+            if args.keep:
+                print(f"    kept {tmp}", file=sys.stderr)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except KeyboardInterrupt:
+        for proc in _RUNNING:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        print("\ncheck_reliability.py: interrupted; the table has the cases finished so far", file=sys.stderr)
+    finally:
+        if "train" in _REF and not args.keep:
+            shutil.rmtree(_REF["train"].parent.parent, ignore_errors=True)
+    table = (header() + f"- {len(rows)} cases in {time.time() - t_all:.0f} s: {counts['GOOD']} GOOD, "
+             f"{counts['POOR']} POOR, {counts['BAD']} BAD\n\n"
+             "| kind | command | result (exit code: last stderr line) | verdict |\n|---|---|---|---|\n"
+             + "\n".join(rows) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table, encoding="utf-8")
+        print(f"table written to {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(table)
+    return 1 if counts["BAD"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
