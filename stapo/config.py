@@ -280,17 +280,29 @@ def _closest_key_error(schema: DictConfig, full_key: str, source: str) -> Config
                        f"{', '.join(valid)})")
 
 
+def _yaml_error(e: Exception) -> str:
+    """PyYAML's multi-line message in one line: ``line 2, column 6: did not find expected ',' or ']' (while
+    parsing a flow sequence)``."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is not None and problem:
+        context = getattr(e, "context", None)
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictConfig]]:
     """The YAML file and its ``defaults`` parents, parents first, each with its source name."""
     path = path.resolve()
+    if path.is_dir():
+        raise ConfigError(f"config path {path} is a folder; give a YAML file (e.g. configs/cpu_smollm2_stapo.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     if path in seen:
         raise ConfigError(f"config file {path} includes itself through 'defaults'")
     try:
         raw = OmegaConf.load(path)
-    except Exception as e:  # YAML syntax errors
-        raise ConfigError(f"cannot parse config file {path}: {e}") from None
+    except Exception as e:  # YAML syntax errors, a file that is not text
+        raise ConfigError(f"cannot parse config file {path}: {_yaml_error(e)}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     parents = raw.pop("defaults", None) or []
@@ -402,7 +414,8 @@ def _importable_elsewhere(name: str, path: Path) -> str | None:
 
 def _list_value_error(schema: DictConfig, layer: DictConfig, source: str, prefix: str = "") -> ConfigError | None:
     """The error for the first key of ``layer`` whose schema field is a list but whose value is not (a string or a
-    mapping where a list belongs: OmegaConf's own message is about its node types), else None."""
+    mapping where a list belongs: OmegaConf's own message is about its node types), or whose schema field is a
+    section but whose value is a scalar or a list (``actor: 3``), else None."""
     for key in layer:
         full = f"{prefix}{key}"
         try:
@@ -418,6 +431,12 @@ def _list_value_error(schema: DictConfig, layer: DictConfig, source: str, prefix
                        f", e.g. {full}=[{value}]" if override else f", e.g. {key}: [{value}]")
             return ConfigError(f"{'' if override else source + ': '}invalid value for '{full}' ({value!r}): must be "
                                f"a list{example}")
+        if (isinstance(target, DictConfig) and given is not None and not isinstance(given, DictConfig)
+                and not given._is_none()):  # a scalar or a list where a section of keys belongs
+            value = OmegaConf.to_container(given) if isinstance(given, ListConfig) else given._value()
+            where = "" if source == "command-line override" else source + ": "
+            return ConfigError(f"{where}invalid value for '{full}' ({value!r}): must be a section of keys "
+                               f"(such as '{full}.{next(iter(target.keys()), 'key')}')")
         if isinstance(target, DictConfig) and isinstance(given, DictConfig):
             found = _list_value_error(target, given, source, f"{full}.")
             if found is not None:
@@ -508,6 +527,10 @@ def validate(cfg: TrainConfig) -> None:
          "must be < 1")
     need(cfg.algorithm.clip_ratio_c is None or cfg.algorithm.clip_ratio_c > 1, "algorithm.clip_ratio_c",
          "the dual-clip constant must be > 1")
+    name = cfg.trainer.run_name
+    need(name is None or (bool(name.strip()) and name not in (".", "..") and "/" not in name and "\\" not in name
+                          and "\0" not in name), "trainer.run_name",
+         "must be one folder name (no '/', not '.' or '..'): the run folder is trainer.output_dir/<run_name>")
     need(cfg.trainer.total_steps >= 1, "trainer.total_steps", "must be ≥ 1")
     need(cfg.trainer.save_every >= 0, "trainer.save_every", "must be ≥ 0 (0: only at the end)")
     need(cfg.trainer.keep_last >= 1, "trainer.keep_last", "must be ≥ 1")

@@ -46,11 +46,34 @@ def test_overrides_apply_last():
     ("rollout.n=1", "invalid value for 'rollout.n' (1): the group size G must be ≥ 2"),
     ("algorithm.s2t.entropy_quantile=1.0", "invalid value for 'algorithm.s2t.entropy_quantile'"),
     ("actor.ppo_mini_batch_size=2", "'actor.ppo_mini_batch_size' (2): must divide data.train_batch_size (3)"),
+    ("trainer.run_name=..", "invalid value for 'trainer.run_name' ('..'): must be one folder name (no '/', not '.' "
+                            "or '..'): the run folder is trainer.output_dir/<run_name>"),
+    ("trainer.run_name=a/b", "invalid value for 'trainer.run_name' ('a/b'): must be one folder name"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(REPO_ROOT / "configs/cpu_smollm2_stapo.yaml", [override])
     assert message in str(e.value)
+
+
+def test_unreadable_config_files_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor: [1, 2\nmodel:\n  path: x\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value) == (f"cannot parse config file {bad}: line 2, column 6: did not find expected ',' or ']' "
+                            f"(while parsing a flow sequence)")
+    bad.write_text("actor: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value) == f"{bad}: invalid value for 'actor' (3): must be a section of keys (such as 'actor.lr')"
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO_ROOT / "configs/tiny_test.yaml", ["rollout=[1]"])
+    assert str(e.value) == "invalid value for 'rollout' ([1]): must be a section of keys (such as 'rollout.backend')"
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    assert str(e.value) == (f"config path {tmp_path} is a folder; give a YAML file (e.g. "
+                            f"configs/cpu_smollm2_stapo.yaml)")
 
 
 def test_bad_yaml_file_names_the_file(tmp_path):

@@ -48,6 +48,11 @@ def _signal_in_reward(at_call: int, times: int = 1, signum: int = signal.SIGINT)
     return reward
 
 
+def _default_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _trainer(tmp_path, overrides, reward=None):
     trainer = make_trainer(str(tmp_path), ["trainer.total_steps=5", *overrides])
     if reward is not None:
@@ -125,8 +130,10 @@ def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_
            f"trainer.output_dir={out_dir}", "trainer.run_name=ctrlc", "trainer.total_steps=1000",
            "trainer.save_every=0"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the child's SIGINT / SIGTERM at their defaults: pytest started in the background of a non-interactive shell
+    # (`pytest &`, nohup) inherits SIGINT ignored, and Python then leaves Ctrl-C ignored in the child too
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_signals)
     try:
         deadline = time.time() + 600
         while not _steps(run_dir):
