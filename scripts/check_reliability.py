@@ -48,9 +48,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
+SCRIPT_REPO = Path(__file__).resolve().parent.parent
+REPO = SCRIPT_REPO  # the tree whose train.py / evaluate.py run (--repo: e.g. a snapshot of a tree being edited)
 PY = sys.executable
-DATA_ROOT = (REPO.parent / "shared" / "data").resolve()
+DATA_ROOT = (SCRIPT_REPO.parent / "shared" / "data").resolve()
 TRAIN_CFG = str(REPO / "configs" / "tiny_test.yaml")
 EVAL_CFG = str(REPO / "configs" / "eval" / "tiny_test.yaml")
 
@@ -582,11 +583,13 @@ def pretty_cmd(argv: list[str], tmp: Path) -> str:
 
 def header() -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=SCRIPT_REPO, capture_output=True,
                                 text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=SCRIPT_REPO,
                                capture_output=True, text=True).stdout.strip()
         commit += " (+ uncommitted changes)" if dirty else ""
+        if REPO != SCRIPT_REPO:
+            commit += f"; cases run in a copy of that working tree: {REPO}"
     except OSError:
         commit = "unknown"
     return (f"# Reliability check (scripts/check_reliability.py)\n\n"
@@ -597,6 +600,18 @@ def header() -> str:
             f"- verdict: GOOD (the docs/runs.md contract holds), POOR (holds, but known to be weak), BAD (why).\n")
 
 
+def use_repo(repo: Path, data_root: Optional[Path]) -> None:
+    """Point the cases at another tree (its train.py, evaluate.py, configs/, and its stapo/ first on sys.path)."""
+    global REPO, TRAIN_CFG, EVAL_CFG, TRAIN, EVAL, DATA_ROOT
+    REPO = repo.resolve()
+    if data_root is not None:
+        DATA_ROOT = data_root.resolve()
+    TRAIN_CFG = str(REPO / "configs" / "tiny_test.yaml")
+    EVAL_CFG = str(REPO / "configs" / "eval" / "tiny_test.yaml")
+    TRAIN = ["train.py", "--config", TRAIN_CFG, *TRAIN[3:]]
+    EVAL = ev()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", default=[], help="run the cases whose kind contains SUBSTR "
@@ -604,7 +619,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", help="write the Markdown table here (default: stdout)")
     ap.add_argument("--list", action="store_true", help="list the case kinds and exit")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folders (their paths go to stderr)")
+    ap.add_argument("--repo", type=Path, help="run train.py / evaluate.py of this tree instead (e.g. a copy of a "
+                    "working tree that someone is editing: cp the tracked files; the venv's editable stapo is "
+                    "shadowed by the copy's stapo/ because the scripts run from its root)")
+    ap.add_argument("--data-root", type=Path, help=f"benchmarks / train data (default {DATA_ROOT})")
     args = ap.parse_args(argv)
+    if args.repo or args.data_root:
+        use_repo(args.repo or REPO, args.data_root)
     cases = [c for c in _cases() if not args.only or any(s.lower() in c.kind.lower() for s in args.only)]
     if args.list:
         for c in cases:

@@ -35,6 +35,7 @@ Gold-answer normalisation per source (:func:`normalize_gold`; see
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -536,12 +537,30 @@ def _load(
         seen_ids.add(record.id)
         records.append(record)
     stats.rows_loaded = len(records)
-    if stats.skipped:
+    if stats.skipped and records:  # none left: the caller's error gives the same counts (stapo/train/prompts.py)
         logger.warning(
             "%s: skipped %d of %d rows (%s)", path, stats.skipped, stats.rows_read,
             "; ".join(f"{k}: {v}" for k, v in stats.skipped_by_reason.items()),
         )
     return LoadedSet(records=records, stats=stats)
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[Any]:
+    """``datasets`` with its progress bars and its log lines off (a bad file is reported by us, in one line;
+    "Generating train split" bars for a small local file are noise), restored afterwards → the module."""
+    import datasets
+    from datasets.utils import logging as ds_logging
+
+    bars, level = datasets.is_progress_bar_enabled(), ds_logging.get_verbosity()
+    datasets.disable_progress_bars()
+    ds_logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield datasets
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -707,10 +726,9 @@ def load_file_set(name: str, spec: FileSetConfig, *, key: str = "data.train_file
     fmt = _FILE_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(f"{path}: unknown format {path.suffix!r} for {key}.path; use {', '.join(_FILE_FORMATS)}")
-    import datasets
-
     try:
-        table = datasets.load_dataset(fmt, data_files=str(path), split="train")
+        with _quiet_datasets() as datasets:
+            table = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for a bad file
         # datasets names neither the row nor an empty file: find the cause with the stdlib / pyarrow (only now,
         # so that a good file is read by datasets alone)
