@@ -17,7 +17,9 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from stapo.cli import ArgumentParser
+
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (configs/eval/); default: the paper protocol")
     p.add_argument("--model", help="model.path: HF folder, train.py checkpoint/run folder, hub id, embedded:smollm2")
     p.add_argument("--label", help="model.label: the row name in tables")

@@ -77,7 +77,9 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from stapo.cli import ArgumentParser
+
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest intact checkpoint; "
                         "refused when the run folder has none (trainer.resume=required; docs/scaling.md)")

@@ -665,6 +665,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             verdict, why = judge(case, results, harness, check_err)
             counts[verdict] += 1
             cmd = " ; then ".join(pretty_cmd(r.argv, tmp) for r in results) or pretty_cmd(fill(case.args, tmp), tmp)
+            if case.env:  # the environment the case sets, in front
+                cmd = " ".join(f"{k}={shlex.quote(v.replace('{tmp}', '$TMP')) or '(unset)'}"
+                               for k, v in case.env.items()) + " " + cmd
+            if case.preexec:
+                cmd = f"[{getattr(case.preexec, '__qualname__', 'preexec').split('.')[0]}] " + cmd
             if case.sig is not None and results:
                 cmd = cmd.replace(" ; then ", f" ; {signal.Signals(case.sig).name} ; then ", 1) \
                     if case.then else cmd + f" ; {signal.Signals(case.sig).name}"

@@ -28,6 +28,8 @@ Training
   distributed   torchrun: replicate / FSDP2, the update's data-parallel helpers; dp_mask: the mini-batch mask
                 over ranks
   precision, checkpoint, tracking   fp32 master weights + bf16 compute; sharded checkpoints; JSONL + W&B
+  runlock, checkpoint_files, preflight, cli   one writer per run folder; checkpoint completeness; the checks
+                run before a model loads; the one-line command-line parser
 
 Evaluation and adapters
   evaluation/   evaluate.py's harness (six benchmarks, two settings, avg@N / pass@k) and in-training validation

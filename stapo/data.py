@@ -528,7 +528,7 @@ def _load(
         try:
             record = convert(_row_object(row), i)
             if record.id in seen_ids:
-                raise _RowError(f"duplicate id {record.id!r}")
+                raise _RowError(f"duplicate id {record.id!r} (is the id key the right column?)")
         except _RowError as exc:
             reason = str(exc)
             key = re.sub(r"line \d+ ", "line N ", reason)  # group JSON errors by kind

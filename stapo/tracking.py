@@ -200,7 +200,9 @@ class Tracker:
         except Exception as e:  # e.g. the server does not answer
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             if self.mode != "online":
-                raise TrackerError(f"W&B failed to start in mode {self.mode!r}: {reason}. "
+                env = {k: os.environ[k] for k in ("WANDB_MODE", "WANDB_DIR", "WANDB_DISABLED") if os.environ.get(k)}
+                hint = f" (the environment sets {', '.join(f'{k}={v!r}' for k, v in env.items())})" if env else ""
+                raise TrackerError(f"W&B failed to start in mode {self.mode!r}{hint}: {reason}. "
                                    f"Use logging.wandb_mode=disabled.") from None
             self.mode = self._fall_back(f"W&B did not start online ({reason})", fallback)
             with contextlib.suppress(Exception):  # the failed run holds its id in wandb's service for a while

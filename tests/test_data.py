@@ -148,7 +148,7 @@ def test_bad_rows_raise_with_file_and_row(tmp_path):
     assert [r.answer for r in loaded] == ["1", "2"]
     assert loaded.stats.rows_read == 5 and loaded.stats.skipped == 3
     assert loaded.stats.first_skipped[1].startswith("row 3: line 5 is not valid JSON")
-    assert loaded.stats.first_skipped[2] == "row 4: duplicate id 'math500/a'"
+    assert loaded.stats.first_skipped[2] == "row 4: duplicate id 'math500/a' (is the id key the right column?)"
     assert path.exists()
 
 

@@ -91,3 +91,20 @@ def test_an_empty_config_file_is_refused_in_one_line(tmp_path):
     from stapo.config import load_config
 
     assert load_config(only_parent).model.path == "tiny"
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("evaluate", ["--limit", "abc"], "evaluate.py: error: argument --limit: invalid int value: 'abc' (see --help)"),
+    ("train", [], "train.py: error: the following arguments are required: --config (see --help)"),
+])
+def test_a_command_line_usage_error_is_one_line(capsys, monkeypatch, script, argv, message):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_{script}_cli", REPO / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [str(REPO / f"{script}.py")])  # argparse names the program after argv[0]
+    with pytest.raises(SystemExit) as exit_:
+        module.main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [message]  # no usage block before it

@@ -131,6 +131,26 @@ def test_sigterm_finishes_the_step_and_checkpoints_it(tmp_path):
     assert _steps(tmp_path / "toy") == [1, 2]
 
 
+def test_a_signal_during_a_due_save_stops_after_that_step(tmp_path):
+    """SIGTERM arriving while step 1's (due) checkpoint is written: the run stops after step 1 (it is saved),
+    not after one more step."""
+    trainer = _trainer(tmp_path, ["trainer.save_every=1"])
+    save = trainer.save
+
+    def save_and_get_signalled():
+        out = save()
+        if trainer.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.save = save_and_get_signalled
+    with pytest.raises(Interrupted) as info:
+        trainer.train()
+    e = info.value
+    assert (e.step, e.abandoned, e.signum, e.checkpoint.name) == (1, False, signal.SIGTERM, "step_000001")
+    assert _steps(tmp_path / "toy") == [1]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_path, signum):
     """A real Ctrl-C: SIGINT to train.py's process group after its first metrics row (SIGTERM: to the process,

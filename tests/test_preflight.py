@@ -24,21 +24,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # --- the checks themselves --------------------------------------------------------------------------------------
-def test_check_writable_creates_the_folder_and_leaves_no_probe(tmp_path):
-    out = preflight.check_writable(tmp_path / "a" / "b", "trainer.output_dir")
-    assert out == tmp_path / "a" / "b" and out.is_dir() and list(out.iterdir()) == []
+def test_check_writable_creates_nothing_and_leaves_no_probe(tmp_path):
+    assert preflight.check_writable(tmp_path / "a" / "b", "trainer.output_dir") == tmp_path / "a" / "b"
+    (tmp_path / "c").mkdir()
+    preflight.check_writable(tmp_path / "c", "trainer.output_dir")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["c"]  # probes in tmp_path and c removed, a/ not made
 
 
-def test_check_writable_names_the_key_and_the_os_error(tmp_path):
+def test_check_writable_names_the_key_and_the_file_in_the_way(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ConfigError) as err:
         preflight.check_writable(tmp_path / "afile" / "runs", "trainer.output_dir")
     assert str(err.value) == (f"invalid value for 'trainer.output_dir': cannot write to {tmp_path}/afile/runs: "
-                              f"[Errno 20] Not a directory; choose a writable folder")
+                              f"{tmp_path}/afile is a file; choose a writable folder")
 
 
 def test_check_writable_in_a_process_that_may_not_write_files(tmp_path):
-    """A real process whose file-size limit is 0 (as a full disk or a quota: the folder can be made, no byte
+    """A real process whose file-size limit is 0 (as a full disk or a quota: a file can be created, no byte
     written; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
     code = ("import sys; from stapo.preflight import check_writable\n"
             "try:\n    check_writable(sys.argv[1], 'trainer.output_dir')\n"
@@ -47,7 +49,7 @@ def test_check_writable_in_a_process_that_may_not_write_files(tmp_path):
                          cwd=REPO, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
     assert out.stdout.strip() == (f"ConfigError invalid value for 'trainer.output_dir': cannot write to "
                                   f"{tmp_path}/runs: [Errno 27] File too large; choose a writable folder"), out.stderr
-    assert list((tmp_path / "runs").iterdir()) == []  # the empty probe was removed
+    assert list(tmp_path.iterdir()) == []  # the empty probe was removed, runs/ not made
 
 
 def test_check_device(monkeypatch):
@@ -138,7 +140,7 @@ def test_trainer_unwritable_output_fails_before_the_model(tmp_path, no_model_loa
     with pytest.raises(ConfigError) as err:
         _trainer(tmp_path / "afile", [])
     assert str(err.value) == (f"invalid value for 'trainer.output_dir': cannot write to {tmp_path}/afile/runs/r: "
-                              f"[Errno 20] Not a directory; choose a writable folder")
+                              f"{tmp_path}/afile is a file; choose a writable folder")
 
 
 def test_trainer_model_folder_without_weights_fails_before_the_model(tmp_path, no_model_loads):
@@ -218,3 +220,45 @@ def test_train_py_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path
     assert again.returncode == 0, again.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2] and sorted(p.name for p in ckpts.iterdir()) == ["step_000001", "step_000002"]
+
+
+# --- model sources ------------------------------------------------------------------------------------------------
+def test_a_truncated_weight_file_is_named_with_its_size(tmp_path):
+    folder = _embedded_copy(tmp_path / "damaged", weights=False)
+    from stapo.models import embedded_model_path
+
+    with open(embedded_model_path() / "model.safetensors", "rb") as src:
+        (folder / "model.safetensors").write_bytes(src.read(1_000_000))  # the first MB of a 540 MB file
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path, [f"model.path={folder}"])
+    assert str(err.value).startswith(f"invalid value for 'model.path' ({folder}): {folder}/model.safetensors "
+                                     f"(1000000 bytes) is damaged or truncated: ")
+    assert str(err.value).endswith("; copy the folder again or use another checkpoint")
+
+
+def test_an_unusable_model_cache_names_model_cache_dir(tmp_path, no_model_loads):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path, [f"model.cache_dir={tmp_path / 'afile' / 'cache'}"])
+    assert str(err.value) == (f"invalid value for 'model.cache_dir' ({tmp_path}/afile/cache): cannot create the "
+                              f"model cache {tmp_path}/afile/cache (Not a directory); set model.cache_dir or "
+                              f"STAPO_CACHE_DIR to a writable folder")
+
+
+def test_a_hub_id_fails_fast_without_network_and_a_local_looking_path_is_not_a_hub_id(tmp_path, monkeypatch):
+    import stapo.models as models
+
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout_s=3.0: False)
+    with pytest.raises(OSError) as err:
+        models.load_tokenizer("nosuch-org/nosuch-model", cache_dir=tmp_path / "hf")
+    assert str(err.value) == ("cannot load hub id 'nosuch-org/nosuch-model': the Hugging Face hub cannot be reached "
+                              "and the model is not in the HF cache; give a local model folder, or download it "
+                              "where there is network")
+    monkeypatch.undo()  # the real check: HF_HUB_OFFLINE alone says unreachable, with no connection tried
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models._hub_reachable() is False
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        models.load_tokenizer("runs/typo")
+    assert str(err.value) == "model path 'runs/typo' does not exist (its folder runs/ is local, so it is not a hub id)"

@@ -121,3 +121,13 @@ def test_finished_evaluation_never_fails_because_of_wandb(tmp_path, no_credentia
     err = capsys.readouterr().err
     assert "W&B skipped" in err and "Traceback" not in err
     assert "avg@N" in (tmp_path / "eval" / "metrics.jsonl").read_text()  # the JSONL files are still written
+
+
+def test_a_bad_wandb_environment_variable_is_named(tmp_path, monkeypatch):
+    """wandb reads WANDB_MODE from the environment; a bad value makes even offline fail: the message says which."""
+    monkeypatch.setenv("WANDB_MODE", "garbage")
+    with pytest.raises(TrackerError) as err:
+        Tracker(tmp_path, {}, mode="offline")
+    message = str(err.value)
+    assert message.startswith("W&B failed to start in mode 'offline' (the environment sets WANDB_MODE='garbage'): ")
+    assert message.endswith(". Use logging.wandb_mode=disabled.") and "\n" not in message

@@ -300,26 +300,36 @@ class Trainer:
             stapo.config.ConfigError: ``model.path`` is not a model folder with weights, an embedded alias or a
                 reachable hub id, or its tokenizer cannot be loaded (one line naming the key).
         """
-        from stapo.models import EMBEDDED_ALIASES, load_tokenizer
+        from stapo.models import EMBEDDED_ALIASES, ModelCacheError, load_tokenizer
 
         mc = self.cfg.model
         try:
             return load_tokenizer(EMBEDDED_ALIASES[0] if mc.path == "tiny" else mc.path, cache_dir=mc.cache_dir)
+        except ModelCacheError as e:  # where the embedded model is converted
+            raise ConfigError(f"invalid value for 'model.cache_dir' ({mc.cache_dir}): {e.strerror}") from None
         except (OSError, ValueError) as e:  # FileNotFoundError naming the path; the hub's OSError; a bad tokenizer
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"invalid value for 'model.path' ({mc.path}): {first}") from None
 
     def _load_initial_model(self, dtype: torch.dtype) -> torch.nn.Module:
         """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU,
-        with :attr:`tokenizer`. Called for the policy (param dtype) and for the reference model (compute dtype)."""
+        with :attr:`tokenizer`. Called for the policy (param dtype) and for the reference model (compute dtype).
+
+        Raises:
+            stapo.config.ConfigError: the weights cannot be loaded (a damaged or truncated file, named).
+        """
         from stapo.models import build_tiny_model, load_policy
 
         mc = self.cfg.model
         if mc.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model (the same for every call)
             return build_tiny_model(seed=self.cfg.trainer.seed, dtype=dtype, cache_dir=mc.cache_dir,
                                     tokenizer=self.tokenizer)[0]
-        return load_policy(mc.path, dtype=dtype, attn_implementation=mc.attn_implementation, cache_dir=mc.cache_dir,
-                           tokenizer=self.tokenizer)[0]
+        try:
+            return load_policy(mc.path, dtype=dtype, attn_implementation=mc.attn_implementation,
+                               cache_dir=mc.cache_dir, tokenizer=self.tokenizer)[0]
+        except (OSError, ValueError) as e:  # a damaged weight file (named), a hub failure
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"invalid value for 'model.path' ({mc.path}): {first}") from None
 
     def _check_param_dtype(self) -> None:
         """Every trainable parameter holds at least ``model.param_dtype``'s precision (what the optimizer steps on).
@@ -393,12 +403,15 @@ class Trainer:
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", ent=f"{metrics['actor/entropy']:.3f}",
                                 kept=f"{metrics['actor/num_kept_tokens']:.0f}/"
                                      f"{metrics['response_length/total_tokens']:.0f}")
-                # every rank stops after the same step (a rank that missed the signal too)
-                stop = dist.all_reduce({"stop": float(guard.requested)}, self.dist, op="max")["stop"] > 0
-                if ((tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps
-                        or (stop and tc.save_on_interrupt)):
+                saved = bool((tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps)
+                if saved:
                     self.save()
+                # after the due save, so a signal during it stops here too; every rank stops after the same step
+                # (a rank that missed the signal too)
+                stop = dist.all_reduce({"stop": float(guard.requested)}, self.dist, op="max")["stop"] > 0
                 if stop:
+                    if tc.save_on_interrupt and not saved:
+                        self.save()
                     break
         except KeyboardInterrupt:  # the second Ctrl-C / SIGTERM: the step in progress is abandoned
             raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=True,
