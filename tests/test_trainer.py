@@ -466,6 +466,7 @@ def test_mask_stats_source_old_uses_the_old_policy_statistics_for_later_mini_bat
     assert (old["forward_all"], cur["forward_all"]) == (1, 2)  # the old pass; + the current-policy pass
 
 
+@pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_sort_by_length_false_keeps_rollout_order_with_the_same_results(tmp_path):
     from stapo.train.plan import micro_batches
 

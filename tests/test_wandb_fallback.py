@@ -99,6 +99,7 @@ def test_train_py_online_without_a_key_is_one_line_and_exits_2(tmp_path):
     assert len(lines) == 1 and "logging.wandb_mode=offline" in lines[0], out.stderr
 
 
+@pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_train_py_online_without_a_key_trains_offline_by_default(tmp_path):
     out = _train_online(tmp_path, "trainer.run_name=r")
     assert out.returncode == 0, out.stderr
