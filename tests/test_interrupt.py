@@ -151,7 +151,8 @@ def test_a_signal_during_a_due_save_stops_after_that_step(tmp_path):
     assert _steps(tmp_path / "toy") == [1]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, id="SIGINT"),
+                                    pytest.param(signal.SIGTERM, id="SIGTERM", marks=pytest.mark.slow)])
 def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_path, signum):
     """A real Ctrl-C: SIGINT to train.py's process group after its first metrics row (SIGTERM: to the process,
     as ``kill`` or a scheduler sends it; exit code 143), then the printed command (with a smaller
