@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         try:  # bad paths / data / run directory / batch sizes vs ranks: one line naming the problem, exit code 2
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
             trainer = Trainer(cfg, validation_hook=hook)
-        except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError, CheckpointError) as e:
+        except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError, CheckpointError,
+                RunLockError) as e:
             return _error(str(e))
         try:
             trainer.train()

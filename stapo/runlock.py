@@ -173,6 +173,29 @@ class RunLock:
                           f"{previous.describe()}): {reason}")
         return self
 
+    def check_free(self) -> None:
+        """Look, without taking it, whether another live process holds the folder: a cheap check before minutes
+        of loading a model (:meth:`acquire` still decides). Creates and writes nothing.
+
+        Raises:
+            RunLockError: the lock file is locked by another process (one line naming the folder and the holder).
+        """
+        if str(self.path.absolute()) in _HELD:  # this process holds it: acquire() reports that case
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:  # no lock file (or unreadable): nobody holds it, or acquire() will say why
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            raise self._in_use(self._read_holder()) from None
+        except OSError:  # a file system without flock: acquire() decides by the holder's identity
+            pass
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         """Delete the lock file and drop the lock (nothing when not held). Removes the folder again when
         :meth:`acquire` created it and the lock file was all it held."""

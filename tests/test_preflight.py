@@ -262,3 +262,19 @@ def test_a_hub_id_fails_fast_without_network_and_a_local_looking_path_is_not_a_h
     with pytest.raises(FileNotFoundError) as err:
         models.load_tokenizer("runs/typo")
     assert str(err.value) == "model path 'runs/typo' does not exist (its folder runs/ is local, so it is not a hub id)"
+
+
+def test_a_run_folder_held_by_another_process_is_refused_before_the_model(tmp_path, no_model_loads):
+    from stapo.runlock import RunLockError
+
+    run_dir = tmp_path / "runs" / "r"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom stapo.runlock import RunLock\n"
+                               "RunLock(sys.argv[1], 'holder.py').acquire()\nprint('held', flush=True)\n"
+                               "time.sleep(600)\n", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLockError, match=rf"^{run_dir} is in use by holder.py \(pid {holder.pid} on host "):
+            _trainer(tmp_path, [])
+    finally:
+        holder.kill()
+        holder.wait()

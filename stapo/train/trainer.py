@@ -191,6 +191,7 @@ class Trainer:
             ``model.path`` not a model (a folder without weights, an unreachable hub id), ``data.prompt_style=chat``
             with a tokenizer that has no chat template.
         stapo.data.DataError: an unreadable training file, or no training prompts left (naming the file and key).
+        stapo.runlock.RunLockError: another live process holds the run folder's lock (every rank).
 
     :meth:`train` raises :class:`stapo.checkpoint.CheckpointError` for a damaged checkpoint,
     :class:`stapo.registry.ExtensionError` when a registered mask or loss formula breaks its contract and
@@ -223,6 +224,7 @@ class Trainer:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
                                   f"(trainer.resume=auto) or choose another trainer.run_name")
         check_writable(self.run_dir, "trainer.output_dir")
+        self._check_run_lock_free()  # another live train.py on this folder: say so now, not after loading the model
         self._seed_everything(tc.seed)
 
         # --- tokenizer and training prompts: before the model, so a data problem costs seconds -------------
@@ -292,6 +294,23 @@ class Trainer:
             enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size, seed=self.cfg.trainer.seed,
             enable_sleep_mode=rc.sleep_during_update)
         return engine_kwargs(rc.backend, options)
+
+    def _check_run_lock_free(self) -> None:
+        """Rank 0 looks whether another live process holds the run folder (:meth:`stapo.runlock.RunLock.check_free`)
+        and tells every rank (a collective), so all of them stop with the same error before loading a model.
+
+        Raises:
+            stapo.runlock.RunLockError: (every rank) the folder is in use; the message names the holder.
+        """
+        refused = None
+        if self.dist.is_main:
+            try:
+                RunLock(self.run_dir).check_free()
+            except RunLockError as e:
+                refused = str(e)
+        refused = dist.gather_objects(refused, self.dist)[0]
+        if refused is not None:
+            raise RunLockError(refused)
 
     def _load_tokenizer(self):
         """The tokenizer of ``model.path`` (``"tiny"``: the embedded SmolLM2's), loaded before the model.
