@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from stapo.cli import sigterm_as_interrupt
+
+    sigterm_as_interrupt()  # SIGTERM: the run folder's lock released, one line, exit 143 (as Ctrl-C: 130)
     for name in ("benchmarks", "settings"):  # nargs="+" swallows key=value overrides that follow: give them back
         values = getattr(args, name)
         if values:
@@ -71,9 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, ConfigError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("evaluate.py: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (stapo.cli.Terminated)
+        signum = getattr(e, "signum", 2)
+        what = "interrupted" if signum == 2 else "stopped by SIGTERM"
+        print(f"evaluate.py: {what}; rerun the same command to resume", file=sys.stderr)
+        return 128 + signum
     except (SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # the error boundary: any other failure is one line, exit 1 (finished records

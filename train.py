@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="show the full traceback of a runtime failure (also: STAPO_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=2e-6")
     args = parser.parse_args(argv)
+    from stapo.cli import sigterm_as_interrupt
+
+    sigterm_as_interrupt()  # SIGTERM while starting up: one line and exit 143 (the step loop handles it itself)
 
     from stapo.config import ConfigError, load_config
 
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
             trainer = Trainer(cfg, validation_hook=hook)
         except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError, CheckpointError,
-                RunLockError) as e:
+                RunLockError, CorruptJsonlError) as e:
             return _error(str(e))
         try:
             trainer.train()
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C while importing or reading the config: nothing started yet
-        print("train.py: interrupted before training started", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM while importing or reading the config: nothing started yet
+        signum = getattr(e, "signum", 2)
+        print(f"train.py: {'interrupted' if signum == 2 else 'stopped by SIGTERM'} before training started",
+              file=sys.stderr)
+        sys.exit(128 + signum)

@@ -14,7 +14,7 @@ from typing import Any
 
 from stapo.config import ConfigError
 
-__all__ = ["check_writable", "check_device", "check_chat_template"]
+__all__ = ["check_writable", "check_device", "check_tokenizer", "check_chat_template"]
 
 
 def check_writable(folder: str | os.PathLike, key: str) -> Path:
@@ -103,3 +103,16 @@ def check_chat_template(tokenizer: Any, prompt_style: Any, key: str, model: str)
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"invalid value for {key!r} (chat): the tokenizer of {model} has no chat template "
                               f"(a base model?); use {key}=plain")
+
+
+def check_tokenizer(tokenizer: Any, key: str, model: str) -> None:
+    """The tokenizer turns a short problem into tokens (a folder whose tokenizer files are missing can load as a
+    tokenizer without a vocabulary, and every prompt would be empty).
+
+    Raises:
+        ConfigError: the probe text encodes to no token ids.
+    """
+    ids = tokenizer("What is 1 + 1?", add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ConfigError(f"invalid value for {key!r} ({model}): its tokenizer encodes text to no tokens (are "
+                          f"tokenizer.json / tokenizer_config.json missing from the folder?)")

@@ -126,6 +126,21 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def _wandb_env() -> str:
+    """``" (the environment sets WANDB_MODE='x', ...)"`` for the ``WANDB_*`` variables that are set (wandb reads
+    them and fails on a bad one with its own validation message), else ``""``."""
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("WANDB_") and v and k != "WANDB_API_KEY"
+           and k != "WANDB_SILENT"}
+    return f" (the environment sets {', '.join(f'{k}={v!r}' for k, v in env.items())})" if env else ""
+
+
+def _one_row_per_key(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with one row per ``step`` (metrics) or per ``(step, name)`` (tables), the last one of each, in the
+    order of those last ones."""
+    last = {(row["step"], row.get("name")): i for i, row in enumerate(rows)}
+    return [row for i, row in enumerate(rows) if last[(row["step"], row.get("name"))] == i]
+
+
 def _append_line(path: Path, line: str) -> None:
     """Append ``line`` + newline to ``path``.
 
@@ -200,11 +215,9 @@ class Tracker:
         except Exception as e:  # e.g. the server does not answer
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             if self.mode != "online":
-                env = {k: os.environ[k] for k in ("WANDB_MODE", "WANDB_DIR", "WANDB_DISABLED") if os.environ.get(k)}
-                hint = f" (the environment sets {', '.join(f'{k}={v!r}' for k, v in env.items())})" if env else ""
-                raise TrackerError(f"W&B failed to start in mode {self.mode!r}{hint}: {reason}. "
+                raise TrackerError(f"W&B failed to start in mode {self.mode!r}{_wandb_env()}: {reason}. "
                                    f"Use logging.wandb_mode=disabled.") from None
-            self.mode = self._fall_back(f"W&B did not start online ({reason})", fallback)
+            self.mode = self._fall_back(f"W&B did not start online{_wandb_env()} ({reason})", fallback)
             with contextlib.suppress(Exception):  # the failed run holds its id in wandb's service for a while
                 wandb.teardown()
             for attempt in range(6):  # the same id (a resume appends to the same W&B run), at last a new one
@@ -253,7 +266,8 @@ class Tracker:
     def truncate_after(self, step: int) -> None:
         """Drop JSONL rows with step > ``step`` (rows of a crashed run that a resume will redo) from
         ``metrics.jsonl`` and ``tables.jsonl``, and a torn last line (an interrupted write; its bytes are added to
-        :attr:`torn_bytes` and one line on stderr names the file). Each file is rewritten atomically (a temporary
+        :attr:`torn_bytes` and one line on stderr names the file), and repeated rows of one step (one line on
+        stderr; the last row of the step is kept). Each file is rewritten atomically (a temporary
         file, fsync'ed, then renamed over it). ``step < 0`` empties both files (nothing is kept, nothing parsed).
 
         Raises:
@@ -268,9 +282,13 @@ class Tracker:
                 self.torn_bytes += torn
                 print(f"{path}: cut {torn} bytes of a torn last line (an interrupted write)", file=sys.stderr,
                       flush=True)
+            kept = _one_row_per_key([row for row in rows if row["step"] <= step])
+            if len(kept) < sum(row["step"] <= step for row in rows):
+                print(f"{path}: dropped {sum(row['step'] <= step for row in rows) - len(kept)} repeated row(s) (a "
+                      f"step logged twice; the last one is kept)", file=sys.stderr, flush=True)
             tmp = path.with_name(path.name + ".tmp")
             with tmp.open("w") as f:
-                f.write("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
+                f.write("".join(json.dumps(row) + "\n" for row in kept))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

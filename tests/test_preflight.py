@@ -278,3 +278,111 @@ def test_a_run_folder_held_by_another_process_is_refused_before_the_model(tmp_pa
     finally:
         holder.kill()
         holder.wait()
+
+
+# --- run folders of the other program, damaged sources, signals, torn reports (found by a new-user check) ---------
+def test_a_tokenizer_that_encodes_to_nothing_is_refused_before_the_model(tmp_path, no_model_loads):
+    folder = tmp_path / "notok"
+    folder.mkdir()
+    from stapo.models import embedded_model_path
+
+    for name in ("config.json", "model.safetensors"):  # the weights, but none of the tokenizer files
+        (folder / name).symlink_to(embedded_model_path() / name)
+    with pytest.raises(ConfigError) as err:  # transformers refuses this one itself ("Couldn't instantiate ...")
+        _trainer(tmp_path, [f"model.path={folder}"])
+    assert str(err.value).startswith(f"invalid value for 'model.path' ({folder}): ") and "\n" not in str(err.value)
+
+    class NoVocabulary:  # what a Qwen3 checkpoint without its tokenizer files loads as
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": []}
+
+    with pytest.raises(ConfigError) as err:
+        preflight.check_tokenizer(NoVocabulary(), "model.path", "/ckpt")
+    assert str(err.value) == ("invalid value for 'model.path' (/ckpt): its tokenizer encodes text to no tokens (are "
+                              "tokenizer.json / tokenizer_config.json missing from the folder?)")
+
+
+def test_train_and_evaluate_never_share_a_folder(tmp_path, no_model_loads):
+    import importlib.util
+
+    ev = tmp_path / "runs" / "r"
+    ev.mkdir(parents=True)
+    (ev / "eval_manifest.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"^invalid value for 'trainer.run_name' \(r\): {ev} is an evaluate.py "
+                                          r"output folder \(eval_manifest.json\)"):
+        _trainer(tmp_path, [])
+    run = tmp_path / "train_run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    spec = importlib.util.spec_from_file_location("_evaluate_cli", REPO / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--config", str(REPO / "configs/eval/tiny_test.yaml"), "--output", str(run), "--limit", "1",
+                        "--data-root", str(REPO.parent / "shared" / "data"), "--wandb", "disabled"]) == 2
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+def test_evaluating_a_run_folder_skips_a_damaged_latest_checkpoint(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "tests"))
+    from toy_run import make_trainer
+
+    from stapo.evaluation import EvalError
+    from stapo.evaluation.model_source import resolve_model_source
+
+    make_trainer(str(tmp_path), ["trainer.total_steps=2", "trainer.save_every=1"]).train()
+    run = tmp_path / "toy"
+    weights = run / "checkpoints" / "step_000002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle: same size, another checksum
+    weights.write_bytes(bytes(data))
+    source = resolve_model_source(str(run))
+    assert source.step == 1 and source.path.endswith("step_000001")
+    err = capsys.readouterr().err
+    assert "step_000002 is damaged (model.safetensors does not match its checksum" in err
+    assert err.rstrip().endswith("; trying the one before")
+    with pytest.raises(EvalError, match=r"step_000002 is damaged: model.safetensors does not match its checksum"):
+        resolve_model_source(str(weights.parent))
+
+
+def test_sigterm_as_interrupt_raises_and_the_step_loop_still_takes_over(tmp_path):
+    import signal
+
+    from stapo.cli import Terminated, raise_terminated, sigterm_as_interrupt
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        sigterm_as_interrupt()
+        assert signal.getsignal(signal.SIGTERM) is raise_terminated
+        with pytest.raises(Terminated) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            import time
+            time.sleep(1)  # the handler runs here
+        assert info.value.signum == signal.SIGTERM and isinstance(info.value, KeyboardInterrupt)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_failed_report_write_keeps_the_previous_file_and_names_it(tmp_path):
+    from stapo.evaluation.report import _atomic
+
+    path = tmp_path / "results.json"
+    path.write_text("old")
+    with pytest.raises(OSError) as err:
+        with _atomic(path) as tmp:
+            tmp.write_text("half")
+            raise OSError(28, "No space left on device")
+    assert str(err.value) == f"[Errno 28] cannot write {path}: No space left on device"
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_a_resume_drops_repeated_rows_of_a_step(tmp_path, capsys):
+    from stapo.tracking import Tracker
+
+    tracker = Tracker(tmp_path, {}, mode="disabled")
+    rows = [{"step": 1, "a": 1}, {"step": 1, "a": 2}, {"step": 2, "a": 3}, {"step": 3, "a": 4}]
+    tracker.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tracker.truncate_after(2)
+    # by hand: step 3 is after the checkpoint; step 1 is there twice, the last row (a=2) is kept
+    assert [json.loads(line) for line in tracker.metrics_path.read_text().splitlines()] == [
+        {"step": 1, "a": 2}, {"step": 2, "a": 3}]
+    assert "dropped 1 repeated row(s)" in capsys.readouterr().err

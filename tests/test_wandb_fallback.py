@@ -124,11 +124,14 @@ def test_finished_evaluation_never_fails_because_of_wandb(tmp_path, no_credentia
     assert "avg@N" in (tmp_path / "eval" / "metrics.jsonl").read_text()  # the JSONL files are still written
 
 
-def test_a_bad_wandb_environment_variable_is_named(tmp_path, monkeypatch):
-    """wandb reads WANDB_MODE from the environment; a bad value makes even offline fail: the message says which."""
-    monkeypatch.setenv("WANDB_MODE", "garbage")
-    with pytest.raises(TrackerError) as err:
-        Tracker(tmp_path, {}, mode="offline")
-    message = str(err.value)
-    assert message.startswith("W&B failed to start in mode 'offline' (the environment sets WANDB_MODE='garbage'): ")
+def test_a_bad_wandb_environment_variable_is_named(tmp_path):
+    """wandb reads WANDB_MODE from the environment; a bad value makes even offline fail: the message says which.
+    In a fresh process: wandb keeps the settings of an earlier run of the same process."""
+    code = ("import sys\nfrom stapo.tracking import Tracker, TrackerError\n"
+            "try:\n    Tracker(sys.argv[1], {}, mode='offline')\nexcept TrackerError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={**_clean_env(tmp_path), "WANDB_MODE": "garbage"})
+    message = out.stdout.strip()
+    assert message.startswith("W&B failed to start in mode 'offline' (the environment sets "), out.stderr[-2000:]
+    assert "WANDB_MODE='garbage'" in message.split("): ")[0]
     assert message.endswith(". Use logging.wandb_mode=disabled.") and "\n" not in message

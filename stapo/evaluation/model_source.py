@@ -14,11 +14,12 @@ Accepted forms (:func:`resolve_model_source`):
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stapo.checkpoint_files import _STEP_DIR, complete_checkpoints, has_hf_weights
+from stapo.checkpoint_files import _STEP_DIR, complete_checkpoints, has_hf_weights, verify_checkpoint
 from stapo.evaluation.errors import EvalError
 
 __all__ = ["EMBEDDED_NAMES", "ModelSource", "resolve_model_source"]
@@ -68,6 +69,10 @@ def _folder_source(spec: str, folder: Path) -> ModelSource:
     if (folder / "config.json").is_file() and has_hf_weights(folder):
         m = _STEP_DIR.match(folder.name)
         if (folder / "trainer_state.pt").is_file() or m:
+            damaged = verify_checkpoint(folder)  # sizes and checksums of its COMPLETE.json (None: intact)
+            if damaged is not None:
+                raise EvalError(f"checkpoint {folder} is damaged: {damaged}; use an earlier checkpoint (the run "
+                                f"folder picks the newest intact one)")
             step = int(m.group(1)) if m else None
             run_dir = folder.parent.parent if folder.parent.name == "checkpoints" else None
             run_name = run_dir.name if run_dir is not None else folder.parent.name
@@ -76,8 +81,13 @@ def _folder_source(spec: str, folder: Path) -> ModelSource:
         return ModelSource(spec, "hf_folder", str(folder), folder.name)
     for root in (folder / "checkpoints", folder):  # a train.py run folder (its config.json is not a model's)
         ckpts = complete_checkpoints(root)  # the rule a resume uses (stapo/checkpoint_files.py)
+        for ckpt in reversed(ckpts):  # the newest intact one; each damaged newer one is named
+            damaged = verify_checkpoint(ckpt)
+            if damaged is None:
+                return _folder_source(spec, ckpt)
+            print(f"evaluating {root}: {ckpt.name} is damaged ({damaged}); trying the one before", file=sys.stderr)
         if ckpts:
-            return _folder_source(spec, ckpts[-1])
+            raise EvalError(f"run folder {folder} has no intact checkpoint (each one is damaged; see above)")
     if (folder / "checkpoints").is_dir():
         raise EvalError(f"run folder {folder} has no complete checkpoint under checkpoints/")
     if (folder / "config.json").is_file():

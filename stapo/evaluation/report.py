@@ -8,13 +8,14 @@ functions serve ``evaluate.py`` (one row) and ``scripts/compare.py`` (several re
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS
 from stapo.evaluation.errors import EvalError
@@ -269,11 +270,17 @@ def plot_bars(results: Sequence[dict[str, Any]], path: str | os.PathLike, metric
 
 def write_reports(results: dict[str, Any], run_dir: str | os.PathLike, *, plot: bool = True) -> dict[str, Path]:
     """Write ``results.json``, ``results.md`` (paper table + pass@N / maj@N tables + details), ``results.csv``
-    and (``plot``) ``results.png`` into ``run_dir``. Returns ``{kind: path}``."""
+    and (``plot``) ``results.png`` into ``run_dir``, each through a temporary file and a rename. Returns
+    ``{kind: path}``.
+
+    Raises:
+        OSError: a file cannot be written (full disk, ...): the message names it; the previous one is kept.
+    """
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "csv": out / "results.csv"}
-    paths["json"].write_text(json.dumps(_clean(results), indent=2, default=str, allow_nan=False) + "\n")
+    with _atomic(paths["json"]) as tmp:
+        tmp.write_text(json.dumps(_clean(results), indent=2, default=str, allow_nan=False) + "\n")
     md = [f"# Evaluation: {results['label']}", "", markdown_table([results], "avg@N", "avg@N (paper metric)"),
           markdown_table([results], "pass@N", "pass@N"), markdown_table([results], "maj@N", "maj@N"),
           "### Details", "", detail_markdown(results)]
@@ -282,11 +289,34 @@ def write_reports(results: dict[str, Any], run_dir: str | os.PathLike, *, plot: 
               f"{'set' if results['prompt']['system_prompt'] else 'none'} (from {results['prompt']['source']}); "
               f"engine {results['protocol']['engine']}; this invocation generated {run.get('generated', 0)} "
               f"samples ({run.get('tokens', 0)} tokens) in {run.get('seconds', 0.0):.0f} s.\n")
-    paths["md"].write_text("\n".join(md))
-    write_csv(paths["csv"], [results])
+    with _atomic(paths["md"]) as tmp:
+        tmp.write_text("\n".join(md))
+    with _atomic(paths["csv"]) as tmp:
+        write_csv(tmp, [results])
     if plot:
-        paths["png"] = plot_bars([results], out / "results.png")
+        paths["png"] = out / "results.png"
+        with _atomic(paths["png"]) as tmp:
+            plot_bars([results], tmp)
     return paths
+
+
+@contextlib.contextmanager
+def _atomic(path: Path) -> Iterator[Path]:
+    """A temporary name beside ``path`` (``.<stem>.tmp<suffix>``) to write, renamed over ``path`` when the block
+    succeeds, so a reader never finds a torn report (a full disk, a kill); removed when it fails.
+
+    Raises:
+        OSError: the write or the rename failed: same errno, the message names ``path``.
+    """
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def write_comparison(results: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *, name: str = "comparison",

@@ -57,7 +57,7 @@ from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
 from stapo.evaluation.store import GenerationStore
-from stapo.preflight import check_chat_template, check_device
+from stapo.preflight import check_chat_template, check_device, check_tokenizer
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 
 __all__ = [
@@ -617,11 +617,16 @@ def run_evaluation(
     totals = {b: len(p) for b, p in problems.items()}
     prompt = resolve_prompt(cfg.prompt, source)
     run_dir = default_run_dir(cfg, source)
+    if (run_dir / "checkpoints").is_dir() or ((run_dir / "metrics.jsonl").is_file() and not (run_dir / MANIFEST).is_file()):
+        raise EvalError(f"output folder {run_dir} is a train.py run folder (checkpoints/, metrics.jsonl): evaluation "
+                        f"results go to a folder of their own; drop --output (default {cfg.output.root}/<label>) "
+                        f"or choose another")
     with _holding_lock(run_dir, "output.dir" if cfg.output.dir else "output.root"):  # one writer per output directory: the manifest check holds under concurrency
         manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt))
         label = cfg.model.label or source.label
 
         tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(source, cfg)
+        _preflight(check_tokenizer, tokenizer, "model.path", source.spec)
         _preflight(check_chat_template, tokenizer, prompt.style, "prompt.style", source.spec)
         dropped = encode_problems(problems, tokenizer, prompt, cfg.data.max_prompt_tokens)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -36,9 +36,10 @@ from tqdm.auto import tqdm
 from stapo import distributed as dist
 from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
+from stapo.cli import raise_terminated
 from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
 from stapo.precision import PrecisionPolicy
-from stapo.preflight import check_chat_template, check_device, check_writable
+from stapo.preflight import check_chat_template, check_device, check_tokenizer, check_writable
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.token_stats import TokenStats
 from stapo.tracking import Tracker
@@ -101,7 +102,8 @@ class _InterruptGuard:
     abandoned; finished checkpoints stay), a third exits the process at once (``os._exit(128 + signum)``, e.g. a
     clean-up that hangs)."""
 
-    _DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    #: the handlers it replaces (others, installed by someone else, are left alone)
+    _DEFAULTS = {signal.SIGINT: (signal.default_int_handler,), signal.SIGTERM: (signal.SIG_DFL, raise_terminated)}
 
     def __init__(self, announce: Callable[[int], None]) -> None:
         self.announce = announce
@@ -112,8 +114,8 @@ class _InterruptGuard:
 
     def install(self) -> "_InterruptGuard":
         if threading.current_thread() is threading.main_thread():
-            for signum, default in self._DEFAULTS.items():
-                if signal.getsignal(signum) is default:  # a handler someone else installed is left alone
+            for signum, defaults in self._DEFAULTS.items():
+                if any(signal.getsignal(signum) is d for d in defaults):
                     self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -217,18 +219,20 @@ class Trainer:
         self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
         self.run_dir = Path(tc.output_dir) / self.run_name
         self.ckpt_root = self.run_dir / "checkpoints"
+        check_writable(self.run_dir, "trainer.output_dir")
+        self._check_run_lock_free()  # another live train.py on this folder: say so now, not after loading the model
+        self._check_run_folder()  # not an evaluation folder; its metrics files readable (a resume would need them)
         self.resume_plan = None  # resume: checkpoint chosen and config checked before loading anything
         if tc.resume != "never":
             self.resume_plan = plan_resume(self.ckpt_root, cfg, required=tc.resume == "required", ctx=self.dist)
         elif latest_checkpoint(self.ckpt_root) is not None:  # before loading anything
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
-                                  f"(trainer.resume=auto) or choose another trainer.run_name")
-        check_writable(self.run_dir, "trainer.output_dir")
-        self._check_run_lock_free()  # another live train.py on this folder: say so now, not after loading the model
+                                  f"(or trainer.resume=auto) or choose another trainer.run_name")
         self._seed_everything(tc.seed)
 
         # --- tokenizer and training prompts: before the model, so a data problem costs seconds -------------
         self.tokenizer = self._load_tokenizer()
+        check_tokenizer(self.tokenizer, "model.path", cfg.model.path)
         check_chat_template(self.tokenizer, cfg.data.prompt_style, "data.prompt_style", cfg.model.path)
         prompts, self.prompt_stats = load_prompts(cfg, self.tokenizer)  # data/num_prompts, ... (logged each step)
 
@@ -294,6 +298,25 @@ class Trainer:
             enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size, seed=self.cfg.trainer.seed,
             enable_sleep_mode=rc.sleep_during_update)
         return engine_kwargs(rc.backend, options)
+
+    def _check_run_folder(self) -> None:
+        """The run folder is not an evaluate.py output folder, and its ``metrics.jsonl`` / ``tables.jsonl`` (when
+        present) hold only valid rows but for a torn last line — checked before anything is loaded or recorded.
+
+        Raises:
+            stapo.config.ConfigError: the folder holds an evaluation (its manifest).
+            stapo.tracking.CorruptJsonlError: a damaged line that is not a torn last one (naming file and line).
+        """
+        from stapo.evaluation.runner import MANIFEST
+        from stapo.tracking import read_jsonl_rows
+
+        if (self.run_dir / MANIFEST).is_file():
+            raise ConfigError(f"invalid value for 'trainer.run_name' ({self.run_name}): {self.run_dir} is an "
+                              f"evaluate.py output folder ({MANIFEST}); choose another run name or output folder")
+        if self.cfg.trainer.resume != "never" and self.dist.is_main:
+            for name in ("metrics.jsonl", "tables.jsonl"):
+                if (self.run_dir / name).is_file():
+                    read_jsonl_rows(self.run_dir / name)
 
     def _check_run_lock_free(self) -> None:
         """Rank 0 looks whether another live process holds the run folder (:meth:`stapo.runlock.RunLock.check_free`)
@@ -387,9 +410,12 @@ class Trainer:
         tc = self.cfg.trainer
         if tc.resume != "never":
             self._maybe_resume()
+            if self.step >= tc.total_steps and self.dist.is_main:
+                print(f"resume: the run is at step {self.step}, trainer.total_steps={tc.total_steps}: nothing to "
+                      f"train (raise trainer.total_steps to continue)", file=sys.stderr, flush=True)
         elif latest_checkpoint(self.ckpt_root) is not None:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
-                                  f"(trainer.resume=auto) or choose another trainer.run_name")
+                                  f"(or trainer.resume=auto) or choose another trainer.run_name")
         main = self.dist.is_main  # only rank 0 writes the run directory, logs and shows progress bars
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
