@@ -201,6 +201,7 @@ def test_export_of_a_model_with_weight_conversions_falls_back_to_save_pretrained
         assert v.dtype == torch.bfloat16 and torch.equal(v, sd[k].to(torch.bfloat16)), k
 
 
+@pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_resume_past_a_damaged_shard_uses_the_previous_checkpoint_and_says_so(tmp_path):
     """train.py --resume when the latest checkpoint lost a dcp/ shard file: COMPLETE.json lists it, so the
     checkpoint is reported in one line naming it and the file, and the run resumes from the previous one

@@ -476,6 +476,7 @@ def test_two_fsdp2_ranks_resume_a_checkpoint_of_the_previous_format(one_rank, tm
     _assert_same_weights(_weights(run, 2), _weights(ref_dir, 2), atol=5e-5)
 
 
+@pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_two_fsdp2_ranks_with_bf16_compute_train_fp32_master_weights(tmp_path):
     """The paper's precision under FSDP2 (MixedPrecisionPolicy: bf16 all-gather and compute, fp32 reduce-scatter — the
     layers see bf16 weights in the update's forwards) at
@@ -528,6 +529,7 @@ def test_two_fsdp2_ranks_with_a_sharded_reference_model_match_one_process(tmp_pa
     _assert_same_weights(_weights(tmp_path / "grpo_fsdp2", 2), _weights(tmp_path / "grpo_one", 2), atol=5e-5)
 
 
+@pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_two_replicated_ranks_with_random_masking_match_one_process(tmp_path):
     """stapo_random (S2T's count of candidates, chosen by a seeded draw): the 2 ranks draw over the all-gathered
     rank-major candidate sequence ([1, N_resp]), the one process over its [n, R] mini-batch rows — the same tokens

@@ -49,7 +49,7 @@ def _run(args, env=None):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("debug", [None, "--debug", "STAPO_DEBUG=1"])
+@pytest.mark.parametrize("debug", [None, pytest.param("--debug", marks=pytest.mark.slow), "STAPO_DEBUG=1"])
 def test_train_py_turns_an_unexpected_failure_into_one_line_exit_1(tmp_path, debug):
     module = tmp_path / "boom_mask.py"
     module.write_text(BOOM_MASK)

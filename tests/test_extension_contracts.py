@@ -113,7 +113,7 @@ register_objective(get_objective("justrl").replace(name="justrl_liar", token_mas
 """
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_mask_breaking_its_row_rule_stops_train_py_with_one_line_on_both_paths(tmp_path, fused):
     """tiny_test's strict-box reward is −1 for every response of the random model: Â = 0 everywhere, so the rule
     'positive_advantage' leaves every row untouched, and the liar mask breaks it in the first mini-batch."""

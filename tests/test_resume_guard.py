@@ -151,9 +151,9 @@ def _flip_first_bytes(path: Path) -> None:  # same size: only the checksum tells
 
 
 @pytest.mark.parametrize("damage,name,reason", [
-    (_truncate, "model.safetensors", "model.safetensors is "),
+    pytest.param(_truncate, "model.safetensors", "model.safetensors is ", marks=pytest.mark.slow),
     (_flip_first_bytes, "dcp/__0_0.distcp", "dcp/__0_0.distcp does not match its checksum"),
-    (_truncate, "trainer_state.pt", "trainer_state.pt is "),
+    pytest.param(_truncate, "trainer_state.pt", "trainer_state.pt is ", marks=pytest.mark.slow),
 ])
 def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_one_is_used(run, damage, name, reason):
     last = run / "r" / "checkpoints" / "step_000002"

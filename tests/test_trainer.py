@@ -311,7 +311,7 @@ def test_train_py_no_training_prompts_from_a_file_is_one_line_and_exits_2(tmp_pa
                      f"2 longer than data.max_prompt_length=2 tokens; raise data.max_prompt_length"]
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, fused):
     """A NEW mask, registered here only (function + parameter dataclass + row rule + prefix), selected by a config
     (an objective registered here too), its parameter set by a dotted override of algorithm.masks.<name>.<param>:

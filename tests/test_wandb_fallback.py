@@ -91,6 +91,7 @@ def _train_online(tmp_path, *overrides):
                            *overrides], capture_output=True, text=True, env=_clean_env(tmp_path), timeout=600)
 
 
+@pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_train_py_online_without_a_key_is_one_line_and_exits_2(tmp_path):
     out = _train_online(tmp_path, "logging.wandb_fallback=error")
     assert out.returncode == 2, out.stderr
