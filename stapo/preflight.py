@@ -14,7 +14,7 @@ from typing import Any
 
 from stapo.config import ConfigError
 
-__all__ = ["check_writable", "check_device", "check_tokenizer", "check_chat_template"]
+__all__ = ["check_writable", "check_device", "check_tokenizer", "check_chat_template", "os_reason", "write_error"]
 
 
 def check_writable(folder: str | os.PathLike, key: str) -> Path:
@@ -48,7 +48,7 @@ def check_writable(folder: str | os.PathLike, key: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        raise ConfigError(f"invalid value for {key!r}: cannot write to {path}: {_os_reason(e)}; "
+        raise ConfigError(f"invalid value for {key!r}: cannot write to {path}: {os_reason(e)}; "
                           f"choose a writable folder") from None
     finally:
         try:
@@ -58,9 +58,15 @@ def check_writable(folder: str | os.PathLike, key: str) -> Path:
     return path
 
 
-def _os_reason(e: OSError) -> str:
+def os_reason(e: OSError) -> str:
     """``[Errno 30] Read-only file system`` (without the file name, which the caller's message names)."""
     return f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else str(e)
+
+
+def write_error(e: OSError, path: str | os.PathLike) -> OSError:
+    """The same kind of OSError, same errno, with a message that names the file a failed write was for:
+    ``[Errno 28] cannot write runs/x/metrics.jsonl: No space left on device`` (a full disk, a quota)."""
+    return type(e)(e.errno, f"cannot write {path}: {e.strerror or e}")
 
 
 def check_device(device: str, key: str) -> None:

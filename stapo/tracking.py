@@ -152,7 +152,9 @@ def _append_line(path: Path, line: str) -> None:
         with path.open("a") as f:
             f.write(line + "\n")
     except OSError as e:
-        raise type(e)(e.errno, f"cannot write {path}: {e.strerror or e}") from None
+        from stapo.preflight import write_error
+
+        raise write_error(e, path) from None
 
 
 class Tracker:

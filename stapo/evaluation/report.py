@@ -313,7 +313,9 @@ def _atomic(path: Path) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except OSError as e:
-        raise type(e)(e.errno, f"cannot write {path}: {e.strerror or e}") from None
+        from stapo.preflight import write_error
+
+        raise write_error(e, path) from None
     finally:
         if tmp.exists():
             tmp.unlink()

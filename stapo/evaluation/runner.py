@@ -57,7 +57,7 @@ from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
 from stapo.evaluation.store import GenerationStore
-from stapo.preflight import check_chat_template, check_device, check_tokenizer
+from stapo.preflight import check_chat_template, check_device, check_tokenizer, os_reason
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 
 __all__ = [
@@ -499,7 +499,7 @@ def _holding_lock(run_dir: Path, key: str) -> Iterator[None]:
     except RunLockError as e:
         raise EvalError(str(e)) from None
     except OSError as e:
-        reason = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else str(e)
+        reason = os_reason(e)
         raise EvalError(f"invalid value for {key!r}: cannot write the run directory {run_dir} (its lock file "
                         f"{LOCK_NAME}): {reason}; choose a writable folder") from None
     try:

@@ -133,5 +133,7 @@ class GenerationStore:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:  # full disk, quota: name the file (a torn last line is cut when the store reopens)
-            raise type(e)(e.errno, f"cannot write {self.path}: {e.strerror or e}") from None
+            from stapo.preflight import write_error
+
+            raise write_error(e, self.path) from None
         return len(lines)
