@@ -69,7 +69,9 @@ class ModelConfig:
     # Paper configs: float32 / bfloat16. bf16 parameters with AdamW are refused: at lr 1e-6 an update is far below
     # half an ulp of a bf16 weight and rounds away (allow_low_precision_params=true overrides, for experts).
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # auto: bfloat16 where the device computes it natively (a CPU with AVX512-BF16 or AMX-BF16, a GPU with bf16
+    # support), else float32 — resolved when the trainer starts and recorded resolved in the run's config.json.
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     allow_low_precision_params: bool = False
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
@@ -175,6 +177,12 @@ class ActorConfig:
     # memory ≈ the activations of the kept rows, so it suits small mini-batches (the CPU configs), not the
     # paper's 512-response, 16k-token mini-batches.
     fused_forward: bool = False
+    # How the token statistics leave the model: logits — the LM head makes [tokens, V] logits, then the chunked
+    # token_stats kernels; fused — the final hidden states and the output embedding go to stapo/lm_head.py, which
+    # computes log p, H and Σπ² in vocabulary tiles (online log-sum-exp) and recomputes them per tile in the
+    # backward, so the [tokens, V] logits and their gradient never exist (at 151,936 rows and a 32k-token
+    # micro-batch that is ~20 GB of fp32 logits). Same values up to float rounding; not with FSDP2.
+    lm_head: Literal["logits", "fused"] = "logits"
 
 
 @dataclass
@@ -701,6 +709,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.device", "trainer.data_parallel", "trainer.import_modules", "trainer.save_on_interrupt",
     "logging", "validation",
     "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
+    "actor.lm_head",
     "model.gradient_checkpointing", "model.attn_implementation", "model.cache_dir", "model.allow_low_precision_params",
     "data.root",
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",

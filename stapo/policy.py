@@ -26,7 +26,8 @@ import torch
 
 from stapo.rollout.base import Response
 
-__all__ = ["RolloutBatch", "collate_responses", "policy_logits", "policy_token_stats", "shared_prompt_logits"]
+__all__ = ["RolloutBatch", "collate_responses", "policy_hidden", "policy_logits", "policy_token_stats",
+           "shared_prompt_logits", "check_fused_head"]
 
 
 @dataclass
@@ -127,6 +128,86 @@ def collate_responses(responses: Sequence[Response], pad_token_id: int) -> Rollo
                         response_ids=response_ids, response_mask=response_mask)
 
 
+def _run(model: torch.nn.Module, hidden: bool, keep: int | None, **kw):
+    """One forward → (the last ``keep`` positions' logits [B, keep, V] or, with ``hidden``, final hidden states
+    [B, keep, d]; the KV cache when ``use_cache``). ``keep=None``: every position."""
+    if hidden:
+        out = _decoder(model)(**kw)
+        h = out.last_hidden_state  # [B, L, d], after the final norm
+        return (h if keep is None else h[:, -keep:]), out.past_key_values
+    out = model(**kw, **({} if keep is None else {"logits_to_keep": keep}))
+    return out.logits, out.past_key_values
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model's decoder (the causal LM without its output embedding): ``get_decoder()`` or ``.model``."""
+    get = getattr(model, "get_decoder", None)
+    dec = get() if callable(get) else None
+    if dec is None or dec is model:
+        dec = getattr(model, "model", None)
+    if dec is None:
+        raise ValueError(f"{type(model).__name__} has no decoder (get_decoder() / .model): actor.lm_head=fused "
+                         "needs the final hidden states")
+    return dec
+
+
+def check_fused_head(model: torch.nn.Module) -> torch.Tensor:
+    """The output embedding [V_rows, d] of an HF causal LM whose logits are exactly ``hidden @ weightᵀ``
+    (what :func:`stapo.lm_head.lm_head_token_stats` computes).
+
+    Raises:
+        ValueError: the model has no plain output embedding (a bias, or a logit scale / soft-cap in its
+            config, e.g. Gemma's ``final_logit_softcapping``), or its weight is sharded (FSDP2 DTensor).
+    """
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(f"{type(model).__name__} has no output embedding: actor.lm_head=fused needs one")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}'s output embedding has a bias: use actor.lm_head=logits")
+    cfg = getattr(model, "config", None)
+    for key, neutral in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0)):
+        v = getattr(cfg, key, neutral)
+        if v is not None and v != neutral:
+            raise ValueError(f"{type(model).__name__} scales its logits (config.{key}={v}): use actor.lm_head=logits")
+    if type(head.weight).__name__ == "DTensor" or type(head.weight.data).__name__ == "DTensor":
+        raise ValueError("the output embedding is sharded (FSDP2): use actor.lm_head=logits")
+    return head.weight
+
+
+def _response_states(model: torch.nn.Module, batch: RolloutBatch, share_prompt: bool, hidden: bool) -> torch.Tensor:
+    """[B, R, V] logits (or [B, R, d] final hidden states) at the columns ``P−1 … P+R−2``, which predict the
+    response tokens; see :func:`policy_logits` and :func:`shared_prompt_logits`."""
+    B, R = batch.response_ids.shape
+    P = batch.prompt_width
+    if P < 1:
+        raise ValueError("the batch has no prompt column: the first response token has no predictor")
+    if share_prompt:
+        key = torch.cat([batch.input_ids[:, :P], batch.attention_mask[:, :P]], dim=1)  # [B, 2P]
+        unique, inverse = torch.unique(key, dim=0, return_inverse=True)  # [U, 2P], [B] row → its prompt
+        U = unique.shape[0]
+        if U < B:
+            rows = torch.arange(B, device=inverse.device)
+            first = torch.full((U,), B, dtype=torch.long, device=inverse.device).scatter_reduce(
+                0, inverse, rows, reduce="amin")  # [U] a representative row of each prompt
+            # 1. prompt pass: [U, P] → cache of P positions, the last prompt column's output [U, 1, ·]
+            out, cache = _run(model, hidden, 1, input_ids=batch.input_ids[first, :P],
+                              attention_mask=batch.attention_mask[first, :P],
+                              position_ids=batch.position_ids[first, :P], use_cache=True)
+            first_out = out.index_select(0, inverse)  # [B, 1, ·]
+            if R == 1:
+                return first_out
+            # 2. gather each row's prompt cache
+            cache.batch_select_indices(inverse)  # every layer's keys/values: [U, h, P, d] → [B, h, P, d]
+            # 3. response pass: tokens 0 … R−2 predict tokens 1 … R−1
+            out, _ = _run(model, hidden, None, input_ids=batch.input_ids[:, P:P + R - 1],
+                          attention_mask=batch.attention_mask[:, :P + R - 1],
+                          position_ids=batch.position_ids[:, P:P + R - 1], past_key_values=cache, use_cache=True)
+            return torch.cat([first_out, out], dim=1)  # [B, R, ·]
+    out, _ = _run(model, hidden, R + 1, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                  position_ids=batch.position_ids, use_cache=False)
+    return out[:, :-1, :]  # [B, R, ·]
+
+
 def policy_logits(model: torch.nn.Module, batch: RolloutBatch, *, share_prompt: bool = False) -> torch.Tensor:
     """Logits predicting the response tokens: [B, R, V] in the model's dtype (the columns ``P−1 … P+R−2``).
 
@@ -144,14 +225,14 @@ def policy_logits(model: torch.nn.Module, batch: RolloutBatch, *, share_prompt: 
     Raises:
         ValueError: the batch has no prompt column.
     """
-    R = batch.response_ids.shape[1]
-    if batch.prompt_width < 1:
-        raise ValueError("the batch has no prompt column: the first response token has no predictor")
-    if share_prompt:
-        return shared_prompt_logits(model, batch)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False, logits_to_keep=R + 1)
-    return out.logits[:, :-1, :]  # [B, R, V]
+    return _response_states(model, batch, share_prompt, hidden=False)
+
+
+def policy_hidden(model: torch.nn.Module, batch: RolloutBatch, *, share_prompt: bool = False) -> torch.Tensor:
+    """Final hidden states (after the last norm) at the positions that predict the response tokens:
+    [B, R, d] — :func:`policy_logits` without the output embedding (``logits = hidden @ Wᵀ``), for the fused
+    LM head (:func:`stapo.lm_head.lm_head_token_stats`). Same arguments and errors as :func:`policy_logits`."""
+    return _response_states(model, batch, share_prompt, hidden=True)
 
 
 def shared_prompt_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
@@ -176,41 +257,17 @@ def shared_prompt_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.T
     Raises:
         ValueError: the batch has no prompt column.
     """
-    B, R = batch.response_ids.shape
-    P = batch.prompt_width
-    if P < 1:
-        raise ValueError("the batch has no prompt column: the first response token has no predictor")
-    key = torch.cat([batch.input_ids[:, :P], batch.attention_mask[:, :P]], dim=1)  # [B, 2P]
-    unique, inverse = torch.unique(key, dim=0, return_inverse=True)  # [U, 2P], [B] row → its prompt
-    U = unique.shape[0]
-    if U == B:  # nothing to share
-        return policy_logits(model, batch)
-    rows = torch.arange(B, device=inverse.device)
-    first = torch.full((U,), B, dtype=torch.long, device=inverse.device).scatter_reduce(
-        0, inverse, rows, reduce="amin")  # [U] a representative row of each prompt
-    # 1. prompt pass: [U, P] → cache of P positions, logits at the last prompt column [U, 1, V]
-    prompt = model(input_ids=batch.input_ids[first, :P], attention_mask=batch.attention_mask[first, :P],
-                   position_ids=batch.position_ids[first, :P], use_cache=True, logits_to_keep=1)
-    first_logits = prompt.logits.index_select(0, inverse)  # [B, 1, V]
-    if R == 1:
-        return first_logits
-    # 2. gather each row's prompt cache
-    cache = prompt.past_key_values
-    cache.batch_select_indices(inverse)  # every layer's keys/values: [U, h, P, d] → [B, h, P, d]
-    # 3. response pass: tokens 0 … R−2 predict tokens 1 … R−1
-    out = model(input_ids=batch.input_ids[:, P:P + R - 1], attention_mask=batch.attention_mask[:, :P + R - 1],
-                position_ids=batch.position_ids[:, P:P + R - 1], past_key_values=cache, use_cache=True)
-    return torch.cat([first_logits, out.logits], dim=1)  # [B, R, V]
+    return _response_states(model, batch, True, hidden=False)
 
 
 def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature: float, *,
                        entropy_grad: bool = False, vocab_size: int | None = None, backend: str = "auto",
-                       chunk_size: int | None = None, share_prompt: bool = False):
+                       chunk_size: int | None = None, share_prompt: bool = False, lm_head: str = "logits"):
     """Response tokens' log-probs, entropies and collision probabilities under ``model`` at ``temperature``.
 
     One forward pass (gradients flow if enabled by the caller; under the caller's ``torch.autocast`` the logits
     come out in bf16), then :func:`stapo.token_stats.token_stats` on the response logits / T in fp32, outside
-    autocast.
+    autocast — or, with ``lm_head="fused"``, the LM head and the statistics in one tiled pass.
 
     Args:
         model: an HF causal LM (``model(input_ids, attention_mask, position_ids, logits_to_keep=)``).
@@ -222,26 +279,48 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
             (by :func:`stapo.models.load_policy` / ``build_tiny_model``), else all columns.
         backend, chunk_size: passed to ``token_stats``.
         share_prompt: compute each distinct prompt once (see :func:`policy_logits`).
+        lm_head: ``"logits"`` — the model's own LM head makes the [B, R, V] logits, then ``token_stats``;
+            ``"fused"`` — the final hidden states and the output embedding go to
+            :func:`stapo.lm_head.lm_head_token_stats`, which never holds the [B, R, V] logits (forward or
+            backward); its GEMMs run in the autocast dtype when autocast is on. Same values up to float rounding.
 
     Returns:
         :class:`stapo.token_stats.TokenStats` with ``logprobs``, ``entropy``, ``collision``, each [B, R] fp32
         (nats; Σπ²). Positions where ``batch.response_mask`` is False hold 0 in all three.
 
     Raises:
-        ValueError: temperature <= 0 (from ``token_stats``); a batch without prompt columns.
+        ValueError: temperature <= 0 (from ``token_stats``); a batch without prompt columns; an unknown
+            ``lm_head``; ``lm_head="fused"`` on a model whose logits are not ``hidden @ Wᵀ``
+            (:func:`check_fused_head`).
     """
     from stapo.token_stats import TokenStats, token_stats
 
-    logits = policy_logits(model, batch, share_prompt=share_prompt)  # [B, R, V]
     if vocab_size is None:
         vocab_size = getattr(getattr(model, "config", None), "stapo_vocab_size", None)
-    if vocab_size is not None and vocab_size < logits.shape[-1]:
-        logits = logits[..., :vocab_size]
-    mask = batch.response_mask.to(logits.device)
-    targets = torch.where(mask, batch.response_ids.to(logits.device), 0)
-    with torch.autocast(device_type=logits.device.type, enabled=False):  # fp32 math on (bf16) logits
-        st = token_stats(logits, targets, temperature, entropy_grad=entropy_grad, backend=backend,
-                         chunk_size=chunk_size)
-    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    if lm_head == "fused":
+        from stapo.lm_head import lm_head_token_stats
+
+        weight = check_fused_head(model)  # [V_rows, d]
+        hidden = policy_hidden(model, batch, share_prompt=share_prompt)  # [B, R, d]
+        dev = hidden.device
+        mask = batch.response_mask.to(dev)
+        targets = torch.where(mask, batch.response_ids.to(dev), 0)  # [B, R]
+        cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+        vocab = vocab_size if vocab_size is not None and vocab_size < weight.shape[0] else None
+        st = lm_head_token_stats(hidden, weight, targets, temperature, vocab_size=vocab, entropy_grad=entropy_grad,
+                                 compute_dtype=cdtype, backend=backend)
+    elif lm_head == "logits":
+        logits = policy_logits(model, batch, share_prompt=share_prompt)  # [B, R, V]
+        if vocab_size is not None and vocab_size < logits.shape[-1]:
+            logits = logits[..., :vocab_size]
+        dev = logits.device
+        mask = batch.response_mask.to(dev)
+        targets = torch.where(mask, batch.response_ids.to(dev), 0)
+        with torch.autocast(device_type=dev.type, enabled=False):  # fp32 math on (bf16) logits
+            st = token_stats(logits, targets, temperature, entropy_grad=entropy_grad, backend=backend,
+                             chunk_size=chunk_size)
+    else:
+        raise ValueError(f"lm_head must be 'logits' or 'fused', got {lm_head!r}")
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
     return TokenStats(logprobs=torch.where(mask, st.logprobs, zero), entropy=torch.where(mask, st.entropy, zero),
                       collision=torch.where(mask, st.collision, zero))

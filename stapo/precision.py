@@ -33,9 +33,31 @@ from typing import Any, ContextManager
 
 import torch
 
-__all__ = ["PrecisionPolicy"]
+__all__ = ["PrecisionPolicy", "resolve_compute_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_compute_dtype(name: str, device: torch.device | str) -> str:
+    """``model.compute_dtype`` with ``"auto"`` resolved for ``device``: ``"bfloat16"`` where bf16 matmuls are
+    native — a CPU with AVX512-BF16 or AMX-BF16 (:func:`stapo.perf.native_bf16`; the measured gain is in
+    results/benchmarks/train_step.md), a CUDA GPU for which ``torch.cuda.is_bf16_supported()`` — else
+    ``"float32"`` (AVX2-only CPUs emulate bf16, which is slower than fp32). Other names are returned unchanged.
+
+    Example:
+        >>> resolve_compute_dtype("float32", "cpu")
+        'float32'
+    """
+    if name != "auto":
+        return name
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    if dev.type == "cpu":
+        from stapo.perf import native_bf16
+
+        return "bfloat16" if native_bf16() else "float32"
+    return "float32"
 
 
 @dataclass(frozen=True)
@@ -64,8 +86,10 @@ class PrecisionPolicy:
         """From a :class:`stapo.config.ModelConfig` (``param_dtype``, ``compute_dtype`` names).
 
         Raises:
-            ValueError: an unknown dtype name.
+            ValueError: an unknown dtype name, or ``"auto"`` not yet resolved (:func:`resolve_compute_dtype`).
         """
+        if model_cfg.compute_dtype == "auto":
+            raise ValueError("model.compute_dtype=auto must be resolved for the device first (resolve_compute_dtype)")
         try:
             return cls(_DTYPES[model_cfg.param_dtype], _DTYPES[model_cfg.compute_dtype])
         except KeyError as e:

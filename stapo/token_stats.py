@@ -48,6 +48,11 @@ Two interchangeable kernels compute a chunk:
 ``backend="auto"`` uses the compiled kernel and falls back to the eager one, with a one-time
 warning, if compilation (or the compiled kernel) fails; ``"compiled"`` raises instead.
 
+Both forward kernels produce raw row sums (max y, Σ e, Σ e·(y − max y), Σ e²; ``_fwd_chunk_sums``)
+before the O(n) epilogue, and the eager backward kernel accepts target columns outside the chunk
+(no one-hot term): :mod:`stapo.lm_head` uses both to run the statistics on vocabulary tiles of
+logits that are never materialised whole.
+
 Non-finite logits:
 
 * −inf entries (padded vocabulary, masked ids) get probability exactly 0: (y − max y) and log2 π are
@@ -157,11 +162,12 @@ class _Workspace:
         return self.bufs[0][:n], self.bufs[1][:n]  # [n, V] each
 
 
-def _fwd_chunk_eager(x: torch.Tensor, c: float, ws: _Workspace) -> tuple[torch.Tensor, ...]:
-    """Eager forward kernel → (m, log2 s, entropy, collision), each [n] fp32 (m, log2 s in log2 units).
+def _fwd_sums_eager(x: torch.Tensor, c: float, ws: _Workspace) -> tuple[torch.Tensor, ...]:
+    """Eager forward kernel, raw row sums → (m, Σe, Σe·(y−m), Σe²), each [n] fp32 (m in log2 units).
 
-    Uses the two workspace buffers; torch.sum on CPU is a cascade sum, so fp32 accumulation is
-    accurate (~1e-7 relative).
+    e = 2^(y − m) with y = x · c; uses the two workspace buffers; torch.sum on CPU is a cascade sum,
+    so fp32 accumulation is accurate (~1e-7 relative).  :func:`_finish_eager` turns the sums into
+    statistics; :mod:`stapo.lm_head` merges the sums of vocabulary tiles instead.
     """
     d, e = ws.get(x.shape[0])  # [n, V] fp32 each
     d.copy_(x)  # [n, V] fp32 upcast (exact)
@@ -174,10 +180,20 @@ def _fwd_chunk_eager(x: torch.Tensor, c: float, ws: _Workspace) -> tuple[torch.T
     s = e.sum(dim=-1)  # [n] Σ e
     s1 = d.mul_(e).sum(dim=-1)  # [n] Σ e·(y − m)
     s2 = e.square_().sum(dim=-1)  # [n] Σ e²
+    return m.squeeze(-1), s, s1, s2
+
+
+def _finish_eager(m, s, s1, s2) -> tuple[torch.Tensor, ...]:
+    """(m, log2 s, entropy, collision), each [n] fp32, from the eager kernel's fp32 row sums."""
     log2_s = torch.log2(s)  # [n]
     entropy = (log2_s - s1 / s) * _LN2  # [n] nats
     collision = s2 / (s * s)  # [n]
-    return m.squeeze(-1), log2_s, entropy, collision
+    return m, log2_s, entropy, collision
+
+
+def _fwd_chunk_eager(x: torch.Tensor, c: float, ws: _Workspace) -> tuple[torch.Tensor, ...]:
+    """Eager forward kernel → (m, log2 s, entropy, collision), each [n] fp32 (m, log2 s in log2 units)."""
+    return _finish_eager(*_fwd_sums_eager(x, c, ws))
 
 
 def _fwd_chunk_fused(x: torch.Tensor, c: float) -> tuple[torch.Tensor, ...]:
@@ -199,11 +215,11 @@ def _fwd_chunk_fused(x: torch.Tensor, c: float) -> tuple[torch.Tensor, ...]:
 
 
 def _finish_fused(m, s, s1, s2) -> tuple[torch.Tensor, ...]:
-    """(m, log2 s [fp64], entropy, collision) for one chunk from the compiled kernel's row sums."""
+    """(m [n] fp32, log2 s [n] fp64, entropy, collision [n] fp32) from fp64 row sums (m: [n] fp32)."""
     log2_s = s.log2()  # [n] fp64
     entropy = ((log2_s - s1 / s) * _LN2).float()  # [n] fp32, nats
     collision = (s2 / (s * s)).float()  # [n] fp32
-    return m.squeeze(-1), log2_s, entropy, collision
+    return m, log2_s, entropy, collision
 
 
 def _bwd_chunk_eager(
@@ -218,11 +234,14 @@ def _bwd_chunk_eager(
     c: float,
     inv_t: float,
     ws: _Workspace,
+    tgt_inside: bool = True,
 ) -> None:
     """Eager backward kernel: writes d loss / d x for one chunk into ``out`` ([n, V], x's dtype).
 
     out = (g_lp · (onehot − π) − g_h · π (log π + H)) / T, using the two workspace buffers;
     ``m`` and ``log2_s`` [n] are the forward's row max of y and log2 Σ 2^(y − m): log2 π = y − m − log2 s.
+    ``tgt`` [n] are column indices in this chunk; with ``tgt_inside=False`` they may lie outside
+    [0, V) (a vocabulary tile that does not hold the row's target: no one-hot term for that row).
     """
     lp, p = ws.get(x.shape[0])  # [n, V] fp32 each
     lp.copy_(x)  # [n, V] fp32 upcast
@@ -242,7 +261,12 @@ def _bwd_chunk_eager(
         grad = p.mul_(-g_lp.unsqueeze(-1))  # [n, V] −g_lp π
     if g_lp is not None:
         rows = torch.arange(x.shape[0], device=x.device)  # [n]
-        grad[rows, tgt] += g_lp  # [n, V] + g_lp · onehot(target)
+        if tgt_inside:
+            grad[rows, tgt] += g_lp  # [n, V] + g_lp · onehot(target)
+        else:  # vocabulary tile: a target outside [0, V) of this chunk adds no one-hot term
+            v = x.shape[1]
+            inside = (tgt >= 0) & (tgt < v)  # [n] bool
+            grad[rows, tgt.clamp(0, v - 1)] += torch.where(inside, g_lp, 0.0)  # [n, V] + 0 off-tile
     if inv_t != 1.0:
         grad.mul_(inv_t)  # [n, V] chain rule through z = x / T
     out.copy_(grad)  # cast to the logits' dtype
@@ -263,6 +287,7 @@ def _bwd_chunk_fused(
     """Body of the compiled backward kernel; all per-row inputs are [n] fp32 (zeros when unused).
 
     Inductor fuses it into a single pass that writes ``out`` in place (no [n, V] intermediate).
+    A target index outside [0, V) matches no column, so it adds no one-hot term (vocabulary tiles).
     """
     lp2 = (x.float() * c - m.unsqueeze(-1) - log2_s.unsqueeze(-1)).clamp_min(_LOG2_FLOOR)  # [n, V]
     p = torch.where(lp2 > _LOG2_FLOOR, lp2.exp2(), 0.0)  # [n, V] π, 0 at the floor
@@ -329,19 +354,34 @@ def _no_duck_shapes():
         return contextlib.nullcontext()
 
 
-def _fwd_chunk(x: torch.Tensor, c: float, backend: str, ws: _Workspace):
+def _fwd_chunk_sums(x: torch.Tensor, c: float, backend: str, ws: _Workspace) -> tuple[torch.Tensor, ...]:
+    """Raw row sums of one chunk x [n, V] → (m [n] fp32, Σe, Σe·(y−m), Σe² [n]), e = 2^(y − m), y = x·c.
+
+    The sums are fp64 from the compiled kernel, fp32 from the eager one (cascade-summed).
+    """
     if x.shape[0] >= 2 and _use_compiled(backend):
         try:
             with _no_duck_shapes():
                 # detach(): a plain (non-view, requires_grad=False) alias, so that dynamo guards on
                 # neither the autograd flag nor the layout of the tensor the chunk was sliced from.
-                return _finish_fused(*_get_compiled("fwd")(x.detach(), c))
+                m, s, s1, s2 = _get_compiled("fwd")(x.detach(), c)  # [n, 1] fp32, [n] fp64 ×3
+            return m.squeeze(-1), s, s1, s2
         except Exception as exc:  # noqa: BLE001 - any compile/codegen error → fallback or re-raise
             _compiled_failed(backend, exc)
-    return _fwd_chunk_eager(x, c, ws)
+    return _fwd_sums_eager(x, c, ws)
 
 
-def _bwd_chunk(out, x, m, log2_s, entropy, g_lp, g_h, tgt, c, inv_t, backend, ws) -> None:
+def _fwd_chunk(x: torch.Tensor, c: float, backend: str, ws: _Workspace):
+    """(m, log2 s, entropy, collision) [n] of one chunk (log2 s fp64 from the compiled kernel)."""
+    m, s, s1, s2 = _fwd_chunk_sums(x, c, backend, ws)
+    if s.dtype == torch.float64:
+        return _finish_fused(m, s, s1, s2)
+    return _finish_eager(m, s, s1, s2)
+
+
+def _bwd_chunk(out, x, m, log2_s, entropy, g_lp, g_h, tgt, c, inv_t, backend, ws, tgt_inside=True) -> None:
+    """d loss / d x of one chunk into ``out`` (see :func:`_bwd_chunk_eager`; ``tgt`` may fall outside
+    the chunk's columns when ``tgt_inside`` is False)."""
     if x.shape[0] >= 2 and _use_compiled(backend):
 
         def row_arg(t: torch.Tensor | None) -> torch.Tensor:
@@ -368,7 +408,7 @@ def _bwd_chunk(out, x, m, log2_s, entropy, g_lp, g_h, tgt, c, inv_t, backend, ws
             return
         except Exception as exc:  # noqa: BLE001
             _compiled_failed(backend, exc)
-    _bwd_chunk_eager(out, x, m, log2_s, entropy, g_lp, g_h, tgt, c, inv_t, ws)
+    _bwd_chunk_eager(out, x, m, log2_s, entropy, g_lp, g_h, tgt, c, inv_t, ws, tgt_inside)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -186,3 +186,58 @@ def test_shared_prompt_forward_matches_each_sequence_alone_and_the_plain_gradien
     distinct = collate_responses([responses[1], responses[4]], pad_token_id=tok.pad_token_id)
     st2 = policy_token_stats(model, distinct, temperature=0.7, backend="eager", share_prompt=True)
     torch.testing.assert_close(st2.logprobs[0, :5], shared.logprobs[1, :5], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_fused_lm_head_matches_the_logits_path_values_and_gradients(tok, share_prompt):
+    """actor.lm_head=fused: the same log-probs / entropies / collisions and the same parameter gradients
+    (the output embedding's included) as the model's own LM head + token_stats, on a model with 7 padded
+    vocabulary rows (whose weights get no gradient), at T = 0.7."""
+    model, _ = build_tiny_model(init_std=0.3, vocab_padding=7, tokenizer=tok)
+    g = torch.Generator().manual_seed(2)
+    responses = []
+    for grp, plen in enumerate([4, 6]):
+        prompt = torch.randint(3, N, (plen,), generator=g).tolist()
+        for rlen in (2, 5):
+            responses.append(_resp(grp, prompt, torch.randint(3, N, (rlen,), generator=g).tolist()))
+    batch = collate_responses(responses, pad_token_id=tok.pad_token_id)
+    grads = {}
+    stats = {}
+    for head in ("logits", "fused"):
+        model.zero_grad()
+        st = policy_token_stats(model, batch, temperature=0.7, backend="eager", share_prompt=share_prompt,
+                                lm_head=head, entropy_grad=True)
+        (st.logprobs.sum() + 0.5 * st.entropy.sum()).backward()
+        stats[head] = st
+        grads[head] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for f in ("logprobs", "entropy", "collision"):
+        torch.testing.assert_close(getattr(stats["fused"], f), getattr(stats["logits"], f), atol=2e-6, rtol=0,
+                                   msg=f)
+    for n, gl in grads["logits"].items():  # fp32 rounding of sums over ~50k vocabulary rows: ~2e-6 of the scale
+        torch.testing.assert_close(grads["fused"][n], gl, atol=1e-5 * float(gl.abs().max()) + 1e-7, rtol=1e-4, msg=n)
+    head_w = model.get_output_embeddings().weight
+    name = next(n for n, p in model.named_parameters() if p is head_w)
+    assert torch.all(grads["fused"][name][len(tok):] == 0)  # the padded rows never enter the softmax
+
+
+def test_fused_lm_head_under_bf16_autocast_uses_bf16_logits(tok):
+    """Under bf16 autocast (model.compute_dtype=bfloat16) the fused head's GEMMs run in bf16 like the model's
+    own nn.Linear: the statistics agree with the logits path to fp32 rounding of the stats kernels."""
+    model, _ = build_tiny_model(init_std=0.3, tokenizer=tok)
+    batch = collate_responses(RESPONSES, pad_token_id=tok.pad_token_id)
+    out = {}
+    for head in ("logits", "fused"):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out[head] = policy_token_stats(model, batch, temperature=1.0, backend="eager", lm_head=head)
+    torch.testing.assert_close(out["fused"].logprobs, out["logits"].logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["fused"].entropy, out["logits"].entropy, atol=1e-5, rtol=0)
+
+
+def test_fused_lm_head_refuses_scaled_logits_and_unknown_modes(tok):
+    model, _ = build_tiny_model(tokenizer=tok)
+    batch = collate_responses(RESPONSES, pad_token_id=tok.pad_token_id)
+    with pytest.raises(ValueError, match="lm_head must be 'logits' or 'fused', got 'tiled'"):
+        policy_token_stats(model, batch, 1.0, lm_head="tiled")
+    model.config.final_logit_softcapping = 30.0  # Gemma-style soft-cap: logits are not hidden @ Wᵀ
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        policy_token_stats(model, batch, 1.0, lm_head="fused")

@@ -237,3 +237,23 @@ def test_trainer_with_a_bf16_vllm_engine_and_fp32_master_weights(tmp_path):
         assert 0 < now < 0.5 * before, (now, before)
     finally:
         trainer.close()
+
+
+def test_compute_dtype_auto_resolves_by_native_bf16(monkeypatch):
+    """model.compute_dtype=auto: bfloat16 exactly where the CPU has AVX512-BF16 / AMX-BF16, else float32;
+    explicit names pass through; an unresolved auto is refused by PrecisionPolicy."""
+    from types import SimpleNamespace
+
+    from stapo import perf
+    from stapo.precision import PrecisionPolicy, resolve_compute_dtype
+
+    assert resolve_compute_dtype("float32", "cpu") == "float32"
+    assert resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"
+    monkeypatch.setattr(perf, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert resolve_compute_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setattr(perf, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert resolve_compute_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setattr(perf, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # AVX2 only: bf16 is emulated
+    assert resolve_compute_dtype("auto", "cpu") == "float32"
+    with pytest.raises(ValueError, match="compute_dtype=auto must be resolved"):
+        PrecisionPolicy.from_config(SimpleNamespace(param_dtype="float32", compute_dtype="auto"))

@@ -38,7 +38,7 @@ from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
 from stapo.cli import raise_terminated
 from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
-from stapo.precision import PrecisionPolicy
+from stapo.precision import PrecisionPolicy, resolve_compute_dtype
 from stapo.preflight import check_chat_template, check_device, check_tokenizer, check_writable
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.token_stats import TokenStats
@@ -214,6 +214,9 @@ class Trainer:
         dist.check_dp_config(cfg, self.dist)  # ConfigError naming the key (train.py: exit 2)
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = self.dist.device if self.dist.enabled else torch.device(auto if tc.device == "auto" else tc.device)
+        # model.compute_dtype=auto → bfloat16 where the device has native bf16, else float32; recorded resolved in the
+        # run's config (and compared resolved on resume)
+        cfg.model.compute_dtype = resolve_compute_dtype(cfg.model.compute_dtype, self.device)
         self._mini_rows = cfg.actor.ppo_mini_batch_size // self.dist.world * cfg.rollout.n  # this rank's rows
         model_tag = cfg.model.path.rstrip("/").split("/")[-1].replace(":", "-")
         self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
@@ -278,7 +281,7 @@ class Trainer:
         self.updater = PolicyUpdate(
             self.model, self.optimizer, self.scheduler, self.objective, self.precision, self.device, self.dist,
             temperature=cfg.rollout.temperature, share_prompt=cfg.actor.share_prompt, grad_clip=cfg.actor.grad_clip,
-            max_response_length=cfg.rollout.response_length)
+            max_response_length=cfg.rollout.response_length, lm_head=cfg.actor.lm_head)
 
         self.step = 0
         self._stepping = 1  # the step train() is in (train_step runs with self.step one lower)
