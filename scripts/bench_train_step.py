@@ -68,6 +68,17 @@ def _prompt_batches(cfg, tokenizer, n_steps: int) -> list[list[tuple[str, str]]]
     return [[(tokenizer.decode(ids), gold) for ids, gold, _ in loader.next_batch()] for _ in range(n_steps)]
 
 
+def _vm_hwm_gib() -> float:
+    """This process's peak resident memory so far (VmHWM, Linux) in GiB; NaN elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB → GiB
+    except OSError:
+        pass
+    return float("nan")
+
+
 class _StageClock:
     """Benchmark-only instrumentation of our trainer (wrappers around its methods, no trainer change): per step,
     the rollout batch's prompt / response lengths and the shape of every policy forward, and the wall time of
@@ -154,6 +165,7 @@ def run_ours(steps: int, overrides: list[str] = ()) -> dict:
                          "trainer.progress_bar=false", "trainer.save_every=0", "trainer.log_examples_every=0",
                          f"trainer.total_steps={steps + 1}", *overrides])
         trainer = Trainer(cfg)
+        rss_init = _vm_hwm_gib()  # model, optimizer (no state yet), vLLM engine started and warmed up
         trainer.save = lambda: None  # no checkpoint writes inside the timing
         clock = _StageClock(trainer)
         history = trainer.train()
@@ -161,7 +173,8 @@ def run_ours(steps: int, overrides: list[str] = ()) -> dict:
         params = sum(p.numel() for p in trainer.model.parameters())
         engine_itemsize = trainer.compute_dtype.itemsize if hasattr(trainer.compute_dtype, "itemsize") else 4
         resolved = {"compute_dtype": str(trainer.compute_dtype).removeprefix("torch."),
-                    "share_prompt": cfg.actor.share_prompt, "fused_forward": cfg.actor.fused_forward}
+                    "share_prompt": cfg.actor.share_prompt, "fused_forward": cfg.actor.fused_forward,
+                    "lm_head": cfg.actor.lm_head}
     rows = []
     for m, inst in zip(history[1:], clock.steps[1:]):
         rows.append({"step_s": m["timing_s/step"], "tokens": m["response_length/total_tokens"],
@@ -169,7 +182,7 @@ def run_ours(steps: int, overrides: list[str] = ()) -> dict:
                      "generate_s": m["timing_s/rollout"], "reward_s": m["timing_s/reward"],
                      "old_log_prob_s": m["timing_s/old_log_prob"], "update_s": m["timing_s/update"],
                      "sync_s": m["timing_s/sync"], "reward": m["critic/score/mean"], "stages": inst})
-    return {"method": "ours", "steps": rows, "model_config": model_cfg, "params": params,
+    return {"method": "ours", "steps": rows, "model_config": model_cfg, "params": params, "rss_init_gib": rss_init,
             "engine_itemsize": engine_itemsize, "resolved": resolved}
 
 
@@ -334,6 +347,9 @@ def utilisation_rows(ours: dict, peaks: dict) -> list[dict]:
         fwd_grad = sum((perf.forward_work(shape, f["rows"], f["P"], f["R"],
                                           prompts=f["prompts"] if ours["resolved"]["share_prompt"] else None)
                         for f in g["forwards"] if f["grad"]), perf.Work())
+        # the fused LM head recomputes each logits tile in the backward: one more LM-head GEMM per grad forward
+        recompute = (sum(2.0 * shape.lm_head_params * f["rows"] * f["R"] for f in g["forwards"] if f["grad"])
+                     if ours["resolved"].get("lm_head") == "fused" else 0.0)
         stats_bytes = g.get("stats_elements", 0) * g.get("stats_itemsize", 4) * 3.0  # fwd read; bwd read + write
         opt_bytes = params * 36.0  # AdamW: read p, g, m, v (16 B) + write p, m, v (12 B); clip: read g twice (8 B)
         sync_bytes = params * (4.0 + 2.0 * ours["engine_itemsize"])  # read fp32, write the cast, engine copy-in
@@ -353,12 +369,15 @@ def utilisation_rows(ours: dict, peaks: dict) -> list[dict]:
              f"GEMM at {upd_rate:.0f} GFLOP/s {cdt}"),
             ("update: token statistics fwd + bwd", stats_s, 0.0, stats_bytes, stats_bytes / copy_bw / 1e9,
              f"logits read (fwd, bwd) + grad written, at {copy_bw:.0f} GB/s"),
-            ("update: backward (excl. token stats)", bwd_s, 2.0 * fwd_grad.flops, 0.0,
-             2.0 * fwd_grad.flops / upd_rate / 1e9, f"2× the grad forwards, GEMM at {upd_rate:.0f} GFLOP/s {cdt}"),
+            ("update: backward (excl. token stats)", bwd_s, 2.0 * fwd_grad.flops + recompute, 0.0,
+             (2.0 * fwd_grad.flops + recompute) / upd_rate / 1e9,
+             f"2× the grad forwards{' + the fused head recompute' if recompute else ''}, GEMM at {upd_rate:.0f} "
+             f"GFLOP/s {cdt}"),
             ("update: grad clip + AdamW", g.get("optimizer_s", 0.0), 0.0, opt_bytes, opt_bytes / copy_bw / 1e9,
              f"36 B/parameter at {copy_bw:.0f} GB/s"),
-            ("update stage total", upd_s, fwd.flops + 2.0 * fwd_grad.flops, stats_bytes + opt_bytes,
-             (fwd.flops + 2.0 * fwd_grad.flops) / upd_rate / 1e9, f"all update FLOPs at the {cdt} GEMM rate"),
+            ("update stage total", upd_s, fwd.flops + 2.0 * fwd_grad.flops + recompute, stats_bytes + opt_bytes,
+             (fwd.flops + 2.0 * fwd_grad.flops + recompute) / upd_rate / 1e9,
+             f"all update FLOPs at the {cdt} GEMM rate"),
             ("weight sync", st["sync_s"], 0.0, sync_bytes, sync_bytes / copy_bw / 1e9, "cast + copy into vLLM"),
         ]
         per_step.append(stages)
@@ -446,6 +465,7 @@ def main() -> None:
     if args.ours_overrides:
         cmd += f" --ours-overrides {' '.join(args.ours_overrides)}"
     resolved = (ours_res or {}).get("resolved", {})
+    rss_init = (ours_res or {}).get("rss_init_gib")
     lines = [
         "# Training-step benchmark: stapo trainer vs TRL GRPOTrainer, with the step's utilisation",
         "",
@@ -461,7 +481,9 @@ def main() -> None:
         f"- Machine: {probes[0]['machine']}" + (f", trl {__import__('trl').__version__}" if trl_rates else ""),
         f"- Load average (1/5/15 min) before / after: {load_before} / {load_after}",
         f"- Ours resolved: compute dtype {resolved.get('compute_dtype', '?')}, share_prompt "
-        f"{resolved.get('share_prompt', '?')}, fused_forward {resolved.get('fused_forward', '?')}",
+        f"{resolved.get('share_prompt', '?')}, fused_forward {resolved.get('fused_forward', '?')}, lm_head "
+        f"{resolved.get('lm_head', '?')}" + (f"; ours' peak RSS after start-up (policy, optimizer, vLLM engine "
+                                              f"warmed up): {rss_init:.1f} GiB" if rss_init else ""),
         "",
         "| method | timed steps | response tokens / step | s / step | rollout s | old log-prob s | update s | "
         "sync s | tokens / s | ratio to TRL's fastest | peak RSS GiB |",
@@ -509,7 +531,9 @@ def main() -> None:
                          f"{_num(r['floor_s'], 2)} | {pct} | {r['basis']} |")
         lines += ["", "FLOPs are model FLOPs (stapo/perf.py: 2·M·K·N per matmul, causal attention, backward = 2×",
                   "forward; the update's forwards are counted as executed, padding included). \"floor / time\" is the",
-                  "fraction of the machine's measured limit the stage reaches (100 % = at the limit)."]
+                  "fraction of the machine's measured limit the stage reaches (100 % = at the limit). With",
+                  "`actor.lm_head=fused` the token statistics run inside the LM head's tiles: their time is in the",
+                  "forward and backward rows (the token-statistics row is then empty)."]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
