@@ -27,7 +27,7 @@ import torch
 from stapo.rollout.base import Response
 
 __all__ = ["RolloutBatch", "collate_responses", "policy_hidden", "policy_logits", "policy_token_stats",
-           "shared_prompt_logits", "check_fused_head"]
+           "shared_prompt_logits", "check_fused_head", "policy_decoder"]
 
 
 @dataclass
@@ -132,14 +132,14 @@ def _run(model: torch.nn.Module, hidden: bool, keep: int | None, **kw):
     """One forward → (the last ``keep`` positions' logits [B, keep, V] or, with ``hidden``, final hidden states
     [B, keep, d]; the KV cache when ``use_cache``). ``keep=None``: every position."""
     if hidden:
-        out = _decoder(model)(**kw)
+        out = policy_decoder(model)(**kw)
         h = out.last_hidden_state  # [B, L, d], after the final norm
         return (h if keep is None else h[:, -keep:]), out.past_key_values
     out = model(**kw, **({} if keep is None else {"logits_to_keep": keep}))
     return out.logits, out.past_key_values
 
 
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+def policy_decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The HF model's decoder (the causal LM without its output embedding): ``get_decoder()`` or ``.model``."""
     get = getattr(model, "get_decoder", None)
     dec = get() if callable(get) else None

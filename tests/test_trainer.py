@@ -466,6 +466,35 @@ def test_mask_stats_source_old_uses_the_old_policy_statistics_for_later_mini_bat
     assert (old["forward_all"], cur["forward_all"]) == (1, 2)  # the old pass; + the current-policy pass
 
 
+def test_fused_lm_head_gives_the_same_masks_loss_and_update(tmp_path, monkeypatch):
+    """actor.lm_head=fused (stapo/lm_head.py: tiled LM head + token statistics, shared prompt and fused forward
+    on, as in the CPU configs) against the model's own LM head: the same masks, losses and weights after 2 steps;
+    a model whose logits are not hidden @ Wᵀ is refused at start-up naming the key."""
+    common = ["trainer.save_every=0", "actor.share_prompt=true", "actor.fused_forward=true"]
+    runs = {}
+    for head in ("logits", "fused"):
+        t = make_trainer(str(tmp_path / head), [*common, f"actor.lm_head={head}"])
+        runs[head] = (_comparable(t.train()), {k: v.detach().clone() for k, v in t.model.named_parameters()})
+    (h0, p0), (h1, p1) = runs["logits"], runs["fused"]
+    assert h0[0]["s2t/num_masked"] > 0  # the mask is exercised
+    for m0, m1 in zip(h0, h1):
+        assert m0.keys() == m1.keys()
+        for k in m0:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
+    for k in p0:  # tolerance: see test_fused_forward_gives_the_same_masks_loss_and_update
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)
+    import stapo.policy
+    from stapo.config import ConfigError
+
+    def soft_capped(model):
+        raise ValueError("Qwen3ForCausalLM scales its logits (config.final_logit_softcapping=30.0): use "
+                         "actor.lm_head=logits")
+
+    monkeypatch.setattr(stapo.policy, "check_fused_head", soft_capped)
+    with pytest.raises(ConfigError, match=r"'actor.lm_head' \('fused'\): .*final_logit_softcapping"):
+        make_trainer(str(tmp_path / "capped"), [*common, "actor.lm_head=fused"])
+
+
 @pytest.mark.slow  # `pytest -m slow` (keeps the default suite near 10 min)
 def test_sort_by_length_false_keeps_rollout_order_with_the_same_results(tmp_path):
     from stapo.train.plan import micro_batches

@@ -258,6 +258,14 @@ class Trainer:
         # FSDP2: sharded in place (bf16 all-gathers, fp32 reduce-scatter when mixed); before the optimizer
         self.model = dist.wrap_policy(self.model, self.dist, mp_policy=self.precision.fsdp_mp_policy())
         self._check_param_dtype()
+        if cfg.actor.lm_head == "fused":  # the fused head needs logits = hidden @ Wᵀ: say so now, not at step 1
+            from stapo.policy import check_fused_head, policy_decoder
+
+            try:
+                check_fused_head(self.model)
+                policy_decoder(self.model)
+            except ValueError as e:
+                raise ConfigError(f"invalid value for 'actor.lm_head' ('fused'): {e}") from None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
             betas=tuple(cfg.actor.betas))
