@@ -34,7 +34,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as _dt
 import json
 import os
@@ -57,36 +56,15 @@ METHODS = {
 BASELINE = {"current_fwd": "current_fwd", "current_fwdbwd": "current_fwdbwd", "fused_fwd": "current_fwd",
             "fused_fwdbwd": "current_fwdbwd"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# Shared with the token-statistics benchmark (same folder): peak-RSS reset, /proc readers, formatting.
+from bench_token_stats import _fmt, _load, _mem_available, _proc_status, _reset_peak  # noqa: E402
+
 _NOTES_MARK = "<!-- hand-written notes below: kept when the script rewrites this file -->"
 
 
 # --------------------------------------------------------------------------------------------------
 # Worker side (one method, one compute dtype, one d; fresh process).
 # --------------------------------------------------------------------------------------------------
-
-
-def _proc_status() -> dict[str, int]:
-    text = Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"{k}:\s+(\d+) kB", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
-
-
-_LIBC = None
-
-
-def _reset_peak() -> int:
-    """Trim glibc's free lists, reset the peak-RSS counter; return the current RSS in bytes."""
-    global _LIBC
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL("libc.so.6")
-        _LIBC.malloc_trim(0)
-    except OSError:
-        pass
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # falls back to the process-lifetime peak (an over-estimate)
-    return _proc_status()["VmRSS"]
 
 
 def _make_inputs(n: int, d: int, v_rows: int, vocab: int, seed: int = 0):
@@ -188,11 +166,6 @@ def worker(args) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _mem_available() -> int:
-    text = Path("/proc/meminfo").read_text()
-    return int(re.search(r"MemAvailable:\s+(\d+) kB", text).group(1)) * 1024
-
-
 def _need_bytes(args, method: str, dtype: str, d: int) -> int:
     """Rough peak of a worker (inputs + what the method allocates), for the out-of-memory guard."""
     itemsize = {"fp32": 4, "bf16": 2}[dtype]
@@ -251,17 +224,6 @@ def _machine() -> dict[str, str]:
         pass
     info["torch_threads"] = str(torch.get_num_threads())
     return info
-
-
-def _load() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[0:3])
-    except OSError:
-        return "?"
-
-
-def _fmt(x, spec):
-    return "—" if x is None else format(x, spec)
 
 
 def main() -> None:

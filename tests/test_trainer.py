@@ -221,15 +221,10 @@ def test_fused_forward_gives_the_same_masks_loss_and_update(tmp_path, objective,
         runs[fused] = (_comparable(history), {k: v.detach().clone() for k, v in trainer.model.named_parameters()})
     (h0, p0), (h1, p1) = runs[False], runs[True]
     assert h0[0].get("s2t/num_masked", 1) > 0 or objective != "stapo"  # the mask is exercised
-    for m0, m1 in zip(h0, h1):
-        assert m0.keys() == m1.keys()
-        for k in m0:
-            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
     # Adam divides by sqrt(v): a gradient near 0 turns rounding-level differences (another summation order) into
     # update differences up to ~lr; 2 steps at lr 1e-3 move weights by up to 2e-3, so 5e-5 is 2.5 % of that (seen:
     # ≤ 1.4e-5 on one weight of 2048; a wrong mask or denominator moves most weights by ~lr).
-    for k in p0:
-        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)
+    _assert_same_runs(h0, p0, h1, p1)
 
 
 def test_training_prompts_from_a_user_file(tmp_path):
@@ -466,6 +461,17 @@ def test_mask_stats_source_old_uses_the_old_policy_statistics_for_later_mini_bat
     assert (old["forward_all"], cur["forward_all"]) == (1, 2)  # the old pass; + the current-policy pass
 
 
+def _assert_same_runs(h0, p0, h1, p1) -> None:
+    """Two runs that must agree up to float rounding: every step's metrics (rel 1e-4) and the final weights
+    (tolerance: see test_fused_forward_gives_the_same_masks_loss_and_update)."""
+    for m0, m1 in zip(h0, h1):
+        assert m0.keys() == m1.keys()
+        for k in m0:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
+    for k in p0:
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)
+
+
 def test_fused_lm_head_gives_the_same_masks_loss_and_update(tmp_path, monkeypatch):
     """actor.lm_head=fused (stapo/lm_head.py: tiled LM head + token statistics, shared prompt and fused forward
     on, as in the CPU configs) against the model's own LM head: the same masks, losses and weights after 2 steps;
@@ -477,12 +483,7 @@ def test_fused_lm_head_gives_the_same_masks_loss_and_update(tmp_path, monkeypatc
         runs[head] = (_comparable(t.train()), {k: v.detach().clone() for k, v in t.model.named_parameters()})
     (h0, p0), (h1, p1) = runs["logits"], runs["fused"]
     assert h0[0]["s2t/num_masked"] > 0  # the mask is exercised
-    for m0, m1 in zip(h0, h1):
-        assert m0.keys() == m1.keys()
-        for k in m0:
-            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
-    for k in p0:  # tolerance: see test_fused_forward_gives_the_same_masks_loss_and_update
-        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)
+    _assert_same_runs(h0, p0, h1, p1)
     import stapo.policy
     from stapo.config import ConfigError
 
@@ -512,12 +513,7 @@ def test_sort_by_length_false_keeps_rollout_order_with_the_same_results(tmp_path
         runs[sort] = (_comparable(t.train()), {k: v.detach().clone() for k, v in t.model.named_parameters()})
     (h0, p0), (h1, p1) = runs[True], runs[False]
     assert h0[0]["s2t/num_masked"] > 0  # the mask is exercised
-    for m0, m1 in zip(h0, h1):
-        assert m0.keys() == m1.keys()
-        for k in m0:
-            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5, nan_ok=True), k
-    for k in p0:  # tolerance: see test_fused_forward_gives_the_same_masks_loss_and_update
-        torch.testing.assert_close(p1[k], p0[k], rtol=1e-4, atol=5e-5)
+    _assert_same_runs(h0, p0, h1, p1)
 
 
 @pytest.mark.parametrize("objective, prefix", [("stapo_high_entropy", "s2t_high_entropy"),
