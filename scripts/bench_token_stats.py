@@ -292,6 +292,9 @@ def _machine() -> dict[str, str]:
     except ImportError:
         info["trl"] = "not installed"
     info["torch_threads"] = str(torch.get_num_threads())
+    from stapo.perf import machine_line
+
+    info["flags"] = machine_line().split(", flags ", 1)[1].split(", torch ", 1)[0]  # the SIMD flags that matter
     return info
 
 
@@ -401,7 +404,7 @@ warm-up call, each (method, dtype) in a fresh subprocess.  All ratios are to the
 
 - Command: `{cmd.strip()}`
 - Date: {started.strftime('%Y-%m-%d %H:%M %Z')}
-- Machine: {info['cpu']}, nproc = {info['nproc']} (torch threads {info['torch_threads']}), torch {info['torch']}, trl {info['trl']}
+- Machine: {info['cpu']}, nproc = {info['nproc']} (torch threads {info['torch_threads']}), CPU flags {info['flags']}, torch {info['torch']}, trl {info['trl']}
 - Load average (1/5/15 min) before / after the run: {load_before} / {load_after}
 
 {table}
