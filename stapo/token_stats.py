@@ -40,7 +40,9 @@ Two interchangeable kernels compute a chunk:
   cascade with 4096-long sequential runs per SIMD lane, which is ~1e-5 off in entropy at
   V = 151,936; fp64 accumulation costs a few percent and gives ~1e-8).  The first call of each kernel
   compiles it (seconds; see results/benchmarks/token_stats.md); later calls reuse it for any chunk
-  length, vocabulary size and temperature.  A chunk of exactly one row is run by the eager kernel
+  length, vocabulary size and temperature.  bf16/fp16 logits are upcast (exactly) a few rows at a time into
+  one cache-sized fp32 buffer and run through the fp32 kernel (see ``_UPCAST_BYTES``: inductor's kernel reading
+  bf16 directly was slower than the eager kernel on an AVX-512 CPU).  A chunk of exactly one row is run by the eager kernel
   (torch.compile specialises the sizes 0 and 1, which would cost a recompilation).
 * ``"eager"``: plain PyTorch ops on a chunk, with two fp32 chunk buffers ([chunk, V] each) as the only
   temporaries; ``torch.sum`` on CPU uses cascade summation, so fp32 accumulation is accurate here.
@@ -116,6 +118,18 @@ _LOG2E = 1.0 / math.log(2.0)
 # launches (~0.3 ms of Python/guard overhead each).
 _EAGER_CHUNK_BYTES = 5 * 2**19
 _COMPILED_CHUNK_ROWS = 256
+# Compiled forward on bf16/fp16 logits: each chunk is upcast, _UPCAST_BYTES of fp32 rows at a time (13 rows at
+# V = 151,936, cache-resident), into a reused buffer, and the fp32 kernel runs on it.  Inductor's kernel reading
+# bf16 directly was slower than the eager kernel on an AVX-512 + AVX512-BF16 EPYC (issue 15: 1.18x vs 0.65x of
+# logsumexp) although it was the fastest on an AVX2-only one (results/benchmarks/token_stats.md); with the upcast
+# the compiled bf16 row is 0.10x there (results/benchmarks/token_stats_bf16_avx512.md), and the path no longer
+# depends on how inductor vectorises mixed bf16 / fp64 loops on a given CPU.
+_UPCAST_BYTES = 8 * 2**20
+
+
+def _upcast_rows(vocab: int) -> int:
+    """Rows per upcast sub-chunk (≥ 2: a 1-row compiled call would recompile, see ``_chunks``)."""
+    return max(2, _UPCAST_BYTES // (4 * max(vocab, 1)))
 
 
 @dataclass
@@ -150,6 +164,13 @@ class _Workspace:
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
         self.rows, self.vocab, self.device = rows, vocab, device
         self.bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def upcast_buffer(self, n: int) -> torch.Tensor:
+        """An fp32 [n, V] buffer (n ≤ :data:`_upcast_rows`) for the compiled kernel's bf16/fp16 path."""
+        buf = getattr(self, "_upcast", None)
+        if buf is None or buf.shape[0] < n:
+            buf = self._upcast = torch.empty((n, self.vocab), dtype=torch.float32, device=self.device)  # [n, V]
+        return buf[:n]
 
     def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.bufs is None or n > self.rows:
@@ -362,6 +383,8 @@ def _fwd_chunk_sums(x: torch.Tensor, c: float, backend: str, ws: _Workspace) -> 
     if x.shape[0] >= 2 and _use_compiled(backend):
         try:
             with _no_duck_shapes():
+                if x.dtype != torch.float32:
+                    return _fwd_sums_upcast(x, c, ws)
                 # detach(): a plain (non-view, requires_grad=False) alias, so that dynamo guards on
                 # neither the autograd flag nor the layout of the tensor the chunk was sliced from.
                 m, s, s1, s2 = _get_compiled("fwd")(x.detach(), c)  # [n, 1] fp32, [n] fp64 ×3
@@ -369,6 +392,22 @@ def _fwd_chunk_sums(x: torch.Tensor, c: float, backend: str, ws: _Workspace) -> 
         except Exception as exc:  # noqa: BLE001 - any compile/codegen error → fallback or re-raise
             _compiled_failed(backend, exc)
     return _fwd_sums_eager(x, c, ws)
+
+
+def _fwd_sums_upcast(x: torch.Tensor, c: float, ws: _Workspace) -> tuple[torch.Tensor, ...]:
+    """Compiled forward on a bf16/fp16 chunk x [n, V]: sub-chunks of :func:`_upcast_rows` rows are upcast
+    (exactly) into one fp32 buffer and run through the fp32 kernel → (m [n] fp32, Σe, Σe·(y−m), Σe² [n] fp64)."""
+    if ws.vocab != x.shape[1]:
+        ws = _Workspace(1, x.shape[1], x.device)
+    parts = []
+    for a, b in _chunks(x.shape[0], _upcast_rows(x.shape[1]), "compiled"):
+        buf = ws.upcast_buffer(b - a)  # [b − a, V] fp32
+        buf.copy_(x[a:b])  # exact upcast
+        m, s, s1, s2 = _get_compiled("fwd")(buf, c)  # [b − a, 1] fp32, [b − a] fp64 ×3
+        parts.append((m.squeeze(-1), s, s1, s2))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat([q[i] for q in parts]) for i in range(4))  # [n] each
 
 
 def _fwd_chunk(x: torch.Tensor, c: float, backend: str, ws: _Workspace):
