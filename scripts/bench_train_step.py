@@ -47,6 +47,10 @@ OVERRIDES = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.pp
              "rollout.response_length=128", "data.max_prompt_length=256"]
 
 
+# the memory-saving variant (--methods ours-lowmem): the Â > 0 rows' graphs are rebuilt after the mask, not kept
+LOWMEM = ["actor.deferred_graphs=recompute"]
+
+
 def _load_cfg(extra: list[str]):
     from stapo.config import load_config
 
@@ -301,8 +305,9 @@ def _spawn(method: str, args, probe_shape: str | None = None) -> dict:
     """One worker in a fresh process → its JSON result (exits with a one-line message if it fails)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--worker", method, out,
-           "--ours-overrides", *args.ours_overrides]
+    overrides = [*args.ours_overrides, *LOWMEM] if method == "ours-lowmem" else args.ours_overrides
+    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--worker", method.removesuffix("-lowmem"), out,
+           "--ours-overrides", *overrides]
     if probe_shape:
         cmd += ["--probe-shape", probe_shape]
     proc = subprocess.run(cmd, cwd=REPO)
@@ -398,7 +403,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="alternating (ours, TRL) rounds")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per run (after one warm-up step)")
-    ap.add_argument("--methods", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
+    ap.add_argument("--methods", nargs="+", default=["ours", "trl"], choices=["ours", "ours-lowmem", "trl"],
+                    help="ours-lowmem: ours with actor.deferred_graphs=recompute (the memory-saving variant)")
     ap.add_argument("--trl-configs", nargs="+", default=["fp32-gc"], choices=sorted(TRL_CONFIGS),
                     help="TRL variants to run (autocast dtype, gradient checkpointing; TRL's default: fp32-gc)")
     ap.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "train_step.md"))
@@ -421,7 +427,7 @@ def main() -> None:
     shape_file.write((embedded_model_path() / "config.json").read_text())
     shape_file.close()
     load_before = _load()
-    methods = [m for m in args.methods if m == "ours"] + [f"trl:{v}" for v in args.trl_configs
+    methods = [m for m in args.methods if m.startswith("ours")] + [f"trl:{v}" for v in args.trl_configs
                                                           if "trl" in args.methods]
     probes = [_spawn("probe", args, shape_file.name)]
     print(f"probe: {json.dumps({k: v for k, v in probes[0].items() if k != 'machine'})}", flush=True)
@@ -496,6 +502,7 @@ def main() -> None:
     for m, s in summary.items():
         ratio = f"{s['tok_s'] / base:.2f}×" if base else "—"
         name = ("stapo Trainer (vLLM-CPU rollouts)" if m == "ours"
+                else f"stapo Trainer, {' '.join(LOWMEM)}" if m == "ours-lowmem"
                 else f"TRL GRPOTrainer (HF generate), {m.split(':', 1)[1]}")
         lines.append(f"| {name} | {s['n']} | {s['tokens']:.0f} | {f(s['step_s'])} | {f(s['rollout_s'])} | "
                      f"{f(s['old_log_prob_s'])} | {f(s['update_s'])} | {f(s['sync_s'])} | {s['tok_s']:.1f} | {ratio} | "

@@ -177,6 +177,12 @@ class ActorConfig:
     # memory ≈ the activations of the kept rows, so it suits small mini-batches (the CPU configs), not the
     # paper's 512-response, 16k-token mini-batches.
     fused_forward: bool = False
+    # With fused_forward, what happens to the graphs of the rows the mask may touch until the mask is built:
+    # keep — held in memory (fastest; memory ≈ their activations, ~8 GiB for 32 responses × 230 tokens of
+    # SmolLM2 in bf16); recompute — those rows are forwarded without grad for the mask's statistics, then forwarded
+    # again with grad one micro-batch at a time after the mask (one more forward of those rows, ~+15 % update
+    # time; memory ≈ one micro-batch). Same masks, loss and update either way up to float rounding.
+    deferred_graphs: Literal["keep", "recompute"] = "keep"
     # How the token statistics leave the model: logits — the LM head makes [tokens, V] logits, then the chunked
     # token_stats kernels; fused — the final hidden states and the output embedding go to stapo/lm_head.py, which
     # computes log p, H and Σπ² in vocabulary tiles (online log-sum-exp) and recomputes them per tile in the
@@ -709,7 +715,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.device", "trainer.data_parallel", "trainer.import_modules", "trainer.save_on_interrupt",
     "logging", "validation",
     "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
-    "actor.lm_head",
+    "actor.lm_head", "actor.deferred_graphs",
     "model.gradient_checkpointing", "model.attn_implementation", "model.cache_dir", "model.allow_low_precision_params",
     "data.root",
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",

@@ -289,7 +289,8 @@ class Trainer:
         self.updater = PolicyUpdate(
             self.model, self.optimizer, self.scheduler, self.objective, self.precision, self.device, self.dist,
             temperature=cfg.rollout.temperature, share_prompt=cfg.actor.share_prompt, grad_clip=cfg.actor.grad_clip,
-            max_response_length=cfg.rollout.response_length, lm_head=cfg.actor.lm_head)
+            max_response_length=cfg.rollout.response_length, lm_head=cfg.actor.lm_head,
+            deferred_graphs=cfg.actor.deferred_graphs)
 
         self.step = 0
         self._stepping = 1  # the step train() is in (train_step runs with self.step one lower)

@@ -13,6 +13,7 @@ computation when W = 1.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -68,17 +69,18 @@ class PolicyUpdate:
         grad_clip: ``actor.grad_clip`` (max total grad norm).
         max_response_length: L of ``seq-mean-token-sum-norm``.
         lm_head: ``actor.lm_head`` (``logits`` | ``fused``: :func:`stapo.policy.policy_token_stats`).
+        deferred_graphs: ``actor.deferred_graphs`` (``keep`` | ``recompute``: :meth:`_MiniBatch.backward_own_forward`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  objective: Objective, precision: PrecisionPolicy, device: torch.device, ctx: dist.DistContext, *,
                  temperature: float, share_prompt: bool, grad_clip: float, max_response_length: int,
-                 lm_head: str = "logits") -> None:
+                 lm_head: str = "logits", deferred_graphs: str = "keep") -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.objective, self.precision, self.device, self.ctx = objective, precision, device, ctx
         self.temperature, self.share_prompt = temperature, share_prompt
         self.grad_clip, self.max_response_length = grad_clip, max_response_length
-        self.lm_head = lm_head
+        self.lm_head, self.deferred_graphs = lm_head, deferred_graphs
 
     # --- forwards --------------------------------------------------------------------------------------------
     def forward(self, batch, idx: torch.Tensor, model: torch.nn.Module | None = None) -> TokenStats:
@@ -189,21 +191,26 @@ class _MiniBatch:
     def backward_own_forward(self) -> TokenMask:
         """The fused path: the mask's statistics come from the update's own forwards.
 
-        1. Deferred rows (those the mask may touch) are forwarded WITH grad and their graphs kept.
+        1. Deferred rows (those the mask may touch) are forwarded WITH grad and their graphs kept
+           (``deferred_graphs="keep"``), or forwarded without grad (``"recompute"``).
         2. The other rows are forwarded and backwarded at once: their keep-mask is their response mask.
-        3. The mask is built from the detached statistics of the whole mini-batch; the deferred backwards run.
+        3. The mask is built from the detached statistics of the whole mini-batch; the deferred backwards run
+           (``"recompute"``: each deferred micro-batch is forwarded again with grad just before its backward).
         4. The micro-batch losses were sums (denominator 1); the gradient is divided by N once it is known.
 
         With ``fills_old`` (first mini-batch, π_θ = π_old) the forwards' detached statistics are the old-policy
-        statistics (ratio 1). Memory ≈ the activations of the deferred micro-batches.
+        statistics (ratio 1, up to rounding under ``"recompute"``). Memory ≈ the activations of the deferred
+        micro-batches (``"keep"``) or of one micro-batch (``"recompute"``).
         """
         up, mb, rows, old = self.up, self.mb, self.mb.rows, self.old
         B, R = self.response_mask.shape
         stat_logp, stat_ent = torch.zeros(B, R), torch.zeros(B, R)  # [B, R] fp32, this mini-batch's rows filled
         pending = []
+        recompute = up.deferred_graphs == "recompute"
         for micro in mb.forwards:
             idx = micro.rows  # [b]
-            st = up.forward(self.rollout.batch, idx)  # [b, r], grad
+            with torch.no_grad() if micro.deferred and recompute else contextlib.nullcontext():
+                st = up.forward(self.rollout.batch, idx)  # [b, r], grad unless recomputed later
             r = st.logprobs.shape[1]
             logp, ent = st.logprobs.detach().float().cpu(), st.entropy.detach().float().cpu()  # [b, r]
             stat_logp[idx, :r], stat_ent[idx, :r] = logp, ent
@@ -211,7 +218,7 @@ class _MiniBatch:
                 old.logprobs[idx, :r], old.entropy[idx, :r] = logp, ent
                 old.collision[idx, :r] = st.collision.detach().float().cpu()
             if micro.deferred:
-                pending.append((idx, st))
+                pending.append((idx, None if recompute else st))
             else:
                 self._backward(idx, st, self.response_mask[idx, :r], 1.0)
         tm = up.token_mask(stat_logp[rows], stat_ent[rows], self.rollout.advantages[rows], self.response_mask[rows])
@@ -219,6 +226,8 @@ class _MiniBatch:
         check_mask_result(up.objective.token_mask, tm.keep, self.response_mask[rows], self.rollout.advantages[rows])
         for k, (idx, st) in enumerate(pending):
             pending[k] = None  # the backward frees this graph
+            if st is None:  # "recompute": this micro-batch's graph is built now
+                st = up.forward(self.rollout.batch, idx)  # [b, r], grad
             self._backward(idx, st, self._keep_of(tm.keep, idx, st), 1.0)
         denom = dist.rank_loss_denominator(tm.keep, up.objective.loss_agg_mode, up.ctx,
                                            max_response_length=up.max_response_length)  # N / W
