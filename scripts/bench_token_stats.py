@@ -294,7 +294,10 @@ def _machine() -> dict[str, str]:
     info["torch_threads"] = str(torch.get_num_threads())
     from stapo.perf import machine_line
 
-    info["flags"] = machine_line().split(", flags ", 1)[1].split(", torch ", 1)[0]  # the SIMD flags that matter
+    line = machine_line()
+    info["flags"] = line.split(", flags ", 1)[1].split(", torch ", 1)[0]  # the SIMD flags that matter
+    if ", kernels capped at " in line:  # ATEN_CPU_CAPABILITY set: say so next to the flags
+        info["flags"] += " (" + line.split(", kernels capped at ", 1)[1] + ")"
     return info
 
 

@@ -178,10 +178,11 @@ class ActorConfig:
     # paper's 512-response, 16k-token mini-batches.
     fused_forward: bool = False
     # With fused_forward, what happens to the graphs of the rows the mask may touch until the mask is built:
-    # keep — held in memory (fastest; memory ≈ their activations, ~8 GiB for 32 responses × 230 tokens of
-    # SmolLM2 in bf16); recompute — those rows are forwarded without grad for the mask's statistics, then forwarded
-    # again with grad one micro-batch at a time after the mask (one more forward of those rows, ~+15 % update
-    # time; memory ≈ one micro-batch). Same masks, loss and update either way up to float rounding.
+    # keep — held in memory (fastest; memory ≈ their activations); recompute — those rows are forwarded without
+    # grad for the mask's statistics, then again with grad one micro-batch at a time after the mask (one more
+    # forward of those rows; memory ≈ one micro-batch). On the CPU benchmark workload (64 responses, micro-batches
+    # of 16): 2-3 % slower, peak RSS 10.8 -> 8.2 GiB (results/benchmarks/train_step.md). Same masks, loss and
+    # update either way up to float rounding (tested).
     deferred_graphs: Literal["keep", "recompute"] = "keep"
     # How the token statistics leave the model: logits — the LM head makes [tokens, V] logits, then the chunked
     # token_stats kernels; fused — the final hidden states and the output embedding go to stapo/lm_head.py, which

@@ -51,7 +51,8 @@ def native_bf16() -> bool:
 
 def machine_line() -> str:
     """One line naming the CPU, its core count, the SIMD flags that decide kernel speed, and torch's version,
-    e.g. ``AMD EPYC, 2 cores, flags avx2 avx512f avx512_bf16, torch 2.13.0+cpu, 2 threads``."""
+    e.g. ``AMD EPYC, 2 cores, flags avx2 avx512f avx512_bf16, torch 2.13.0+cpu, 2 threads``, followed by
+    ``, kernels capped at ATEN_CPU_CAPABILITY=avx2`` when that variable is set."""
     import os
     import platform
 
@@ -66,8 +67,11 @@ def machine_line() -> str:
         pass
     wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
     flags = " ".join(f for f in wanted if f in cpu_flags()) or "none of " + "/".join(wanted)
+    # ATEN_CPU_CAPABILITY caps the SIMD level ATen's kernels and inductor's generated code use (e.g. avx2 on an
+    # AVX-512 CPU: the code paths of an AVX2-only machine, not its micro-architecture)
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
     return (f"{name}, {os.cpu_count()} cores, flags {flags}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+            f"{torch.get_num_threads()} threads" + (f", kernels capped at ATEN_CPU_CAPABILITY={cap}" if cap else ""))
 
 
 def _median_time(fn, reps: int) -> float:

@@ -122,7 +122,7 @@ _COMPILED_CHUNK_ROWS = 256
 # V = 151,936, cache-resident), into a reused buffer, and the fp32 kernel runs on it.  Inductor's kernel reading
 # bf16 directly was slower than the eager kernel on an AVX-512 + AVX512-BF16 EPYC (issue 15: 1.18x vs 0.65x of
 # logsumexp) although it was the fastest on an AVX2-only one (results/benchmarks/token_stats.md); with the upcast
-# the compiled bf16 row is 0.10x there (results/benchmarks/token_stats_bf16_avx512.md), and the path no longer
+# the compiled bf16 row is 0.10-0.19x there (results/benchmarks/token_stats_avx512.md), and the path no longer
 # depends on how inductor vectorises mixed bf16 / fp64 loops on a given CPU.
 _UPCAST_BYTES = 8 * 2**20
 

@@ -1,5 +1,6 @@
 """stapo.perf: the FLOP / byte counts of the utilisation report, worked by hand on a tiny shape."""
 import math
+import os
 
 import pytest
 import torch
@@ -73,4 +74,5 @@ def test_from_hf_config_defaults_head_dim():
 def test_machine_line_names_flags():
     line = perf.machine_line()
     assert "cores" in line and torch.__version__ in line
+    assert ("ATEN_CPU_CAPABILITY" in line) == ("ATEN_CPU_CAPABILITY" in os.environ)
     assert perf.native_bf16() == bool(perf.cpu_flags() & {"avx512_bf16", "amx_bf16"})
