@@ -8,7 +8,9 @@ process, into a temporary folder (no W&B, no progress bar), with one variant's o
 
 * **before**: ``model.compute_dtype=float32 actor.lm_head=logits`` — the CPU config as it was before issue 15;
 * **after**: the config as it is on main (``compute_dtype: auto`` → bf16 where the CPU has native bf16,
-  ``lm_head: fused``).
+  ``lm_head: fused``);
+* **bf16-logits** (optional): ``model.compute_dtype=bfloat16 actor.lm_head=logits`` — bf16 compute without the
+  fused head, to tell the two switches apart.
 
 Runs alternate variants within each seed (before, after, then the next seed). Reported per run: the wall time of
 the whole command (start-up, 20 steps, checkpoint writes), the sum of the steps' ``timing_s/step``, and the means
@@ -36,7 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CONFIG = "configs/cpu_smollm2_stapo.yaml"
-VARIANTS = {"before": ["model.compute_dtype=float32", "actor.lm_head=logits"], "after": []}
+VARIANTS = {"before": ["model.compute_dtype=float32", "actor.lm_head=logits"], "after": [],
+            # which of the two switches moves a metric: bf16 compute with the model's own LM head
+            "bf16-logits": ["model.compute_dtype=bfloat16", "actor.lm_head=logits"]}
 METRICS = [("critic/score/mean", "reward", "{:+.3f}"), ("reward/grader/accuracy", "accuracy", "{:.3f}"),
            ("actor/entropy", "entropy", "{:.3f}"), ("s2t/masked_frac", "masked frac", "{:.4f}")]
 WINDOW = 5
@@ -85,7 +89,8 @@ def report(runs: list[dict], args, machine: str, load: tuple[str, str]) -> list[
              f"- Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC" + (f"; {args.note}" if args.note else ""),
              f"- Machine: {machine}", f"- Load average (1/5/15 min) before / after: {load[0]} / {load[1]}",
              "- Each run: `python train.py --config configs/cpu_smollm2_stapo.yaml` + the variant's overrides "
-             "(before: " + " ".join(VARIANTS["before"]) + "; after: the config on main), fresh process, "
+             "(" + "; ".join(f"{v}: {' '.join(VARIANTS[v]) or 'the config on main'}" for v in args.variants)
+             + "), fresh process, "
              f"W&B disabled. First / last = mean over the first / last {WINDOW} steps.", "",
              "| variant | seed | compute dtype | lm_head | wall s | Σ step s | "
              + " | ".join(f"{name} first → last" for _, name, _ in METRICS) + " |",
