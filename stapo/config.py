@@ -249,6 +249,13 @@ class LoggingConfig:
     wandb_fallback: Literal["offline", "error"] = "offline"
     project: str = "stapo"
     entity: Optional[str] = None
+    # W&B grouping (wandb.init's group / tags / job_type / notes). None / empty: filled in at start-up from the
+    # config (stapo.tracking defaults: group = the config family, tags = objective, model, reward; job_type "train"
+    # for train.py, "eval" for evaluate.py).
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    job_type: Optional[str] = None
+    notes: Optional[str] = None
 
 
 @dataclass

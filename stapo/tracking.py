@@ -168,6 +168,13 @@ class Tracker:
             :data:`INIT_TIMEOUT_S`): ``offline`` (default) continues offline and prints one line to stderr saying
             so and how to sync later; ``error`` raises :class:`TrackerError`. :attr:`mode` is the mode in use.
         project, entity, name: W&B run identity.
+        group, tags, job_type, notes: W&B's grouping fields (``wandb.init`` arguments of the same names): runs of
+            one study or config family share a ``group``; ``job_type`` is ``"train"`` or ``"eval"``.
+        step_metric: when set (e.g. ``"training/global_step"``, verl's name), every W&B row carries the ``step``
+            given to :meth:`log` / :meth:`log_table` under this key, every other metric is plotted against it
+            (``define_metric("*", step_metric=...)``), and W&B's own ``_step`` just counts rows. This lets an
+            evaluation run log a checkpoint of training step K at x = K, in any order, next to the training
+            curves. ``None``: rows are logged at W&B step ``step`` (steps must then increase).
         resume_id: the W&B run id to continue (stored in ``<run_dir>/wandb_run_id``), so a resumed run
             appends to the same W&B run.
 
@@ -188,8 +195,14 @@ class Tracker:
         entity: str | None = None,
         name: str | None = None,
         fallback: Literal["offline", "error"] = "offline",
+        group: str | None = None,
+        tags: Sequence[str] | None = None,
+        job_type: str | None = None,
+        notes: str | None = None,
+        step_metric: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.step_metric = step_metric
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tables_path = self.run_dir / "tables.jsonl"
@@ -208,9 +221,14 @@ class Tracker:
         timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT_S}
 
         def init(m: str) -> Any:
-            return wandb.init(project=project, entity=entity, name=name, id=run_id, resume="allow",
-                              dir=str(self.run_dir), mode=m, config=config,
-                              settings=wandb.Settings(console="off", x_disable_stats=True, **timeout))
+            run = wandb.init(project=project, entity=entity, name=name, id=run_id, resume="allow",
+                             dir=str(self.run_dir), mode=m, config=config, group=group,
+                             tags=list(tags) if tags else None, job_type=job_type, notes=notes,
+                             settings=wandb.Settings(console="off", x_disable_stats=True, **timeout))
+            if step_metric:
+                run.define_metric(step_metric)
+                run.define_metric("*", step_metric=step_metric)
+            return run
 
         try:
             self._wandb = init(self.mode)
@@ -254,7 +272,7 @@ class Tracker:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         _append_line(self.metrics_path, json.dumps(row))
         if self._wandb is not None:
-            self._wandb.log(dict(metrics), step=step)
+            self._wandb_log(step, dict(metrics))
 
     def log_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         """Log a table (e.g. ``s2t/examples``) to W&B and ``tables.jsonl``."""
@@ -263,7 +281,14 @@ class Tracker:
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
+            self._wandb_log(step, {name: wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
+
+    def _wandb_log(self, step: int, row: dict[str, Any]) -> None:
+        """One W&B row at ``step``: under ``step_metric`` (W&B's ``_step`` counts rows), else as W&B's step."""
+        if self.step_metric:
+            self._wandb.log({**row, self.step_metric: step})
+        else:
+            self._wandb.log(row, step=step)
 
     def truncate_after(self, step: int) -> None:
         """Drop JSONL rows with step > ``step`` (rows of a crashed run that a resume will redo) from
