@@ -409,7 +409,9 @@ def train_cost(cfg: Any, *, start_step: int = 0, prompt_lengths: Sequence[int] |
         itemsize = _ITEMSIZE.get(cfg.model.compute_dtype, 4)
         rollout = prefill_work(size.shape, [P] * responses).flops + decode_work(
             size.shape, [P] * responses, [R] * responses, itemsize).flops
-        row = forward_work(size.shape, 1, P, R).flops  # one row's forward; a backward is 2× its forward
+        # one row's forward (a backward is 2× its forward); actor.share_prompt: a group's G rows share one prompt pass
+        row = (forward_work(size.shape, G, P, R, prompts=1).flops / G if ac.share_prompt
+               else forward_work(size.shape, 1, P, R).flops)
         grad_rows = sum(len(m.rows) for m in grad_steps)
         nograd_rows = (sum(len(r) for r in (*plan.old_pass, *plan.ref_pass))
                        + sum(len(r) for mb in plan.minibatches for r in mb.stats_pass)

@@ -77,6 +77,12 @@ def test_train_flops_at_the_bound_by_hand():
     # plan: old pass 1 micro-batch of 2 rows (no grad), 1 update micro-batch of 2 rows (forward + 2× backward)
     assert (c.forwards, c.backwards) == (2, 1)
     assert c.flops_per_step == 40 + 48 + 72 * (2 + 3 * 2)  # = 664
+    # actor.share_prompt: the group's prompt pass once (1 position, 1 key) + 2 rows × 1 response position attending
+    # to 2 keys, 2·2 logit rows → 2·7·3 + 4·(1 + 4) + 2·4 = 70 for 2 rows: 35 a row
+    shared = est.train_cost(_tiny("data.train_batch_size=1", "rollout.n=2", "rollout.response_length=2",
+                                  "actor.ppo_micro_batch_size=2", "actor.share_prompt=true"),
+                            prompt_lengths=[1], size=est.ModelSize(params=8, shape=shape))
+    assert shared.flops_per_step == 40 + 48 + 35 * (2 + 3 * 2)
 
 
 def test_checkpoint_steps():
