@@ -251,3 +251,23 @@ def test_evaluate_py_dry_run_keeps_the_errors_of_a_real_run(tmp_path, monkeypatc
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "unknown benchmark 'aime2O'" in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # a real 2-step run (~20 s alone, minutes on a busy machine); the cache's record and lookup are
+# covered fast by test_record_and_look_up_the_throughput_cache and the dry-run CLI test
+def test_a_finished_run_records_its_step_time_for_the_next_dry_run(tmp_path, shared_data_root, monkeypatch, capsys):
+    cache = tmp_path / "throughput.json"
+    monkeypatch.setenv("STAPO_THROUGHPUT_CACHE", str(cache))
+    argv = ["--config", TINY, f"data.root={shared_data_root}", f"trainer.output_dir={tmp_path / 'runs'}",
+            "trainer.save_every=0"]
+    train = _cli("train", monkeypatch)
+    assert train.main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "stapo_tiny_seed0" / "metrics.jsonl").open()]
+    entry = next(iter(json.loads(cache.read_text())["train"].values()))
+    # the median of the 2 steps' timing_s/step, at 2 prompts × G = 4 responses × 8 tokens
+    assert entry["seconds_per_step"] == pytest.approx((rows[0]["timing_s/step"] + rows[1]["timing_s/step"]) / 2)
+    assert (entry["responses_per_step"], entry["response_length"], entry["steps"]) == (8, 8, 2)
+    capsys.readouterr()
+    assert train.main([*argv, "trainer.run_name=next", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "measured at this shape" in out and str(cache) in out and "(this machine;" in out
