@@ -59,8 +59,8 @@ class ModelSize:
 
 def model_size(path: str, cache_dir: str | None = None, tokenizer: Any = None) -> ModelSize | None:
     """Build the model ``path`` on PyTorch's ``meta`` device (shapes only, no memory, no weights read) and count
-    its parameters. ``"tiny"``: :func:`stapo.models.build_tiny_model` as the trainer builds it; an embedded alias:
-    the converted folder's config; a folder or hub id: its ``config.json`` (``AutoConfig``).
+    its parameters. ``"tiny"``: :func:`stapo.models.build_tiny_model` as the trainer builds it; an embedded alias, a
+    folder or a hub id: its ``config.json`` (``AutoConfig``), found as :func:`stapo.models.load_policy` finds it.
 
     Returns:
         :class:`ModelSize`, or None when the config cannot be read (a hub id offline and not cached, an
@@ -68,18 +68,20 @@ def model_size(path: str, cache_dir: str | None = None, tokenizer: Any = None) -
     """
     import torch
 
-    from stapo.models import EMBEDDED_ALIASES, build_tiny_model, embedded_model_path
+    from stapo.models import _resolve_source, _source_kwargs, build_tiny_model
     from stapo.perf import ModelShape
 
     try:
         with torch.device("meta"):
             if path == "tiny":
                 model = build_tiny_model(tokenizer=tokenizer, cache_dir=cache_dir)[0]
-            else:
+            else:  # resolved as load_policy resolves it (embedded alias, folder, hub id: HF cache when offline)
                 from transformers import AutoConfig, AutoModelForCausalLM
 
-                source = str(embedded_model_path(cache_dir)) if path.lower() in EMBEDDED_ALIASES else path
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+                source, local = _resolve_source(path, cache_dir)
+                hub = None if local else source
+                config = AutoConfig.from_pretrained(source, **_source_kwargs(local, cache_dir, hub))
+                model = AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - an estimate without the size beats no estimate; the output says unknown
         return None
     params = sum(p.numel() for p in model.parameters())
@@ -539,7 +541,8 @@ def format_train_cost(c: TrainCost, cfg: Any) -> str:
             (f"forward passes{rank}", _n(c.forwards), _n(c.forwards * c.steps)),
             (f"  with a backward{rank}", _n(c.backwards), _n(c.backwards * c.steps)),
             ("optimizer steps", _n(c.optimizer_steps), _n(c.optimizer_steps * c.steps)),
-            ("model FLOPs ≤", _n(c.flops_per_step), _n(None if c.flops_per_step is None else c.flops_per_step * c.steps))]
+            ("model FLOPs ≤", _n(c.flops_per_step),
+             _n(None if c.flops_per_step is None else c.flops_per_step * c.steps))]
     last = c.start_step + c.steps
     lines = [f"cost estimate: steps {c.start_step + 1}–{last} of {c.total_steps} ({c.steps} step(s)"
              f"{', resumed from step ' + str(c.start_step) if c.start_step else ''}"
@@ -593,7 +596,8 @@ def format_eval_cost(c: EvalCost) -> str:
         lines.append("time: unknown (no earlier evaluation of this model, backend and dtype under output.root "
                      "records a generation rate)")
     else:
-        mean = (f"≈ {_duration(c.seconds_expected)} at its mean response length of {m.mean_response_tokens:.0f} tokens, "
+        mean = (f"≈ {_duration(c.seconds_expected)} at its mean response length of "
+                f"{m.mean_response_tokens:.0f} tokens, "
                 if c.seconds_expected is not None else "")
         lines.append(f"time: {mean}≤ {_duration(c.seconds_bound)} at the cap (generation at {m.tokens_per_s:.3g} "
                      f"tokens/s, from {m.source}; grading not included)")

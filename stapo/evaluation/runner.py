@@ -639,7 +639,8 @@ def run_evaluation(
         raise EvalError(f"output folder {run_dir} is a train.py run folder (checkpoints/, metrics.jsonl): evaluation "
                         f"results go to a folder of their own; drop --output (default {cfg.output.root}/<label>) "
                         f"or choose another")
-    with _holding_lock(run_dir, "output.dir" if cfg.output.dir else "output.root", take=not dry_run):  # one writer per output directory: the manifest check holds under concurrency
+    # one writer per output directory: the manifest check holds under concurrency (a dry run only checks the lock)
+    with _holding_lock(run_dir, "output.dir" if cfg.output.dir else "output.root", take=not dry_run):
         manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt))
         label = cfg.model.label or source.label
 
