@@ -177,6 +177,11 @@ def test_train_py_dry_run_prints_the_resolved_config_and_cost_and_creates_nothin
                                                                                   monkeypatch, capsys):
     from stapo.precision import resolve_compute_dtype
 
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("--dry-run loaded a model or started an engine")
+
+    monkeypatch.setattr("stapo.train.trainer.Trainer._load_initial_model", must_not_run)
+    monkeypatch.setattr("stapo.rollout.build_rollout_engine", must_not_run)
     cache = tmp_path / "cache" / "throughput.json"
     monkeypatch.setenv("STAPO_THROUGHPUT_CACHE", str(cache))
     runs = tmp_path / "runs"
@@ -217,6 +222,11 @@ def test_evaluate_py_dry_run_counts_problems_samples_and_what_is_stored(tmp_path
                                                                         capsys):
     from stapo.evaluation.runner import load_problems
 
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("--dry-run loaded a model or started an engine")
+
+    monkeypatch.setattr("stapo.evaluation.runner._load_model", must_not_run)
+    monkeypatch.setattr("stapo.evaluation.runner._build_engine", must_not_run)
     out_dir = tmp_path / "eval"
     argv = ["--config", TINY_EVAL, "--data-root", str(shared_data_root), "--output", str(out_dir), "--dry-run"]
     evaluate = _cli("evaluate", monkeypatch)
