@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], help="logging.wandb_mode")
     p.add_argument("--debug", action="store_true",
                    help="show the full traceback of a runtime failure (also: STAPO_DEBUG=1)")
+    p.add_argument("--dry-run", action="store_true", help="check the config, model path, data and run directory, "
+                   "print the resolved config and the cost estimate, and exit: no model loaded, nothing written "
+                   "(docs/evaluation.md#dry-run)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.samples.aime24=8")
     return p
 
@@ -70,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise EvalError(f"unknown decoding setting(s) {unknown}; configured: {', '.join(known)}")
             cfg.generation.settings = [known[s] for s in args.settings]
         validate_eval_config(cfg)
+        if args.dry_run:
+            from stapo.estimate import eval_dry_run
+
+            print(eval_dry_run(cfg))
+            return 0
         results = run_evaluation(cfg)
     except (EvalError, ConfigError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)

@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                         "refused when the run folder has none (trainer.resume=required; docs/scaling.md)")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of a runtime failure (also: STAPO_DEBUG=1)")
+    parser.add_argument("--dry-run", action="store_true", help="check the config, data and run folder, print the "
+                        "resolved config and the cost estimate, and exit: no model loaded, nothing written "
+                        "(docs/runs.md#dry-run)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=2e-6")
     args = parser.parse_args(argv)
     from stapo.cli import sigterm_as_interrupt
@@ -112,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     try:  # under torchrun: every rank runs this; torch.distributed is set up by the Trainer (stapo/distributed.py)
         try:  # bad paths / data / run directory / batch sizes vs ranks: one line naming the problem, exit code 2
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
-            trainer = Trainer(cfg, validation_hook=hook)
+            trainer = Trainer(cfg, validation_hook=hook, preflight_only=args.dry_run)
+            if args.dry_run:
+                from stapo.estimate import train_dry_run
+
+                if trainer.dist.is_main:
+                    print(train_dry_run(trainer))
+                return 0
         except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError, CheckpointError,
                 RunLockError, CorruptJsonlError) as e:
             return _error(str(e))

@@ -16,3 +16,10 @@ def shared_data_root() -> Path:
     if not root.is_dir():
         pytest.fail(f"data root {root} not found: set STAPO_DATA_ROOT or place shared/data beside the repo")
     return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _throughput_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Runs the tests start (subprocesses included) record their step times in a temporary throughput cache, not
+    in the user's ~/.cache/stapo/throughput.json (stapo/estimate.py)."""
+    os.environ["STAPO_THROUGHPUT_CACHE"] = str(tmp_path_factory.mktemp("stapo_cache") / "throughput.json")

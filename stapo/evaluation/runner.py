@@ -486,14 +486,25 @@ def _preflight(check: Callable[..., None], *args: Any) -> None:
 
 
 @contextlib.contextmanager
-def _holding_lock(run_dir: Path, key: str) -> Iterator[None]:
+def _holding_lock(run_dir: Path, key: str, take: bool = True) -> Iterator[None]:
     """Hold ``<run_dir>/run.lock`` (:mod:`stapo.runlock`; the folder is created, and removed again when the run
-    stops before writing anything) for the block.
+    stops before writing anything) for the block. ``take=False`` (a dry run): only check, creating nothing, that
+    the folder can be written and that no live process holds it.
 
     Raises:
         EvalError: another live process holds the run directory (one line naming it and the holder), or the
             folder cannot be written (naming ``key``, the config key it comes from).
     """
+    if not take:
+        from stapo.preflight import check_writable
+
+        _preflight(check_writable, run_dir, key)
+        try:
+            RunLock(run_dir).check_free()
+        except RunLockError as e:
+            raise EvalError(str(e)) from None
+        yield
+        return
     try:
         lock = RunLock(run_dir).acquire()
     except RunLockError as e:
@@ -586,6 +597,7 @@ def run_evaluation(
     grader: Any = None,
     on_block: Callable[[dict[str, Any]], None] | None = None,
     write_reports: bool = True,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``cfg.model`` on ``cfg.data.benchmarks`` under every decoding setting (resumable).
 
@@ -599,6 +611,12 @@ def run_evaluation(
         grader: a :class:`~stapo.grader.MathGrader` to share (not closed here); default: one is created and closed.
         on_block: progress callback (see :func:`evaluate_problems`).
         write_reports: write results.json / .md / .csv / .png and the W&B summary into the run directory.
+        dry_run: ``evaluate.py --dry-run`` (:func:`stapo.estimate.eval_dry_run`): run every check that needs no
+            model (the lock only checked, not taken), write nothing, and return the plan instead of results:
+            ``{"dry_run": True, "label", "run_dir", "source"`` (:class:`ModelSource`), ``"prompt"``
+            (:class:`PromptSpec`), ``"problems"`` (``{benchmark: [Problem]}`` with prompt ids), ``"totals"``
+            (problems loaded), ``"dropped"`` (long prompts), ``"pending"`` (``{setting: {benchmark: problems
+            whose samples are not all stored}}``)``}``.
 
     Returns:
         The results dict written to ``results.json``: ``label``, ``run_dir``, ``model``, ``prompt``, ``protocol``,
@@ -621,7 +639,8 @@ def run_evaluation(
         raise EvalError(f"output folder {run_dir} is a train.py run folder (checkpoints/, metrics.jsonl): evaluation "
                         f"results go to a folder of their own; drop --output (default {cfg.output.root}/<label>) "
                         f"or choose another")
-    with _holding_lock(run_dir, "output.dir" if cfg.output.dir else "output.root"):  # one writer per output directory: the manifest check holds under concurrency
+    # one writer per output directory: the manifest check holds under concurrency (a dry run only checks the lock)
+    with _holding_lock(run_dir, "output.dir" if cfg.output.dir else "output.root", take=not dry_run):
         manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt))
         label = cfg.model.label or source.label
 
@@ -629,6 +648,12 @@ def run_evaluation(
         _preflight(check_tokenizer, tokenizer, "model.path", source.spec)
         _preflight(check_chat_template, tokenizer, prompt.style, "prompt.style", source.spec)
         dropped = encode_problems(problems, tokenizer, prompt, cfg.data.max_prompt_tokens)
+        if dry_run:  # every check above passed; nothing is written
+            pending = {s.name: {b: sum(not GenerationStore(_store_path(run_dir, b, s.name), read_only=True).complete(
+                p.id, int(cfg.data.samples[b])) for p in plist) for b, plist in problems.items()}
+                for s in cfg.generation.settings}
+            return {"dry_run": True, "label": label, "run_dir": str(run_dir), "source": source, "prompt": prompt,
+                    "problems": problems, "totals": totals, "dropped": dropped, "pending": pending}
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
 

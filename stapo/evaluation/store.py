@@ -37,17 +37,20 @@ class GenerationStore:
 
     Args:
         path: the JSONL file (created with its parent folders on the first append).
+        read_only: leave the file as it is (``evaluate.py --dry-run``): a torn last line is only left out.
 
     Attributes:
         records: ``{(problem_id, sample): record dict}`` in file order.
-        torn_bytes: bytes of an incomplete last line that were cut off when the file was opened.
+        torn_bytes: bytes of an incomplete last line that were cut off (left out, ``read_only``) when the file was
+            opened.
 
     Raises:
         EvalError: a complete line is not a JSON object with ``problem_id`` (str) and ``sample`` (int).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.read_only = read_only  # a dry run: a torn last line is left out in memory, not cut from the file
         self.records: dict[tuple[str, int], dict[str, Any]] = {}
         self._by_problem: dict[str, dict[int, dict[str, Any]]] = {}
         self.torn_bytes = 0
@@ -60,14 +63,15 @@ class GenerationStore:
         if data and not data.endswith(b"\n"):
             cut = data.rfind(b"\n") + 1  # 0 when the only line is torn
             self.torn_bytes = len(data) - cut
-            with open(self.path, "r+b") as f:
-                f.truncate(cut)
-                f.flush()
-                os.fsync(f.fileno())
             data = data[:cut]
-            # one line on stderr, as stapo.tracking.Tracker.truncate_after says it for metrics.jsonl / tables.jsonl
-            print(f"{self.path}: cut {self.torn_bytes} bytes of a torn last line (an interrupted write)",
-                  file=sys.stderr, flush=True)
+            if not self.read_only:
+                with open(self.path, "r+b") as f:
+                    f.truncate(cut)
+                    f.flush()
+                    os.fsync(f.fileno())
+                # one line on stderr, as stapo.tracking.Tracker.truncate_after says it for metrics.jsonl / tables.jsonl
+                print(f"{self.path}: cut {self.torn_bytes} bytes of a torn last line (an interrupted write)",
+                      file=sys.stderr, flush=True)
         for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
             if not line.strip():
                 continue

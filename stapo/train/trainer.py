@@ -182,6 +182,10 @@ class Trainer:
             (the evaluation harness provides one).
         reward_fn: optional ``fn(responses, golds) -> obj`` with ``obj.rewards`` (one float per response)
             replacing ``algorithm.reward`` (tests use a toy reward; see :func:`stapo.rewards.make_reward_fn`).
+        preflight_only: stop after the start-up checks that need no model (train.py ``--dry-run``,
+            :func:`stapo.estimate.train_dry_run`): the config resolved, the run folder checked (not created), the
+            resume chosen (:attr:`resume_plan`), the tokenizer and the training prompts (:attr:`prompts`) loaded;
+            no model, engine or optimizer — such a trainer cannot train.
 
     Raises:
         FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is ``never``.
@@ -201,7 +205,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
-                 reward_fn: Callable[[list[str], list[str]], Any] | None = None) -> None:
+                 reward_fn: Callable[[list[str], list[str]], Any] | None = None, preflight_only: bool = False) -> None:
         from stapo.rollout import SamplingParams, build_rollout_engine
 
         self.cfg = cfg
@@ -238,6 +242,9 @@ class Trainer:
         check_tokenizer(self.tokenizer, "model.path", cfg.model.path)
         check_chat_template(self.tokenizer, cfg.data.prompt_style, "data.prompt_style", cfg.model.path)
         prompts, self.prompt_stats = load_prompts(cfg, self.tokenizer)  # data/num_prompts, ... (logged each step)
+        if preflight_only:  # train.py --dry-run: every check above passed; nothing loaded or written beyond this
+            self.prompts, self.engine = prompts, None
+            return
 
         # --- policy, reference, optimizer -------------------------------------------------------------
         # Precision policy (stapo/precision.py): parameters, gradients and AdamW state in param_dtype (fp32 master
@@ -484,6 +491,10 @@ class Trainer:
                         close()
             finally:
                 guard.uninstall()  # until here a further Ctrl-C exits at once
+        if main and history:  # this machine's measured step time, for train.py --dry-run (stapo/estimate.py)
+            from stapo.estimate import record_train_throughput
+
+            record_train_throughput(self.cfg, self.device, history, self.run_dir)
         if stop and self.step < tc.total_steps:
             raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=False, signum=guard.signum)
         return history
