@@ -351,8 +351,8 @@ def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, 
     masked = sum(int(torch.minimum(lengths, torch.tensor(2))[adv > 0].sum()) for adv, lengths in calls)
     total = sum(int(lengths.sum()) for _, lengths in calls)
     assert masked > 0
-    assert row["first_k/num_masked"] == masked and row["first_k/num_response_tokens"] == total
-    assert row["first_k/masked_frac"] == pytest.approx(masked / total)  # recomputed from the summed counts
+    assert row["actor/first_k/num_masked"] == masked and row["actor/first_k/num_response_tokens"] == total
+    assert row["actor/first_k/masked_frac"] == pytest.approx(masked / total)  # recomputed from the summed counts
     assert row["actor/num_kept_tokens"] == total - masked
     assert total == row["response_length/total_tokens"]
 
@@ -400,9 +400,9 @@ def test_a_mask_and_objective_from_trainer_import_modules_train_through_train_py
     # tiny_test: 2 prompts × G = 4 responses, 2 mini-batches of 4; every response has ≥ 1 token, k = 1 (the
     # override, not the default 4) → exactly one silenced token per response: 8 in all
     total = row["response_length/total_tokens"]
-    assert row["user_head/num_rows"] == 8 and row["user_head/k"] == 1.0
-    assert row["user_head/num_masked"] == 8 and row["user_head/num_response_tokens"] == total
-    assert row["user_head/masked_frac"] == pytest.approx(8 / total)  # recomputed from the summed counts
+    assert row["actor/user_head/num_rows"] == 8 and row["actor/user_head/k"] == 1.0
+    assert row["actor/user_head/num_masked"] == 8 and row["actor/user_head/num_response_tokens"] == total
+    assert row["actor/user_head/masked_frac"] == pytest.approx(8 / total)  # recomputed from the summed counts
     assert row["actor/num_kept_tokens"] == total - 8
 
 

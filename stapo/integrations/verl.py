@@ -102,6 +102,11 @@ Configuration (hydra overrides of ``python -m verl.trainer.main_ppo``)
 - ``actor.loss_agg_mode`` must be ``token-mean``; no KL (``use_kl_loss=False``), ``entropy_coeff=0``; rollout
   importance weights (``algorithm.rollout_correction``) are not supported (``NotImplementedError``).
 
+Metrics: the native trainer's keys (docs/metrics.md#one-vocabulary-native-trainer-and-verl-plugin,
+:mod:`stapo.metric_names`) — ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
+``actor/num_kept_tokens`` and the mask statistics ``actor/<mask prefix>/<stat>`` (``actor/s2t/masked_frac``...);
+verl's driver prefixes the worker's metrics with ``actor/`` only where they lack it, so they reach W&B unchanged.
+
 Supported engines: those whose ``infer_batch`` returns the model outputs on every data-parallel rank — verl's
 FSDP / FSDP2 engine (the paper's setup). The Megatron and MindSpeed engines raise ``NotImplementedError``.
 Not run on GPUs in this repository: the registered function and the hook's mask/denominator logic are tested
