@@ -42,7 +42,7 @@ VARIANTS = {"before": ["model.compute_dtype=float32", "actor.lm_head=logits"], "
             # which of the two switches moves a metric: bf16 compute with the model's own LM head
             "bf16-logits": ["model.compute_dtype=bfloat16", "actor.lm_head=logits"]}
 METRICS = [("critic/score/mean", "reward", "{:+.3f}"), ("reward/grader/accuracy", "accuracy", "{:.3f}"),
-           ("actor/entropy", "entropy", "{:.3f}"), ("s2t/masked_frac", "masked frac", "{:.4f}")]
+           ("actor/entropy", "entropy", "{:.3f}"), ("actor/s2t/masked_frac", "masked frac", "{:.4f}")]
 WINDOW = 5
 
 

@@ -63,6 +63,11 @@ def _same(x, y) -> bool:
 
 
 def compare(a_path: Path, b_path: Path) -> int:
+    """Print every differing value; keys of a checkout before the one metric vocabulary are read under their current
+    names (:func:`stapo.metric_names.rename_legacy`), so a rename alone is not a difference."""
+    sys.path.insert(0, str(REPO))
+    from stapo.metric_names import rename_legacy
+
     a, b = json.loads(a_path.read_text()), json.loads(b_path.read_text())
     bad = 0
     for name in sorted(set(a) | set(b)):
@@ -72,6 +77,7 @@ def compare(a_path: Path, b_path: Path) -> int:
             continue
         ra, rb = a[name], b[name]
         for step, (ma, mb) in enumerate(zip(ra["metrics"], rb["metrics"]), start=1):
+            ma, mb = rename_legacy(ma), rename_legacy(mb)
             for k in sorted(set(ma) | set(mb)):
                 if not _same(ma.get(k, "<absent>"), mb.get(k, "<absent>")):
                     print(f"{name} step {step} {k}: {ma.get(k, '<absent>')} vs {mb.get(k, '<absent>')}")

@@ -5,10 +5,17 @@
 Wall-clock keys (``timing_s/*``, ``perf/*``, ``reward/grader/seconds``) are skipped. Prints how many values differ,
 whether any count (``*/num_*``, ``*/count``, lengths) differs, the largest relative difference of the other keys
 and, separately, of the train/inference gap ``rollout/logprob_diff_*`` (itself a ~1e-5 rounding-level quantity).
-Exit 0 always; read the numbers.
+Exit 0 always; read the numbers. Rows logged before the one metric vocabulary (``s2t/*`` keys..., e.g.
+results/reference/*.jsonl) are read through :func:`stapo.metric_names.rename_legacy`, so an old reference and a new
+run compare key by key.
 """
 import argparse
 import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stapo.metric_names import rename_legacy  # noqa: E402
 
 WALL = ("timing_s/", "perf/", "reward/grader/seconds")
 
@@ -19,8 +26,8 @@ def main() -> None:
     ap.add_argument("b")
     ap.add_argument("--steps", type=int, default=None, help="compare only the first K steps (a partial run)")
     args = ap.parse_args()
-    a = [json.loads(line) for line in open(args.a) if line.strip()]
-    b = [json.loads(line) for line in open(args.b) if line.strip()]
+    a = [rename_legacy(json.loads(line)) for line in open(args.a) if line.strip()]
+    b = [rename_legacy(json.loads(line)) for line in open(args.b) if line.strip()]
     n = min(len(a), len(b)) if args.steps is None else args.steps
     values = differ = 0
     counts_differ, worst, worst_gap = [], (0.0, None), (0.0, None)

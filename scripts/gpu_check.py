@@ -629,7 +629,7 @@ def run_trainer_and_measure(cfg_overrides: list[str], save: bool = False) -> dic
         "loss": [m.get("actor/pg_loss") for m in history], "grad_norm": [m.get("actor/grad_norm") for m in history],
         "score": [m.get("critic/score/mean") for m in history], "entropy": [m.get("actor/entropy") for m in history],
         "kept_tokens": [m.get("actor/num_kept_tokens") for m in history],
-        "masked_frac": [m.get("s2t/masked_frac", m.get("top_entropy/kept_frac")) for m in history],
+        "masked_frac": [m.get("actor/s2t/masked_frac", m.get("actor/top_entropy/kept_frac")) for m in history],
         "kl_loss": [m.get("actor/kl_loss") for m in history],
         "step_s": [m.get("timing_s/step") for m in history],
         "nonfinite_grad_steps": sum(m.get("actor/nonfinite_grad_steps", 0.0) for m in history),

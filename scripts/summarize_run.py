@@ -4,6 +4,8 @@
     python scripts/summarize_run.py runs/stapo_embedded-smollm2_seed0 [--window 5] [--wall-s 1234] [--out F.md]
 
 "Start" and "end" are means over the first and last ``--window`` steps (one step of 32 responses is noisy).
+Runs logged before the one metric vocabulary (``s2t/*`` keys...) are read through
+:func:`stapo.metric_names.rename_legacy` (docs/metrics.md#one-vocabulary-native-trainer-and-verl-plugin).
 ``--wall-s``: the measured wall time of the whole command (e.g. from ``/usr/bin/time``), reported as given;
 the sum of the steps' ``timing_s/step`` is always reported (it excludes start-up and checkpoint writes).
 """
@@ -12,13 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stapo.metric_names import rename_legacy  # noqa: E402
 
 KEYS = [("critic/score/mean", "reward (mean, ±1)", "{:+.3f}"),
         ("reward/grader/accuracy", "accuracy (math-verify)", "{:.3f}"),
         ("actor/entropy", "entropy (nats / token)", "{:.3f}"),
-        ("s2t/masked_frac", "S2T masked fraction", "{:.4f}"),
-        ("s2t/num_masked", "S2T masked tokens / step", "{:.1f}"),
+        ("actor/s2t/masked_frac", "S2T masked fraction", "{:.4f}"),
+        ("actor/s2t/num_masked", "S2T masked tokens / step", "{:.1f}"),
         ("frac_reward_zero_std", "groups with zero reward std", "{:.2f}"),
         ("response_length/mean", "response length (tokens)", "{:.1f}"),
         ("response_length/clip_ratio", "truncated responses", "{:.2f}"),
@@ -41,7 +47,7 @@ def main() -> None:
     path = Path(args.run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"summarize_run: {path} not found (is {args.run_dir} a train.py run directory?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [rename_legacy(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise SystemExit(f"summarize_run: {path} has no rows")
     w = max(1, min(args.window, len(rows) // 2 or 1))
@@ -69,7 +75,7 @@ def main() -> None:
               "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['step']} | {r.get('critic/score/mean', float('nan')):+.3f} | "
-                     f"{r.get('actor/entropy', float('nan')):.3f} | {r.get('s2t/masked_frac', float('nan')):.4f} | "
+                     f"{r.get('actor/entropy', float('nan')):.3f} | {r.get('actor/s2t/masked_frac', float('nan')):.4f} | "
                      f"{r.get('frac_reward_zero_std', float('nan')):.2f} | {r.get('response_length/mean', float('nan')):.1f} | "
                      f"{r.get('timing_s/step', float('nan')):.1f} |")
     text = "\n".join(lines) + "\n"

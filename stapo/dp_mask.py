@@ -85,7 +85,7 @@ def minibatch_token_mask(
 
     Returns:
         :class:`stapo.masks.TokenMask`: this rank's ``keep`` [B, T] bool on ``response_mask``'s device, ``num_kept``
-        the global N, ``stats`` of the whole mini-batch (prefixed with the mask's name, ``s2t/...``).
+        the global N, ``stats`` of the whole mini-batch (under their metric keys, ``actor/s2t/...``).
 
     Raises:
         ValueError / TypeError: shapes disagree, or from the mask functions (NaN entropy, invalid parameters).

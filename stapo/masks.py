@@ -298,7 +298,7 @@ class MaskSpec:
             no parameters). Its fields define the config keys (``config_keys``).
         maskable_rows: ``fn(advantages [B]) -> [B] bool`` — rows whose keep-mask may differ from their response
             mask whatever p and H turn out to be (used by the trainer's ``actor.fused_forward``).
-        prefix: metric prefix of the mask's statistics (``<prefix>/num_masked``...).
+        prefix: metric prefix of the mask's statistics (logged as ``actor/<prefix>/num_masked``...).
         config_keys: parameter name → dotted key of :class:`stapo.config.TrainConfig` it is read from. Default
             for a parameter: ``algorithm.masks.<name>.<param>``; the verl plugin reads the same key without
             ``algorithm.`` / ``masks.`` and with ``_`` for ``.`` (``algorithm.s2t.prob_threshold`` →
@@ -359,9 +359,12 @@ class MaskSpec:
 MASKS: dict[str, MaskSpec] = {}
 
 _ROW_RULES = {"none": no_rows, "positive_advantage": positive_advantage_rows, "all": all_rows}
-#: Metric prefixes of the trainer's own keys (docs/metrics.md); a mask's statistics may not use them.
+#: Metric prefixes of the trainer's own keys (docs/metrics.md), and the ``actor/*`` keys next to which a mask's
+#: statistics are logged (``actor/<prefix>/<stat>``, stapo/metric_names.py); a mask's prefix may not be one of them.
 RESERVED_PREFIXES = frozenset({"actor", "critic", "response_length", "timing_s", "perf", "data", "val", "val-core",
-                               "rollout", "reward", "grader", "training", "global_seqlen"})
+                               "val-aux", "rollout", "reward", "grader", "training", "global_seqlen",
+                               "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy",
+                               "entropy_loss", "grad_norm", "lr", "num_kept_tokens", "nonfinite_grad_steps"})
 
 
 def register_token_mask(
@@ -393,7 +396,8 @@ def register_token_mask(
         @register_token_mask("my_mask", params=MyParams, maskable_rows="positive_advantage")
         def my_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold=0.002) -> TokenMask: ...
 
-    registers ``my_mask`` with the config key ``algorithm.masks.my_mask.prob_threshold`` and metrics ``my_mask/...``.
+    registers ``my_mask`` with the config key ``algorithm.masks.my_mask.prob_threshold`` and metrics
+    ``actor/my_mask/...``.
     """
     if isinstance(maskable_rows, str) and maskable_rows not in _ROW_RULES:
         raise ValueError(f"token mask {name!r}: unknown maskable_rows rule {maskable_rows!r}; use one of "

@@ -39,6 +39,7 @@ from typing import Any, Callable, Literal, Mapping, get_args
 import torch
 
 from stapo.masks import TokenMask, check_mask_result, get_mask_spec, get_token_mask
+from stapo.metric_names import mask_stat_key
 from stapo.registry import ExtensionError, add_entry, lookup
 from stapo.tensor_utils import as_bool_mask, check_same_shape, masked_mean
 
@@ -441,13 +442,15 @@ def compute_token_mask(
 ) -> TokenMask:
     """Apply the objective's token mask to the statistics of a whole mini-batch (all [B, T] or [B] for Â).
 
-    Statistics come back prefixed with the mask's registered prefix (``s2t/num_masked``, ``top_entropy/kept_frac``...).
+    Statistics come back under their metric keys ``actor/<mask prefix>/<stat>`` (:func:`stapo.metric_names.
+    mask_stat_key`: ``actor/s2t/num_masked``, ``actor/top_entropy/kept_frac``...), the same in the native trainer and
+    the verl plugin (docs/metrics.md).
     """
     spec = get_mask_spec(objective.token_mask)
     tm = spec.fn(logprobs, entropy, advantages, response_mask, **objective.mask_params)
     check_mask_result(spec.name, getattr(tm, "keep", tm), response_mask)  # bool, its shape, no padding kept
-    prefix = f"{spec.prefix}/"
-    return TokenMask(keep=tm.keep, stats={prefix + k: v for k, v in tm.stats.items()}, num_kept=int(tm.keep.sum()))
+    stats = {mask_stat_key(spec.prefix, k): v for k, v in tm.stats.items()}
+    return TokenMask(keep=tm.keep, stats=stats, num_kept=int(tm.keep.sum()))
 
 
 def policy_loss(

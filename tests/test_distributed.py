@@ -70,7 +70,7 @@ def _assert_same_metrics(got: list[dict], ref: list[dict], rel: float = 1e-4, ab
         for k in keys:
             if r[k] is None or g[k] is None:  # NaN (e.g. a mean over an empty quadrant) is logged as null
                 assert g[k] is None and r[k] is None, (r["step"], k, g[k], r[k])
-            elif k.startswith(("s2t/num_", "s2t_random/num_", "actor/num_kept")) or k.endswith("/count"):
+            elif k.startswith(("actor/s2t/num_", "actor/s2t_random/num_", "actor/num_kept")) or k.endswith("/count"):
                 assert g[k] == r[k], (r["step"], k, g[k], r[k])  # token counts: exactly the same mask
             else:
                 assert g[k] == pytest.approx(r[k], rel=rel, abs=abs_, nan_ok=True), (r["step"], k, g[k], r[k])
@@ -139,7 +139,7 @@ def test_uneven_reward_leaves_rank_1_without_candidates_in_the_first_mini_batch(
     for rewards in calls:
         assert len(set(rewards[:G])) == 2 and set(rewards[G:2 * G]) == {-1.0}
     for row in _rows(out):
-        assert row["s2t/num_candidates"] > 0 and 0 < row["s2t/num_masked"] < row["s2t/num_candidates"]
+        assert row["actor/s2t/num_candidates"] > 0 and 0 < row["actor/s2t/num_masked"] < row["actor/s2t/num_candidates"]
 
 
 def test_two_replicated_ranks_match_one_process(one_rank, replicate_run):
@@ -544,6 +544,6 @@ def test_two_replicated_ranks_with_random_masking_match_one_process(tmp_path):
     _torchrun(tmp_path / "rand_2", "trainer.data_parallel=replicate", *rand)
     _train_in_process(tmp_path / "rand_1", *rand)
     got, want = _rows(tmp_path / "rand_2"), _rows(tmp_path / "rand_1")
-    assert all(0 < r["s2t_random/num_masked"] < r["s2t_random/num_candidates"] for r in want)
+    assert all(0 < r["actor/s2t_random/num_masked"] < r["actor/s2t_random/num_candidates"] for r in want)
     _assert_same_metrics(got, want)
     _assert_same_weights(_weights(tmp_path / "rand_2", 2), _weights(tmp_path / "rand_1", 2), atol=5e-5)

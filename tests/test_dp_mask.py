@@ -101,14 +101,14 @@ def test_two_gloo_ranks_with_uneven_candidates_match_one_process(tmp_path):
                     assert v == ref.stats[k] or (v != v and ref.stats[k] != ref.stats[k]), (obj.name, both, k)
     lp, ent, adv, m = _one_process(_shares())
     s2t = minibatch_token_mask(_objectives()[0], lp, ent, adv, m)
-    assert s2t.stats["s2t/num_candidates"] == 8 and 0 < s2t.stats["s2t/num_masked"] < 8
+    assert s2t.stats["actor/s2t/num_candidates"] == 8 and 0 < s2t.stats["actor/s2t/num_masked"] < 8
     assert not s2t.keep[:2].all() and s2t.keep[2:].equal(m[2:])  # rank 1 (no candidates) keeps everything
     # with candidates on both ranks, the random draw silences tokens of both ranks (8 + 5 candidates; the draw
     # over the rank-major candidate sequence is the one-process draw over the row-major one)
     shares = _shares(True)
     rand = [out[r]["results"][1][4][0] for r in (0, 1)]  # case both, objective stapo_random, keep
     assert all(not k.equal(s[3]) for k, s in zip(rand, shares))
-    assert compute_token_mask(_objectives()[4], *_one_process(shares)).stats["s2t_random/num_candidates"] == 13
+    assert compute_token_mask(_objectives()[4], *_one_process(shares)).stats["actor/s2t_random/num_candidates"] == 13
 
 
 def test_single_process_without_torch_distributed_is_the_plain_mask():

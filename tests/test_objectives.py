@@ -133,8 +133,8 @@ def test_stapo_equals_justrl_on_the_unmasked_subset_and_silenced_tokens_get_zero
     logp, old, ent, adv, mask = _stapo_batch()
     logp_s = logp.clone().requires_grad_(True)
     loss_s, m = objective_loss("stapo", logp_s, old, adv, mask, entropy=ent)
-    assert m["s2t/num_candidates"] == 3 and m["s2t/num_masked"] == 2
-    assert m["s2t/entropy_threshold"] == pytest.approx(0.4)
+    assert m["actor/s2t/num_candidates"] == 3 and m["actor/s2t/num_masked"] == 2
+    assert m["actor/s2t/entropy_threshold"] == pytest.approx(0.4)
     assert m["actor/num_kept_tokens"] == 5
 
     # JustRL on the subset alone: the hand-derived kept tokens as its response mask.
@@ -174,7 +174,7 @@ def test_entropy20_keeps_top_20_percent_and_renormalises():
     # 7 response tokens → k = ceil(1.4) = 2: the two highest entropies (0,3) H 1.0 and (0,2) H 0.5.
     logp, old, ent, adv, mask = _stapo_batch()
     loss, m = objective_loss("entropy20", logp, old, adv, mask, entropy=ent)
-    assert m["top_entropy/num_kept"] == 2 and m["actor/num_kept_tokens"] == 2
+    assert m["actor/top_entropy/num_kept"] == 2 and m["actor/num_kept_tokens"] == 2
     rho = (logp - old).exp()
     # token-mean over the 2 kept tokens (Â = +1): (−ρ02 − ρ03) / 2 with ρ02 = e^−0.1, ρ03 = 1, inside the band
     expected = (-math.exp(-0.1) - 1.0) / 2

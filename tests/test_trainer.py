@@ -40,11 +40,12 @@ def test_two_steps_of_each_objective(tmp_path, objective):
         assert torch.isfinite(torch.tensor(m["actor/pg_loss"]))
     assert any(m["frac_reward_zero_std"] < 1.0 for m in history)  # the toy reward varies within groups
     if objective == "stapo":
-        for key in ("s2t/masked_frac", "s2t/num_candidates", "s2t/num_masked", "s2t/entropy_threshold"):
-            assert key in history[0] or key == "s2t/entropy_threshold", key  # τ_h is absent when NaN everywhere
+        for key in ("actor/s2t/masked_frac", "actor/s2t/num_candidates", "actor/s2t/num_masked",
+                    "actor/s2t/entropy_threshold"):
+            assert key in history[0] or key == "actor/s2t/entropy_threshold", key  # τ_h is absent when NaN everywhere
     if objective == "entropy20":
         # 2 prompts × G=4 × ≤8 tokens: about a fifth of the response tokens keep gradient
-        assert 0.15 < history[0]["top_entropy/kept_frac"] <= 0.35
+        assert 0.15 < history[0]["actor/top_entropy/kept_frac"] <= 0.35
     if objective == "grpo":
         assert "actor/kl_loss" in history[0]
     changed = sum(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
@@ -139,7 +140,7 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
     scalars = [(data, step) for data, step in logged if "actor/entropy" in data]
     assert len(scalars) == 1 and scalars[0][1] == row["step"] == 1
     data = scalars[0][0]
-    for key in ("critic/score/mean", "actor/entropy", "actor/pg_loss", "s2t/num_masked"):
+    for key in ("critic/score/mean", "actor/entropy", "actor/pg_loss", "actor/s2t/num_masked"):
         assert key in data, key
     finite = {k: v for k, v in data.items() if isinstance(v, float) and math.isfinite(v)}
     assert finite and all(row[k] == v for k, v in finite.items())  # the same values as metrics.jsonl
@@ -168,11 +169,13 @@ def test_validation_hook_from_the_config_runs_every_val_every_steps(tmp_path, sh
     hook = make_validation_hook_from_config(cfg)
     assert hook is not None
     history = Trainer(cfg, validation_hook=hook, reward_fn=toy_reward).train()
-    val_keys = [k for k in history[1] if k.startswith("val") and k.endswith("avg@N")]
+    val_keys = [k for k in history[1] if k.startswith("val-core/")]  # verl's layout (docs/metrics.md)
+    assert set(val_keys) == {"val-core/math500/acc/mean@2", "val-core/math500/acc/pass@2",
+                             "val-core/math500/acc/maj@2", "val-core/average/acc/mean@2"}
     assert val_keys and not any(k.startswith("val") for k in history[0])  # step 2 only
-    # the random tiny model never answers a MATH500 problem: avg@N = 0 over 1 problem × 2 samples
+    # the random tiny model never answers a MATH500 problem: mean@2 (avg@N) = 0 over 1 problem × 2 samples
     assert all(history[1][k] == 0.0 for k in val_keys), {k: history[1][k] for k in val_keys}
-    assert history[1]["val/math500/dropped_long_prompt"] == 0.0
+    assert history[1]["val-aux/math500/dropped_long_prompt"] == 0.0
     assert (tmp_path / "val").is_dir()
     assert make_validation_hook_from_config(load_config(REPO / "configs" / "tiny_test.yaml")) is None
 
@@ -220,7 +223,7 @@ def test_fused_forward_gives_the_same_masks_loss_and_update(tmp_path, objective,
         history = trainer.train()
         runs[fused] = (_comparable(history), {k: v.detach().clone() for k, v in trainer.model.named_parameters()})
     (h0, p0), (h1, p1) = runs[False], runs[True]
-    assert h0[0].get("s2t/num_masked", 1) > 0 or objective != "stapo"  # the mask is exercised
+    assert h0[0].get("actor/s2t/num_masked", 1) > 0 or objective != "stapo"  # the mask is exercised
     # Adam divides by sqrt(v): a gradient near 0 turns rounding-level differences (another summation order) into
     # update differences up to ~lr; 2 steps at lr 1e-3 move weights by up to 2e-3, so 5e-5 is 2.5 % of that (seen:
     # ≤ 1.4e-5 on one weight of 2048; a wrong mask or denominator moves most weights by ~lr).
@@ -348,8 +351,8 @@ def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, 
     masked = sum(int(torch.minimum(lengths, torch.tensor(2))[adv > 0].sum()) for adv, lengths in calls)
     total = sum(int(lengths.sum()) for _, lengths in calls)
     assert masked > 0
-    assert row["first_k/num_masked"] == masked and row["first_k/num_response_tokens"] == total
-    assert row["first_k/masked_frac"] == pytest.approx(masked / total)  # recomputed from the summed counts
+    assert row["actor/first_k/num_masked"] == masked and row["actor/first_k/num_response_tokens"] == total
+    assert row["actor/first_k/masked_frac"] == pytest.approx(masked / total)  # recomputed from the summed counts
     assert row["actor/num_kept_tokens"] == total - masked
     assert total == row["response_length/total_tokens"]
 
@@ -397,9 +400,9 @@ def test_a_mask_and_objective_from_trainer_import_modules_train_through_train_py
     # tiny_test: 2 prompts × G = 4 responses, 2 mini-batches of 4; every response has ≥ 1 token, k = 1 (the
     # override, not the default 4) → exactly one silenced token per response: 8 in all
     total = row["response_length/total_tokens"]
-    assert row["user_head/num_rows"] == 8 and row["user_head/k"] == 1.0
-    assert row["user_head/num_masked"] == 8 and row["user_head/num_response_tokens"] == total
-    assert row["user_head/masked_frac"] == pytest.approx(8 / total)  # recomputed from the summed counts
+    assert row["actor/user_head/num_rows"] == 8 and row["actor/user_head/k"] == 1.0
+    assert row["actor/user_head/num_masked"] == 8 and row["actor/user_head/num_response_tokens"] == total
+    assert row["actor/user_head/masked_frac"] == pytest.approx(8 / total)  # recomputed from the summed counts
     assert row["actor/num_kept_tokens"] == total - 8
 
 
@@ -482,7 +485,7 @@ def test_fused_lm_head_gives_the_same_masks_loss_and_update(tmp_path, monkeypatc
         t = make_trainer(str(tmp_path / head), [*common, f"actor.lm_head={head}"])
         runs[head] = (_comparable(t.train()), {k: v.detach().clone() for k, v in t.model.named_parameters()})
     (h0, p0), (h1, p1) = runs["logits"], runs["fused"]
-    assert h0[0]["s2t/num_masked"] > 0  # the mask is exercised
+    assert h0[0]["actor/s2t/num_masked"] > 0  # the mask is exercised
     _assert_same_runs(h0, p0, h1, p1)
     import stapo.policy
     from stapo.config import ConfigError
@@ -515,7 +518,7 @@ def test_recomputed_deferred_graphs_give_the_same_masks_loss_and_update(tmp_path
         runs[mode] = (_comparable(t.train()), {k: v.detach().clone() for k, v in t.model.named_parameters()})
         calls[mode] = seen
     (h0, p0), (h1, p1) = runs["keep"], runs["recompute"]
-    assert h0[0]["s2t/num_masked"] > 0  # the mask is exercised
+    assert h0[0]["actor/s2t/num_masked"] > 0  # the mask is exercised
     _assert_same_runs(h0, p0, h1, p1)
     # recompute = keep's forwards (mini=1 adds the second mini-batch's no-grad old-policy pass to both) plus one
     # no-grad forward of each deferred micro-batch, whose rows are then forwarded with grad as under keep
@@ -545,7 +548,7 @@ def test_sort_by_length_false_keeps_rollout_order_with_the_same_results(tmp_path
         t = make_trainer(str(tmp_path / str(sort)), ["trainer.save_every=0", f"actor.sort_by_length={sort}"])
         runs[sort] = (_comparable(t.train()), {k: v.detach().clone() for k, v in t.model.named_parameters()})
     (h0, p0), (h1, p1) = runs[True], runs[False]
-    assert h0[0]["s2t/num_masked"] > 0  # the mask is exercised
+    assert h0[0]["actor/s2t/num_masked"] > 0  # the mask is exercised
     _assert_same_runs(h0, p0, h1, p1)
 
 
@@ -557,10 +560,11 @@ def test_each_s2t_ablation_trains_from_its_config_name(tmp_path, objective, pref
     trainer = make_trainer(str(tmp_path), [f"algorithm.objective={objective}", "trainer.total_steps=1",
                                            "trainer.save_every=0"])
     m = trainer.train()[0]
-    n, cand, masked = m[f"{prefix}/num_response_tokens"], m[f"{prefix}/num_candidates"], m[f"{prefix}/num_masked"]
+    pre = f"actor/{prefix}"
+    n, cand, masked = m[f"{pre}/num_response_tokens"], m[f"{pre}/num_candidates"], m[f"{pre}/num_masked"]
     assert n == m["response_length/total_tokens"] and 0 < masked <= cand
-    assert m[f"{prefix}/masked_frac"] == pytest.approx(masked / n)
+    assert m[f"{pre}/masked_frac"] == pytest.approx(masked / n)
     assert m["actor/num_kept_tokens"] == n - masked
     if objective == "justrl_fullmask":
         assert masked == cand
-    assert _rows(tmp_path / "toy" / "metrics.jsonl")[0][f"{prefix}/num_masked"] == masked
+    assert _rows(tmp_path / "toy" / "metrics.jsonl")[0][f"{pre}/num_masked"] == masked

@@ -101,7 +101,7 @@ def test_stapo_on_hand_made_tensors_matches_our_objective_and_hand_values():
     torch.testing.assert_close(grad, expected, rtol=0, atol=1e-5)
     assert metrics["actor/s2t/num_masked"] == 2.0 and metrics["actor/s2t/num_candidates"] == 3.0
     assert metrics["actor/s2t/entropy_threshold"] == pytest.approx(0.65, abs=1e-6)
-    assert metrics["actor/stapo/num_kept_tokens"] == 5.0
+    assert metrics["actor/num_kept_tokens"] == 5.0
     for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
         assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-6)
 
@@ -156,7 +156,7 @@ def test_an_objective_registered_later_becomes_a_loss_mode():
         with plugin.mask_context(entropy=H):
             loss, metrics = fn(old, logp, ADV, MASK, "token-mean", cfg)
         assert loss.item() == pytest.approx(1.92, abs=1e-5)  # stapo's 1.924 with r0t0 clipped at 1.3: −1.3 − 1 + 11.9
-        assert metrics["actor/test_late_objective/num_kept_tokens"] == 5.0
+        assert metrics["actor/num_kept_tokens"] == 5.0
     finally:
         OBJECTIVES.pop("test_late_objective")
         POLICY_LOSS_REGISTRY.pop("test_late_objective", None)
@@ -207,10 +207,10 @@ def test_plugin_loss_equals_our_policy_loss_over_compute_token_mask(loss_mode):
     torch.testing.assert_close(logp.grad, logp_ref.grad, rtol=0, atol=1e-6)
     for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
         assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-6)
-    assert metrics[f"actor/{loss_mode}/num_kept_tokens"] == float(tm.keep.sum())
-    for k, v in tm.stats.items():
+    assert metrics["actor/num_kept_tokens"] == float(tm.keep.sum())
+    for k, v in tm.stats.items():  # the same keys as the native trainer's (actor/<mask prefix>/<stat>)
         if math.isfinite(v):
-            assert metrics[f"actor/{k}"] == pytest.approx(v, abs=1e-6), k
+            assert metrics[k] == pytest.approx(v, abs=1e-6), k
     if loss_mode in HAND_ABLATIONS:
         want_loss, want_kept = HAND_ABLATIONS[loss_mode]
         assert loss.item() == pytest.approx(want_loss, abs=1e-5) and int(tm.keep.sum()) == want_kept
@@ -545,12 +545,12 @@ def _check_against_reference(out, grads, seen, ref, loss_mode):
     # the mask statistics (τ_h, counts, means of the silenced tokens' p / H / Â) are the whole mini-batch's; each
     # micro-batch reports them (a verl Metric, MEAN over the micro-batches)
     from stapo.masks import MASKS
-    prefix = MASKS[get_objective(loss_mode).token_mask].prefix + "/"  # s2t/, top_entropy/, s2t_random/...
+    prefix = f"actor/{MASKS[get_objective(loss_mode).token_mask].prefix}/"  # actor/s2t/, actor/top_entropy/...
     # (non-finite statistics, e.g. full_low_prob's entropy_threshold = NaN, are not reported)
     stats = {k: v for k, v in ref_metrics.items() if k.startswith(prefix) and math.isfinite(v)}
     assert len(stats) >= 2
     for k, v in stats.items():
-        reported = out["metrics"][f"actor/{k}"]
+        reported = out["metrics"][k]
         assert len(reported.values) == len(seen)
         assert reported.aggregate() == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
@@ -605,7 +605,8 @@ def test_worker_hook_with_dynamic_batch_size_reordered_packed_micro_batches(loss
     assert [i for part in train_parts for i in part] != list(range(8))
     n_resp = sum(resp_len)
     ref = _reference(model, _minibatch(model, *args), obj)
-    n_masked = ref[1]["s2t/num_masked"] if loss_mode == "stapo" else n_resp - ref[1]["top_entropy/num_kept"]
+    n_masked = (ref[1]["actor/s2t/num_masked"] if loss_mode == "stapo"
+                else n_resp - ref[1]["actor/top_entropy/num_kept"])
     assert 0 < n_masked < n_resp
     _check_against_reference(out, grads, seen, ref, loss_mode)
 

@@ -8,8 +8,11 @@ with the trainer's own engine (``trainer.engine``), tokenizer and training promp
 ``<run_dir>/validation/step_XXXXXX/generations/*.jsonl`` (resumable like an evaluation run) and the metrics to
 ``.../metrics.json``.
 
-Returned keys: ``val/<setting>/<benchmark>/{avg@N,pass@N,maj@N}``, ``val/<setting>/average/avg@N``, and per
-setting ``val/<setting>/{mean_response_tokens,truncation_rate,no_answer_rate,grader_timeouts,grader_errors}``.
+Returned keys (verl's validation layout, shared with the verl plugin's runs; docs/metrics.md):
+``val-core/<benchmark>/acc/{mean,pass,maj}@<N>`` (mean@N = avg@N), ``val-core/average/acc/mean@<N>``,
+``val-aux/response_length/{mean,clip_ratio}``, ``val-aux/grader/{no_answer_rate,timeouts,errors}`` and
+``val-aux/<benchmark>/dropped_long_prompt``; with several decoding settings the second segment is
+``<benchmark>@<setting>`` (``average@<setting>``, ``grader@<setting>``...).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from stapo.evaluation.config import PAPER_SETTINGS, DecodingSetting, canonical_benchmark
 from stapo.evaluation.errors import EvalError
+from stapo.metric_names import val_key, val_source
 
 __all__ = ["ValidationHook", "make_validation_hook", "make_validation_hook_from_config"]
 
@@ -58,10 +62,10 @@ class ValidationHook:
         samples_per_call, seed: see :func:`stapo.evaluation.runner.evaluate_problems`.
         grader_workers, grader_timeout_s: the math-verify grader pool (created on first use, reused).
         subdir: output folder under the trainer's run directory.
-        prefix: metric-name prefix.
+        prefix: metric-name prefix: the sections are ``<prefix>-core`` and ``<prefix>-aux``.
 
     Prompts longer than the trainer's ``data.max_prompt_length`` are skipped (they do not fit the engine), and
-    counted in ``<prefix>/<benchmark>/dropped_long_prompt``.
+    counted in ``<prefix>-aux/<benchmark>/dropped_long_prompt``.
 
     Raises:
         EvalError: unknown benchmark or setting (at construction); missing data (at the first call).
@@ -149,22 +153,30 @@ class ValidationHook:
         return self._flatten(res["metrics"])
 
     def _flatten(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        # keys: verl's validation layout, shared with the verl plugin's runs (stapo/metric_names.py, docs/metrics.md)
         out: dict[str, float] = {}
         p = self.prefix
+        several = len(metrics) > 1
         for setting, m in metrics.items():
+            tag = setting if several else None
             for bench, s in m["benchmarks"].items():
-                for key in ("avg@N", "pass@N", "maj@N"):
-                    out[f"{p}/{setting}/{bench}/{key}"] = float(s[key])
+                n, src = int(s["N"]), val_source(bench, tag)
+                out[val_key(src, f"mean@{n}", prefix=p)] = float(s["avg@N"])
+                out[val_key(src, f"pass@{n}", prefix=p)] = float(s["pass@N"])
+                out[val_key(src, f"maj@{n}", prefix=p)] = float(s["maj@N"])
             avg = m["average"]
-            out[f"{p}/{setting}/average/avg@N"] = float(avg["avg@N"])
+            n_max = max((int(s["N"]) for s in m["benchmarks"].values()), default=0)
+            out[val_key(val_source("average", tag), f"mean@{n_max}", prefix=p)] = float(avg["avg@N"])
             samples = avg["samples"]
-            out[f"{p}/{setting}/mean_response_tokens"] = float(avg["mean_response_tokens"])
-            out[f"{p}/{setting}/truncation_rate"] = float(avg["truncation_rate"])
-            out[f"{p}/{setting}/no_answer_rate"] = avg["grader"]["no_answer"] / samples if samples else math.nan
-            out[f"{p}/{setting}/grader_timeouts"] = float(avg["grader"]["timeout"])
-            out[f"{p}/{setting}/grader_errors"] = float(avg["grader"]["error"])
+            aux = [("response_length", "mean", float(avg["mean_response_tokens"])),
+                   ("response_length", "clip_ratio", float(avg["truncation_rate"])),
+                   ("grader", "no_answer_rate", avg["grader"]["no_answer"] / samples if samples else math.nan),
+                   ("grader", "timeouts", float(avg["grader"]["timeout"])),
+                   ("grader", "errors", float(avg["grader"]["error"]))]
+            for group, metric, value in aux:
+                out[val_key(val_source(group, tag), metric, core=False, var=None, prefix=p)] = value
         for bench, n in self._dropped.items():
-            out[f"{p}/{bench}/dropped_long_prompt"] = float(n)
+            out[val_key(bench, "dropped_long_prompt", core=False, var=None, prefix=p)] = float(n)
         return out
 
     def close(self) -> None:

@@ -102,6 +102,11 @@ Configuration (hydra overrides of ``python -m verl.trainer.main_ppo``)
 - ``actor.loss_agg_mode`` must be ``token-mean``; no KL (``use_kl_loss=False``), ``entropy_coeff=0``; rollout
   importance weights (``algorithm.rollout_correction``) are not supported (``NotImplementedError``).
 
+Metrics: the native trainer's keys (docs/metrics.md#one-vocabulary-native-trainer-and-verl-plugin,
+:mod:`stapo.metric_names`) — ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
+``actor/num_kept_tokens`` and the mask statistics ``actor/<mask prefix>/<stat>`` (``actor/s2t/masked_frac``...);
+verl's driver prefixes the worker's metrics with ``actor/`` only where they lack it, so they reach W&B unchanged.
+
 Supported engines: those whose ``infer_batch`` returns the model outputs on every data-parallel rank — verl's
 FSDP / FSDP2 engine (the paper's setup). The Megatron and MindSpeed engines raise ``NotImplementedError``.
 Not run on GPUs in this repository: the registered function and the hook's mask/denominator logic are tested
@@ -133,6 +138,7 @@ from stapo.objectives import (
 )
 from stapo.dp_mask import minibatch_token_mask
 from stapo.masks import TokenMask, get_mask_spec
+from stapo.metric_names import NUM_KEPT_TOKENS
 from stapo.tensor_utils import as_bool_mask
 
 try:  # verl is optional for `import stapo`, required for this module
@@ -364,7 +370,8 @@ class MaskContext:
         num_kept: N, kept tokens of the whole mini-batch over all data-parallel ranks (required with ``keep``).
         entropy: [b, T] float per-token entropy (nats) of the current policy — used only when ``keep`` is None,
             to compute the mask in the call itself (whole-mini-batch calls only).
-        stats: mask statistics of the whole mini-batch (``s2t/num_masked``...), reported as metrics.
+        stats: mask statistics of the whole mini-batch under their metric keys (``actor/s2t/num_masked``...),
+            reported as metrics.
     """
 
     keep: torch.Tensor | None = None
@@ -465,11 +472,12 @@ def _plugin_policy_loss(
         denominator = loss_denominator(keep, obj.loss_agg_mode)
     loss, metrics = policy_loss(obj, log_prob, old_log_prob, advantages, keep, denominator)
     metrics.pop("actor/pg_loss", None)  # ppo_loss reports pg_loss itself (losses.py)
-    metrics.pop("actor/num_kept_tokens", None)
-    metrics[f"actor/{loss_mode}/num_kept_tokens"] = float(num_kept)
+    # the shared vocabulary (stapo/metric_names.py): N of the whole mini-batch, not of this micro-batch; the mask
+    # statistics already carry their keys actor/<mask prefix>/<stat> (compute_token_mask)
+    metrics[NUM_KEPT_TOKENS] = float(num_kept)
     for k, v in stats.items():
         if isinstance(v, (int, float)) and math.isfinite(float(v)):
-            metrics[f"actor/{k}"] = float(v)
+            metrics[k] = float(v)
     return loss, metrics
 
 
@@ -494,7 +502,8 @@ the mask is computed here from ``mask_context(entropy=...)`` when the call is th
 Returns:
     (pg_loss 0-dim fp32 = Σ_kept ℓ / max(N, 1) · dp_size, metrics: ``actor/pg_clipfrac``,
     ``actor/pg_clipfrac_lower``, ``actor/ppo_kl`` (this micro-batch's kept tokens),
-    ``actor/{name}/num_kept_tokens`` and the mask statistics ``actor/{prefix}/...`` of the whole mini-batch).
+    ``actor/num_kept_tokens`` and the mask statistics ``actor/{prefix}/...`` of the whole mini-batch; keys:
+    docs/metrics.md, the vocabulary shared with the native trainer).
 
 Raises:
     RuntimeError: no mask context, or an entropy-only context on a partial mini-batch.
