@@ -197,7 +197,7 @@ def _run(cmd: list[str], log: Path, verbose: bool) -> tuple[int, float, bool]:
 
 
 def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
-             say: Callable[[str], None] = print) -> int:
+             say: Callable[[str], None] | None = None) -> int:
     """Run every unfinished run (and final evaluation) of the grid, in order.
 
     Returns:
@@ -205,6 +205,7 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
         ``runner.stop_on_error``); 130 / 143 when interrupted (Ctrl-C / SIGTERM: the run in progress checkpoints
         its step, the rest of the grid waits for the next call).
     """
+    say = say or (lambda line: print(line, flush=True))
     out = Path(cfg.output_dir)
     failed: list[str] = []
     todo: list[tuple[str, RunSpec]] = [("train", s) for s in specs]
