@@ -219,6 +219,7 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     names = list(dict.fromkeys(r["metric"] for r in curves if not r["metric"].startswith("final_eval")))
     if not names:
@@ -240,6 +241,7 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
             ax.fill_between(x, lo, hi, color=c, alpha=0.18, linewidth=0)
         ax.set_title(_label(name), fontsize=10)
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
@@ -343,9 +345,12 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec]) -> Path:
               "|---|---|---|---|---|---|---|---|"]
     for row in finals:
         half = (row["final_ci_high"] - row["final_mean"]) if not math.isnan(row["final_ci_high"]) else math.nan
-        diff = "—" if row["method"] == cfg.reference else _fmt(row["diff_mean"])
-        ci = ("—" if row["method"] == cfg.reference else
-              f"[{_fmt(row['diff_ci_low'])}, {_fmt(row['diff_ci_high'])}]")
+        if row["method"] == cfg.reference:
+            diff, ci = "—", "—"
+        elif not row["n_pairs"]:  # the reference does not log it, or shares no seed with this method
+            diff, ci = "no pairs", "—"
+        else:
+            diff, ci = _fmt(row["diff_mean"]), f"[{_fmt(row['diff_ci_low'])}, {_fmt(row['diff_ci_high'])}]"
         lines.append(f"| {_label(row['metric'])} | {row['method']} | {row['n_seeds']} | {_fmt(row['final_mean'])} "
                      f"| {_fmt(half, 3)} | {diff} | {ci} | {row['n_pairs'] or '—'} |")
     absent = [f"{name} ({', '.join(m for m in cfg.methods if m not in series.get(name, {}))})"
