@@ -86,15 +86,13 @@ def _number(v: Any) -> float:
 
 
 def _final_eval(run_dir: Path) -> dict[str, float]:
-    """``setting → average avg@N`` of the run's final evaluation (complete results only)."""
+    """``setting → average avg@N`` of the run's final evaluation (its results.json, written when it finished)."""
     path = run_dir / "final_eval" / "results.json"
     if not path.is_file():
         return {}
     try:
         res = json.loads(path.read_text())
     except ValueError:
-        return {}
-    if not res.get("complete"):
         return {}
     return {s: _number(m.get("average", {}).get("avg@N")) for s, m in res.get("metrics", {}).items()}
 

@@ -10,8 +10,8 @@ order. Before each run its folder decides what to do (:func:`run_status`):
   says so; nothing in it could be resumed) and the run starts afresh;
 - ``new``: no folder yet.
 
-The same for the optional final evaluation (``final_eval``): done when ``<run>/final_eval/results.json`` says
-``complete``, else ``evaluate.py`` (which resumes its own generations). Every attempt is appended to
+The same for the optional final evaluation (``final_eval``): done when ``<run>/final_eval/results.json`` exists
+(evaluate.py writes it at the end), else ``evaluate.py`` (which resumes its own generations). Every attempt is appended to
 ``<output_dir>/attempts.jsonl`` (run, kind, action, exit code, wall seconds, threads) for the report's cost line.
 The study folder is locked for the runner's lifetime (``<output_dir>/run.lock``, :mod:`stapo.runlock`).
 """
@@ -68,7 +68,7 @@ class RunStatus:
 
 @dataclass(frozen=True)
 class EvalStatus:
-    """The final evaluation of a run: ``done`` (results.json complete), ``run`` (to run or resume), ``wait``
+    """The final evaluation of a run: ``done`` (results.json written), ``run`` (to run or resume), ``wait``
     (its training run is not finished)."""
 
     spec: RunSpec
@@ -109,9 +109,9 @@ def eval_status(spec: RunSpec) -> EvalStatus:
     """The final evaluation's state: its output folder is ``<run_dir>/final_eval``."""
     out = spec.run_dir / EVAL_DIR
     results = out / "results.json"
-    if results.is_file():
-        try:
-            if json.loads(results.read_text()).get("complete"):
+    if results.is_file():  # evaluate.py writes it once every generation is graded (its "complete" field means
+        try:                # the full protocol: all six benchmarks, no limit — not that the run finished)
+            if "metrics" in json.loads(results.read_text()):
                 return EvalStatus(spec, "done", out)
         except ValueError:
             pass
