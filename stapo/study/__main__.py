@@ -1,0 +1,63 @@
+"""Run a study: a grid of methods × seeds with train.py, then its report (docs/study.md).
+
+    python -m stapo.study --config configs/study/cpu_methods.yaml             # run (or resume) the grid + report
+    python -m stapo.study --config configs/study/cpu_methods.yaml --dry-run   # what would run / be skipped
+    python -m stapo.study --config configs/study/cpu_methods.yaml --report-only
+
+Rerunning the same command resumes the study: finished runs are skipped, interrupted ones resume from their last
+checkpoint, finished final evaluations are reused. Exit codes: 0 all runs finished; 1 a run failed (the others
+ran; rerun to retry); 2 a bad study config or a locked study folder; 130 / 143 interrupted (Ctrl-C / SIGTERM).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from stapo.cli import ArgumentParser, sigterm_as_interrupt
+
+    p = ArgumentParser(prog="stapo.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="study YAML (configs/study/)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="list what would run, resume or be skipped, and exit")
+    mode.add_argument("--report-only", action="store_true", help="write the report from the runs as they are")
+    p.add_argument("--verbose", action="store_true", help="show the runs' own output here (default: only in "
+                   "<output_dir>/logs/<run>.log)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config, e.g. seeds=[0]")
+    args = p.parse_args(argv)
+    sigterm_as_interrupt()
+
+    from stapo.config import ConfigError
+    from stapo.runlock import RunLock, RunLockError
+    from stapo.study.config import load_study_config, run_specs
+    from stapo.study.report import write_report
+    from stapo.study.runner import describe_plan, run_grid
+
+    try:
+        cfg = load_study_config(args.config, args.overrides)
+        specs = run_specs(cfg)
+    except ConfigError as e:
+        print(f"stapo.study: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(describe_plan(cfg, specs))
+        return 0
+    rc = 0
+    try:
+        with RunLock(cfg.output_dir, "stapo.study"):
+            if not args.report_only:
+                rc = run_grid(cfg, specs, verbose=args.verbose)
+            report = write_report(cfg, specs)
+    except RunLockError as e:
+        print(f"stapo.study: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:  # between runs or while writing the report
+        print("stapo.study: interrupted; rerun the same command to resume the study", file=sys.stderr)
+        return 128 + int(getattr(e, "signum", 2))
+    print(f"report: {report}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Typed configuration of a study (``python -m stapo.study --config configs/study/<name>.yaml``; docs/study.md).
+
+A study is a grid of methods × seeds run with train.py. The file is loaded like a train config
+(:func:`stapo.config.merge_config`: OmegaConf over these dataclasses, unknown keys fail with the closest valid key,
+``defaults: [...]`` parents allowed); paths in it (``base``, ``methods.<name>.config``, ``final_eval.config``)
+are relative to the study file. Every run's train config is built and checked at load time
+(:func:`stapo.config.load_config`), so a typo in an override fails before anything runs.
+
+Run ``<method>_seed<k>`` is::
+
+    train.py --config <methods.<name>.config or base> <overrides> <methods.<name>.overrides>
+             trainer.seed=<k> trainer.output_dir=<output_dir>/runs trainer.run_name=<method>_seed<k>
+             logging.group=<name>
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from stapo.config import ConfigError, TrainConfig, load_config, merge_config
+
+__all__ = ["MethodConfig", "ReportConfig", "FinalEvalConfig", "RunnerConfig", "StudyConfig", "RunSpec",
+           "load_study_config", "run_specs"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class MethodConfig:
+    # A train.py YAML for this method (relative to the study file); null: the study's ``base``.
+    config: Optional[str] = None
+    # Dotted key=value overrides of this method, applied after the study's shared ``overrides``.
+    overrides: list[str] = field(default_factory=list)
+    # This method's seeds (null: the study's ``seeds``), e.g. fewer seeds for ablations; differences to the
+    # reference are paired over the seeds both have.
+    seeds: Optional[list[int]] = None
+
+
+@dataclass
+class ReportConfig:
+    window: int = 5  # the final value of a run = the mean over the last W steps at which the metric was logged
+    smooth: int = 1  # trailing moving average (steps) applied to each run's curve before averaging; 1 = none
+    confidence: float = 0.95  # of the t-bands and the bootstrap intervals
+    bootstrap_samples: int = 10_000  # replicates of the paired bootstrap
+    bootstrap_seed: int = 0  # the bootstrap's RNG seed (the report is reproducible)
+    # Report names of stapo.study.report.METRICS to report (empty: all of them).
+    metrics: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FinalEvalConfig:
+    """An evaluate.py run of each finished run's final checkpoint (both decoding settings by default); off by
+    default (the in-training validation, ``trainer.val_every``, is the study's evaluation on the step axis)."""
+
+    enabled: bool = False
+    config: Optional[str] = None  # an evaluate.py YAML (relative to the study file), e.g. ../eval/cpu_smollm2.yaml
+    overrides: list[str] = field(default_factory=list)  # dotted key=value overrides of that config
+
+
+@dataclass
+class RunnerConfig:
+    # Cores a run uses, for the report's CPU-hours (wall seconds × threads); null: this machine's core count.
+    threads: Optional[int] = None
+    # A failed run (exit code other than an interrupt's): true stops the grid, false (default) goes on with the
+    # next run and exits 1 at the end.
+    stop_on_error: bool = False
+
+
+@dataclass
+class StudyConfig:
+    name: str = ""  # the study's name: logging.group of every run, default output folder runs/study/<name>
+    base: Optional[str] = None  # the train.py YAML of methods without their own ``config``
+    output_dir: Optional[str] = None  # default runs/study/<name> (relative to the current directory)
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # trainer.seed of each run (methods.<m>.seeds: its own)
+    overrides: list[str] = field(default_factory=list)  # shared dotted overrides (e.g. trainer.total_steps=20)
+    methods: dict[str, MethodConfig] = field(default_factory=dict)  # name → its config / overrides (grid order)
+    reference: Optional[str] = None  # the method the paired differences are taken against (default: the first)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    final_eval: FinalEvalConfig = field(default_factory=FinalEvalConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    source: str = ""  # set by load_study_config: the study file (absolute), for messages
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the grid.
+
+    Attributes:
+        method, seed: its cell; name: ``<method>_seed<seed>`` (the run folder's name).
+        config: the train YAML (absolute path); overrides: every override train.py gets (without ``--resume``).
+        run_dir: ``<output_dir>/runs/<name>``; total_steps: its resolved ``trainer.total_steps``.
+        train: the resolved train config.
+    """
+
+    method: str
+    seed: int
+    name: str
+    config: str
+    overrides: tuple[str, ...]
+    run_dir: Path
+    total_steps: int
+    train: TrainConfig
+
+
+def _resolve(study_file: Path, path: str) -> str:
+    p = Path(path)
+    return str(p if p.is_absolute() else (study_file.parent / p).resolve())
+
+
+def load_study_config(path: str | Path, overrides: list[str] | None = None) -> StudyConfig:
+    """Load and check a study config; paths become absolute (relative ones are relative to the study file).
+
+    Raises:
+        ConfigError: one line naming the file and the key: a missing or unparsable file, an unknown key, no
+            methods or seeds, a method or reference name that is not a folder name / not a method, a method
+            without a train config, repeated seeds, bad report values, or a run's train config that
+            :func:`stapo.config.load_config` refuses (prefixed by the run's name).
+    """
+    src = Path(path).resolve()
+    cfg: StudyConfig = merge_config(StudyConfig, src, overrides)
+    cfg.source = str(src)
+
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"{src}: invalid value for '{key}': {msg}")
+
+    need(bool(cfg.name) and bool(_NAME.match(cfg.name)), "name",
+         f"{cfg.name!r} must be a non-empty folder name (letters, digits, '_', '.', '-')")
+    need(bool(cfg.methods), "methods", "list at least one method (name → config / overrides)")
+    need(bool(cfg.seeds), "seeds", "list at least one seed")
+    need(len(set(cfg.seeds)) == len(cfg.seeds), "seeds", f"{cfg.seeds} repeats a seed")
+    for name, m in cfg.methods.items():
+        need(bool(_NAME.match(name)), f"methods.{name}", "a method name must be a folder name (letters, digits, "
+             "'_', '.', '-')")
+        need(m.config is not None or cfg.base is not None, f"methods.{name}.config",
+             "no train config: give one here or the study's 'base'")
+        need(m.seeds is None or (bool(m.seeds) and len(set(m.seeds)) == len(m.seeds)), f"methods.{name}.seeds",
+             f"{m.seeds} must be null or a non-empty list without repeats")
+    if cfg.reference is None:
+        cfg.reference = next(iter(cfg.methods))
+    need(cfg.reference in cfg.methods, "reference", f"{cfg.reference!r} is not a method ({', '.join(cfg.methods)})")
+    r = cfg.report
+    need(r.window >= 1, "report.window", f"{r.window} must be >= 1")
+    need(r.smooth >= 1, "report.smooth", f"{r.smooth} must be >= 1")
+    need(0 < r.confidence < 1, "report.confidence", f"{r.confidence} must be in (0, 1)")
+    need(r.bootstrap_samples >= 1, "report.bootstrap_samples", f"{r.bootstrap_samples} must be >= 1")
+    need(cfg.runner.threads is None or cfg.runner.threads >= 1, "runner.threads", "must be >= 1 or null")
+    need(not cfg.final_eval.enabled or cfg.final_eval.config is not None, "final_eval.config",
+         "an evaluate.py YAML is needed when final_eval.enabled is true")
+    from stapo.study.report import METRICS  # the report's metric names
+
+    unknown = [m for m in r.metrics if m not in METRICS]
+    need(not unknown, "report.metrics", f"unknown {unknown}; known: {', '.join(METRICS)}")
+    if cfg.base is not None:
+        cfg.base = _resolve(src, cfg.base)
+    for m in cfg.methods.values():
+        if m.config is not None:
+            m.config = _resolve(src, m.config)
+    if cfg.final_eval.config is not None:
+        cfg.final_eval.config = _resolve(src, cfg.final_eval.config)
+    if cfg.output_dir is None:
+        cfg.output_dir = str(Path("runs") / "study" / cfg.name)
+    return cfg
+
+
+def run_specs(cfg: StudyConfig) -> list[RunSpec]:
+    """The grid in run order: seed-major (every method of the first seed, then of the next, ...; a method with its
+    own ``seeds`` takes part in the seeds it lists), so a study stopped early holds complete pairs of seeds.
+
+    Raises:
+        ConfigError: a run's train config is refused by :func:`stapo.config.load_config` (the message starts with
+            the study file and the run's name).
+    """
+    out = []
+    runs = Path(cfg.output_dir) / "runs"
+    all_seeds = list(dict.fromkeys([*cfg.seeds, *(sd for m in cfg.methods.values() for sd in m.seeds or [])]))
+    for seed in all_seeds:
+        for method, m in cfg.methods.items():
+            if seed not in (m.seeds if m.seeds is not None else cfg.seeds):
+                continue
+            name = f"{method}_seed{seed}"
+            config = m.config or cfg.base
+            assert config is not None
+            overrides = (*cfg.overrides, *m.overrides, f"trainer.seed={seed}", f"trainer.output_dir={runs}",
+                         f"trainer.run_name={name}", f"logging.group={cfg.name}")
+            try:
+                train = load_config(config, list(overrides))
+            except ConfigError as e:
+                raise ConfigError(f"{cfg.source}: run {name}: {e}") from None
+            out.append(RunSpec(method=method, seed=seed, name=name, config=config, overrides=overrides,
+                               run_dir=runs / name, total_steps=train.trainer.total_steps, train=train))
+    return out

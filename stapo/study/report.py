@@ -1,0 +1,365 @@
+"""The study report: curves with 95 % t-bands over seeds, a final table with paired bootstrap differences, a cost
+line (docs/study.md#reading-the-report).
+
+Written to the study's output folder: ``report.md``, ``curves.png`` (one panel per metric), ``curves.csv`` (per
+method, metric and step: seeds, mean, band) and ``final.csv`` (per method and metric: the final value over seeds
+and the paired difference to the reference method). Reads each run's ``metrics.jsonl`` (and the final
+evaluation's ``results.json``); every metric key it reads is in :data:`METRICS` / :data:`COST_KEYS`.
+"""
+from __future__ import annotations
+
+import csv
+import fnmatch
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stapo.study.config import RunSpec, StudyConfig
+from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
+from stapo.tracking import CorruptJsonlError, read_jsonl_rows
+
+__all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "collect", "write_report"]
+
+#: Every metrics.jsonl key the report's curves and final table read: report name → candidate keys. A run uses the
+#: first candidate it logs (the S2T ablations log their mask under their own prefix); a candidate with ``*`` is a
+#: pattern (:mod:`fnmatch`) and gives one series per matching key (one per validation decoding setting).
+METRICS: dict[str, tuple[str, ...]] = {
+    "reward": ("critic/score/mean",),
+    "accuracy": ("reward/grader/accuracy",),
+    "entropy": ("actor/entropy",),
+    "masked_frac": ("s2t/masked_frac", "s2t_random/masked_frac", "s2t_high_entropy/masked_frac",
+                    "full_low_prob/masked_frac"),
+    "response_length": ("response_length/mean",),
+    "grad_norm": ("actor/grad_norm",),
+    "val_accuracy": ("val/*/average/avg@N",),
+}
+#: Axis titles of :data:`METRICS`.
+LABELS: dict[str, str] = {
+    "reward": "reward (mean, ±1)", "accuracy": "accuracy (math-verify)", "entropy": "entropy (nats / token)",
+    "masked_frac": "masked fraction (S2T)", "response_length": "response length (tokens)",
+    "grad_norm": "grad norm", "val_accuracy": "validation avg@N", "final_eval": "final evaluation avg@N",
+}
+#: The cost line's keys: response tokens per step and wall seconds per step.
+COST_KEYS: dict[str, str] = {"response_tokens": "response_length/total_tokens", "step_time": "timing_s/step"}
+
+
+@dataclass
+class Series:
+    """One metric of one method over its seeds.
+
+    Attributes:
+        name: the series' name (a :data:`METRICS` name, ``<name>[<key>]`` for a pattern match, or
+            ``final_eval[<setting>]``); keys: the metrics.jsonl keys it was read from.
+        seeds: [S] the seeds, in the study's order (only seeds with a run folder).
+        steps: [T] the step axis 1 … T.
+        values: [S, T] float64, NaN where a run did not log the metric.
+    """
+
+    name: str
+    keys: list[str]
+    seeds: list[int]
+    steps: np.ndarray
+    values: np.ndarray
+
+
+def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    try:
+        rows, _ = read_jsonl_rows(path)
+    except CorruptJsonlError:
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in rows:  # a repeated step (a crashed attempt's row before the resume truncated it): the last one
+        by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _number(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None else math.nan
+
+
+def _final_eval(run_dir: Path) -> dict[str, float]:
+    """``setting → average avg@N`` of the run's final evaluation (its results.json, written when it finished)."""
+    path = run_dir / "final_eval" / "results.json"
+    if not path.is_file():
+        return {}
+    try:
+        res = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    return {s: _number(m.get("average", {}).get("avg@N")) for s, m in res.get("metrics", {}).items()}
+
+
+def collect(cfg: StudyConfig, specs: list[RunSpec]) -> tuple[dict[str, dict[str, Series]], dict[str, list]]:
+    """Read every run folder of the study.
+
+    Returns:
+        ``(series, rows)``: ``series[name][method]`` a :class:`Series` (names in :data:`METRICS` order, pattern
+        matches sorted, then ``final_eval[...]``); ``rows[run name]`` the run's metrics rows (one per step).
+    """
+    rows = {s.name: _read_rows(s.run_dir) for s in specs}
+    t_max = max([s.total_steps for s in specs] + [r[-1]["step"] for r in rows.values() if r])
+    steps = np.arange(1, t_max + 1)
+    wanted = cfg.report.metrics or list(METRICS)
+    series: dict[str, dict[str, Series]] = {}
+    for method in cfg.methods:
+        runs = [s for s in specs if s.method == method and rows[s.name]]
+        seeds = [s.seed for s in runs]
+        logged = set().union(*[set(r) for s in runs for r in rows[s.name]]) if runs else set()
+        for name in wanted:
+            targets: list[tuple[str, list[str]]] = []  # (series name, keys in priority order)
+            for cand in METRICS[name]:
+                if "*" in cand:
+                    targets += [(f"{name}[{k}]", [k]) for k in sorted(fnmatch.filter(logged, cand))]
+                elif cand in logged and not targets:
+                    targets = [(name, [c for c in METRICS[name] if "*" not in c])]
+            for sname, keys in targets:
+                vals = np.full((len(runs), t_max), np.nan)  # [S, T]
+                used: list[str] = []
+                for i, s in enumerate(runs):
+                    for r in rows[s.name]:
+                        key = next((k for k in keys if _number(r.get(k)) == _number(r.get(k))), None)
+                        if key is not None and 1 <= r["step"] <= t_max:
+                            vals[i, r["step"] - 1] = _number(r[key])
+                            if key not in used:
+                                used.append(key)
+                series.setdefault(sname, {})[method] = Series(sname, used, seeds, steps, vals)
+        if cfg.final_eval.enabled:
+            evals = {s.seed: _final_eval(s.run_dir) for s in specs if s.method == method}
+            for setting in sorted({k for e in evals.values() for k in e}):
+                done = [seed for seed, e in evals.items() if setting in e]
+                vals = np.full((len(done), t_max), np.nan)
+                for i, seed in enumerate(done):
+                    vals[i, -1] = evals[seed][setting]
+                series.setdefault(f"final_eval[{setting}]", {})[method] = Series(
+                    f"final_eval[{setting}]", [f"results.json:{setting}/average/avg@N"], done, steps, vals)
+    return series, rows
+
+
+def _label(name: str) -> str:
+    base, _, key = name.partition("[")
+    return LABELS.get(base, base) + (f" ({key.rstrip(']')})" if key else "")
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
+
+
+def _final_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[dict[str, Any]]:
+    """One row per (series, method): the final value over seeds and the paired difference to the reference."""
+    r = cfg.report
+    out = []
+    for sname, by_method in series.items():
+        all_vals = np.concatenate([s.values for s in by_method.values()], axis=0)  # [Σ S, T]
+        steps = next(iter(by_method.values())).steps
+        win = window_steps(steps, all_vals, r.window)
+        cols = np.isin(steps, win)  # [T] the window's columns
+        ref = by_method.get(cfg.reference)
+        for method, s in by_method.items():
+            with np.errstate(all="ignore"):  # a seed without a value in the window: NaN (left out by t_band)
+                finals = np.array([np.nanmean(v[cols]) if (~np.isnan(v[cols])).any() else np.nan
+                                   for v in s.values])  # [S]
+            band = t_band(finals, r.confidence) if finals.size else None
+            row = {"metric": sname, "method": method, "keys": " ".join(s.keys),
+                   "window_steps": f"{int(win[0])}-{int(win[-1])}" if win.size else "",
+                   "n_seeds": int(band.n[0]) if band else 0,
+                   "final_mean": float(band.mean[0]) if band else math.nan,
+                   "final_ci_low": float(band.low[0]) if band else math.nan,
+                   "final_ci_high": float(band.high[0]) if band else math.nan,
+                   "reference": cfg.reference, "diff_mean": math.nan, "diff_ci_low": math.nan,
+                   "diff_ci_high": math.nan, "n_pairs": 0}
+            if ref is not None and method != cfg.reference:
+                shared = [sd for sd in s.seeds if sd in ref.seeds]
+                diffs = np.array([s.values[s.seeds.index(sd)][cols] - ref.values[ref.seeds.index(sd)][cols]
+                                  for sd in shared]).reshape(len(shared), int(cols.sum()))  # [S', W]
+                ci = paired_bootstrap(diffs, confidence=r.confidence, n_boot=r.bootstrap_samples,
+                                      seed=r.bootstrap_seed)
+                row.update(diff_mean=ci.mean, diff_ci_low=ci.low, diff_ci_high=ci.high, n_pairs=ci.n_pairs)
+            out.append(row)
+    return out
+
+
+def _curve_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[dict[str, Any]]:
+    out = []
+    for sname, by_method in series.items():
+        for method, s in by_method.items():
+            smooth = np.array([moving_average(v, cfg.report.smooth) for v in s.values]).reshape(s.values.shape)
+            band = t_band(smooth, cfg.report.confidence)
+            for j, step in enumerate(s.steps):
+                if band.n[j] == 0:
+                    continue
+                out.append({"metric": sname, "method": method, "step": int(step), "n_seeds": int(band.n[j]),
+                            "mean": float(band.mean[j]), "ci_low": float(band.low[j]),
+                            "ci_high": float(band.high[j])})
+    return out
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else
+                            f"{v:.10g}" if isinstance(v, float) else v) for k, v in row.items()})
+    os.replace(tmp, path)
+
+
+def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    names = list(dict.fromkeys(r["metric"] for r in curves if not r["metric"].startswith("final_eval")))
+    if not names:
+        return False
+    ncol = min(3, len(names))
+    nrow = math.ceil(len(names) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 3.6 * nrow), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, name in zip(axes.flat, names):
+        for k, method in enumerate(cfg.methods):
+            pts = [r for r in curves if r["metric"] == name and r["method"] == method]
+            if not pts:
+                continue
+            x = np.array([p["step"] for p in pts])
+            y = np.array([p["mean"] for p in pts])
+            c = colors[k % len(colors)]
+            ax.plot(x, y, color=c, label=method, marker="o" if len(x) < 12 else None, ms=3)
+            lo, hi = np.array([p["ci_low"] for p in pts]), np.array([p["ci_high"] for p in pts])
+            ax.fill_between(x, lo, hi, color=c, alpha=0.18, linewidth=0)
+        ax.set_title(_label(name), fontsize=10)
+        ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    smooth = f", moving average over {cfg.report.smooth} steps" if cfg.report.smooth > 1 else ""
+    fig.suptitle(f"study {cfg.name}: mean over seeds, {cfg.report.confidence:.0%} t-band{smooth}", fontsize=11)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
+
+
+def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> dict[str, float]:
+    """Steps, response tokens and compute of the runs' metrics (and the runner's recorded attempts)."""
+    steps = sum(r[-1]["step"] for r in rows.values() if r)
+    tokens = sum(_number(x.get(COST_KEYS["response_tokens"])) for r in rows.values() for x in r
+                 if COST_KEYS["response_tokens"] in x)
+    step_s = sum(_number(x.get(COST_KEYS["step_time"])) for r in rows.values() for x in r
+                 if COST_KEYS["step_time"] in x)
+    threads = cfg.runner.threads or os.cpu_count() or 1
+    wall_s, wall_cpu_s = 0.0, 0.0
+    path = Path(cfg.output_dir) / "attempts.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                a = json.loads(line)
+                wall_s += float(a["wall_s"])
+                wall_cpu_s += float(a["wall_s"]) * int(a.get("threads", threads))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return {"runs": sum(bool(r) for r in rows.values()), "steps": steps, "tokens": tokens, "step_h": step_s / 3600,
+            "threads": threads, "cpu_h": step_s * threads / 3600, "wall_h": wall_s / 3600,
+            "wall_cpu_h": wall_cpu_s / 3600}
+
+
+def _pairing_notes(cfg: StudyConfig, specs: list[RunSpec]) -> list[str]:
+    """Keys that decide the prompts and their rollouts and differ between methods (then pairs do not share
+    prompts)."""
+    from stapo.config import _flatten, to_dict
+
+    notes = []
+    for seed in dict.fromkeys(s.seed for s in specs):
+        flat = {s.method: _flatten(to_dict(s.train)) for s in specs if s.seed == seed}
+        keys = sorted({k for f in flat.values() for k in f if k.startswith(("data.", "rollout.n", "trainer.seed",
+                                                                             "trainer.total_steps"))
+                       and not k.startswith("data.root")})
+        differ = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat.values()}) > 1]
+        if differ:
+            notes.append(f"seed {seed}: the methods differ in {', '.join(differ)}, so its pairs do not share "
+                         f"prompts (the paired differences are then plain differences per step)")
+    return notes
+
+
+def write_report(cfg: StudyConfig, specs: list[RunSpec]) -> Path:
+    """Write ``report.md``, ``curves.png``, ``curves.csv`` and ``final.csv`` into the study's output folder
+    (each file replaced atomically) from whatever runs exist; returns the path of ``report.md``."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    series, rows = collect(cfg, specs)
+    curves = _curve_rows(cfg, series)
+    finals = _final_rows(cfg, series)
+    _write_csv(out / "curves.csv", curves, ["metric", "method", "step", "n_seeds", "mean", "ci_low", "ci_high"])
+    _write_csv(out / "final.csv", finals, ["metric", "method", "keys", "window_steps", "n_seeds", "final_mean",
+                                           "final_ci_low", "final_ci_high", "reference", "diff_mean",
+                                           "diff_ci_low", "diff_ci_high", "n_pairs"])
+    plotted = _plot(out / "curves.png", cfg, curves)
+    cost = _cost(cfg, specs, rows)
+    r = cfg.report
+    conf = f"{r.confidence:.0%}"
+    seeds = "; ".join(f"{m} {', '.join(str(s.seed) for s in specs if s.method == m)}" for m in cfg.methods)
+    lines = [f"# Study report: {cfg.name}", "",
+             f"- Config: `{cfg.source}`; output: `{out}`; W&B group `{cfg.name}`",
+             f"- Methods: {', '.join(cfg.methods)}; reference for the differences: **{cfg.reference}**; "
+             f"seeds: {seeds}",
+             f"- **Cost**: {cost['runs']} runs, {cost['steps']} steps, {cost['tokens']:.0f} response tokens; "
+             f"Σ step time {cost['step_h']:.2f} h × {cost['threads']} threads = {cost['cpu_h']:.2f} CPU-hours; "
+             f"runner wall time (recorded attempts) {cost['wall_h']:.2f} h = {cost['wall_cpu_h']:.2f} CPU-hours", ""]
+    lines += ["## Runs", "", "| run | steps logged | of |", "|---|---|---|"]
+    for s in specs:
+        last = rows[s.name][-1]["step"] if rows[s.name] else 0
+        lines.append(f"| {s.name} | {last} | {s.total_steps} |")
+    missing = [s.name for s in specs if not rows[s.name] or rows[s.name][-1]["step"] < s.total_steps]
+    if missing:
+        lines += ["", f"Not finished (reported as far as they got): {', '.join(missing)}."]
+    lines += ["", "## Curves", "",
+              f"Mean over seeds per method and step, band: the {conf} t-interval over seeds "
+              f"(mean ± t_{{{(1 + r.confidence) / 2:.3g}, n−1}} · s/√n)"
+              + (f", each run smoothed by a trailing moving average over {r.smooth} steps" if r.smooth > 1 else "")
+              + ". With one seed there is no band (n/a). Data: `curves.csv`.", ""]
+    if plotted:
+        lines += ["![curves](curves.png)", ""]
+    lines += ["## Final values", "",
+              f"Final value of a run = the mean of its last {r.window} logged steps of the metric; over seeds: mean "
+              f"± the {conf} t-interval half-width (n/a with one seed). Δ = method − {cfg.reference}, paired by "
+              f"(seed, step) over those steps: mean over seeds of the per-seed mean difference, with a {conf} "
+              f"two-stage percentile bootstrap interval ({r.bootstrap_samples} replicates, RNG seed "
+              f"{r.bootstrap_seed}: seeds resampled, then steps within each seed; docs/study.md). Data: `final.csv`.",
+              "", f"| metric | method | seeds | final | ± | Δ vs {cfg.reference} | {conf} CI of Δ | pairs |",
+              "|---|---|---|---|---|---|---|---|"]
+    for row in finals:
+        half = (row["final_ci_high"] - row["final_mean"]) if not math.isnan(row["final_ci_high"]) else math.nan
+        if row["method"] == cfg.reference:
+            diff, ci = "—", "—"
+        elif not row["n_pairs"]:  # the reference does not log it, or shares no seed with this method
+            diff, ci = "no pairs", "—"
+        else:
+            diff, ci = _fmt(row["diff_mean"]), f"[{_fmt(row['diff_ci_low'])}, {_fmt(row['diff_ci_high'])}]"
+        lines.append(f"| {_label(row['metric'])} | {row['method']} | {row['n_seeds']} | {_fmt(row['final_mean'])} "
+                     f"| {_fmt(half, 3)} | {diff} | {ci} | {row['n_pairs'] or '—'} |")
+    absent = [f"{name} ({', '.join(m for m in cfg.methods if m not in series.get(name, {}))})"
+              for name in (r.metrics or METRICS) if "*" not in METRICS[name][0]
+              and any(m not in series.get(name, {}) for m in cfg.methods)]
+    notes = _pairing_notes(cfg, specs)
+    if absent or notes:
+        lines += ["", "Notes:", ""]
+        lines += [f"- not logged: {a}" for a in absent]
+        lines += [f"- {n}" for n in notes]
+    tmp = out / "report.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out / "report.md")
+    return out / "report.md"

@@ -1,0 +1,305 @@
+"""The study runner (stapo/study/): its config, the run states read from run folders, the grid loop, the report;
+and (slow) a real study of the tiny model killed with SIGKILL mid-grid and resumed to the same report.
+
+The fast tests build run folders by hand (a checkpoint = ``checkpoints/step_N/trainer_state.pt``, the file rule of
+:func:`stapo.checkpoint_files.latest_checkpoint` for folders without a COMPLETE.json) and write metrics rows whose
+statistics are worked out in the comments.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stapo.checkpoint_files import latest_checkpoint
+from stapo.config import ConfigError
+from stapo.study import describe_plan, load_study_config, run_grid, run_specs, run_status, write_report
+from stapo.study import runner as study_runner
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "study" / "tiny_test.yaml"
+
+
+def _study(tmp_path: Path, *extra: str):
+    cfg = load_study_config(TINY, [f"output_dir={tmp_path / 'study'}", *extra])
+    return cfg, run_specs(cfg)
+
+
+def _write_run(run_dir: Path, rows: list[dict], ckpt_steps: list[int]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for s in ckpt_steps:
+        d = run_dir / "checkpoints" / f"step_{s:06d}"
+        d.mkdir(parents=True)
+        (d / "trainer_state.pt").write_bytes(b"x")
+
+
+# --- config ---------------------------------------------------------------------------------------------
+def test_config_runs_in_seed_major_order_with_their_overrides(tmp_path):
+    cfg, specs = _study(tmp_path)
+    assert [s.name for s in specs] == ["stapo_seed0", "grpo_seed0", "stapo_seed1", "grpo_seed1"]
+    s = specs[3]
+    assert s.run_dir == tmp_path / "study" / "runs" / "grpo_seed1"
+    assert s.train.algorithm.objective == "grpo" and s.train.trainer.seed == 1 and s.total_steps == 2
+    assert s.train.logging.group == "tiny_test" and s.train.trainer.run_name == "grpo_seed1"
+    assert s.config == str(REPO / "configs" / "tiny_test.yaml")  # relative to the study file
+    assert cfg.reference == "grpo"
+
+
+def test_config_method_seeds(tmp_path):
+    # stapo keeps the study's seeds [0, 1]; grpo runs seeds 1 and 2 → order: seed 0 (stapo), 1 (both), 2 (grpo)
+    cfg, specs = _study(tmp_path, "methods.grpo.seeds=[1,2]")
+    assert [s.name for s in specs] == ["stapo_seed0", "stapo_seed1", "grpo_seed1", "grpo_seed2"]
+
+
+@pytest.mark.parametrize("override, match", [
+    ("reference=ppo", "invalid value for 'reference': 'ppo' is not a method"),
+    ("seeds=[1,1]", "invalid value for 'seeds'"),
+    ("report.window=0", "report.window"),
+    ("report.metrics=[rewards]", "report.metrics"),
+    ("sedes=[1]", "unknown config key 'sedes'; did you mean 'seeds'"),
+    ("methods.grpo.overrides=[algorithm.objective=grpoo]", "run grpo_seed0: invalid value for 'algorithm.objective'"),
+])
+def test_config_errors_are_one_line(tmp_path, override, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        _study(tmp_path, override)
+    assert "\n" not in str(e.value)
+
+
+# --- run states -----------------------------------------------------------------------------------------
+def test_run_status_from_run_folders(tmp_path):
+    cfg, specs = _study(tmp_path)
+    by = {s.name: s for s in specs}
+    _write_run(by["stapo_seed0"].run_dir, [{"step": 1}, {"step": 2}], [1, 2])  # finished
+    _write_run(by["grpo_seed0"].run_dir, [{"step": 1}, {"step": 2}], [1])  # killed after logging step 2
+    _write_run(by["stapo_seed1"].run_dir, [{"step": 1}], [])  # killed before its first checkpoint
+    (by["stapo_seed1"].run_dir / "checkpoints" / "step_000001.tmp").mkdir(parents=True)  # an interrupted save
+    st = {s.name: run_status(s) for s in specs}
+    assert [st[n].action for n in by] == ["skip", "resume", "restart", "new"]
+    assert (st["grpo_seed0"].checkpoint_step, st["grpo_seed0"].logged_step) == (1, 2)
+    assert study_runner.train_command(st["grpo_seed0"])[-1] == "--resume"
+    assert "--resume" not in study_runner.train_command(st["stapo_seed1"])
+    plan = describe_plan(cfg, specs)
+    assert "stapo_seed0  skip     finished (step 2/2)" in plan
+    assert "grpo_seed0   resume   resume from the checkpoint of step 1/2" in plan
+    assert "stapo_seed1  restart" in plan and "grpo_seed1   new" in plan
+    assert plan.count("$ ") == 3  # a command for each run that is not skipped
+    # a metrics file that does not reach total_steps keeps the run unfinished, even with the last checkpoint
+    _write_run(by["grpo_seed1"].run_dir, [{"step": 1}], [2])
+    assert run_status(by["grpo_seed1"]).action == "resume"
+
+
+FAKE_TRAIN = r"""
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+ov = dict(a.split("=", 1) for a in args if "=" in a)
+run = Path(ov["trainer.output_dir"]) / ov["trainer.run_name"]
+if ov["trainer.run_name"] == os.environ.get("FAIL_RUN"):
+    print("train.py: invalid value for 'x': a failure", file=sys.stderr)
+    sys.exit(2)
+start = 0
+if "--resume" in args:
+    start = max(int(p.name[5:]) for p in (run / "checkpoints").iterdir())
+run.mkdir(parents=True, exist_ok=True)
+with open(run / "metrics.jsonl", "a") as f:
+    for step in range(start + 1, int(ov["trainer.total_steps"]) + 1):
+        f.write(json.dumps({"step": step, "critic/score/mean": 0.0, "response_length/total_tokens": 10,
+                            "timing_s/step": 1.0, "resumed_from": start}) + "\n")
+        d = run / "checkpoints" / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / "trainer_state.pt").write_bytes(b"x")
+"""
+
+
+def test_run_grid_skips_resumes_restarts_and_goes_on_after_a_failure(tmp_path, monkeypatch):
+    """The grid loop with train.py replaced by a small script of the same contract (run folder from the
+    overrides, ``--resume`` continues after the latest checkpoint), so the loop's decisions run in a second."""
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    real = study_runner.train_command
+    monkeypatch.setattr(study_runner, "train_command",
+                        lambda st: [sys.executable, str(fake), *real(st)[2:]])
+    monkeypatch.setenv("FAIL_RUN", "grpo_seed1")
+    cfg, specs = _study(tmp_path)
+    by = {s.name: s for s in specs}
+    _write_run(by["stapo_seed0"].run_dir, [{"step": 1}, {"step": 2}], [1, 2])
+    _write_run(by["grpo_seed0"].run_dir, [{"step": 1}], [1])
+    _write_run(by["stapo_seed1"].run_dir, [{"step": 1, "stale": True}], [])
+    said: list[str] = []
+    assert run_grid(cfg, specs, say=said.append) == 1  # grpo_seed1 failed, the others ran
+    assert said[0] == "[1/4] stapo_seed0: finished (step 2/2): skipped"
+    rows = lambda n: [json.loads(x) for x in (by[n].run_dir / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert [(r["step"], r.get("resumed_from")) for r in rows("grpo_seed0")] == [(1, None), (2, 1)]
+    assert [r["step"] for r in rows("stapo_seed1")] == [1, 2] and "stale" not in rows("stapo_seed1")[0]
+    assert any("grpo_seed1: FAILED (exit 2)" in s and "train.py: invalid value for 'x'" in s for s in said)
+    attempts = [json.loads(x) for x in (Path(cfg.output_dir) / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["run"], a["action"], a["rc"]) for a in attempts] == [
+        ("grpo_seed0", "resume", 0), ("stapo_seed1", "restart", 0), ("grpo_seed1", "new", 2)]
+    # second call: only the failed run is left
+    monkeypatch.delenv("FAIL_RUN")
+    said.clear()
+    assert run_grid(cfg, specs, say=said.append) == 0
+    assert sum("skipped" in s for s in said) == 3 and run_status(by["grpo_seed1"]).action == "skip"
+
+
+# --- report ---------------------------------------------------------------------------------------------
+def _row(step, reward, tokens=10.0, step_s=3600.0, **extra):
+    return {"step": step, "critic/score/mean": reward, "actor/entropy": 1.0, "response_length/total_tokens": tokens,
+            "timing_s/step": step_s, **extra}
+
+
+def test_report_values_by_hand(tmp_path):
+    cfg, specs = _study(tmp_path, "report.window=2", "report.bootstrap_samples=400", "runner.threads=2")
+    by = {s.name: s for s in specs}
+    # grpo (reference) rewards per step: seed 0: 0, 0 ; seed 1: 1, 1
+    # stapo: seed 0: 1, 2 ; seed 1: 1, 3 ; val/…/avg@N at step 2 only (stapo seed 0: 0.5, seed 1: 0.7)
+    _write_run(by["grpo_seed0"].run_dir, [_row(1, 0.0), _row(2, 0.0)], [1, 2])
+    _write_run(by["grpo_seed1"].run_dir, [_row(1, 1.0), _row(2, 1.0)], [1, 2])
+    _write_run(by["stapo_seed0"].run_dir, [_row(1, 1.0), _row(2, 2.0, **{"val/t1.0_p1.0/average/avg@N": 0.5})],
+               [1, 2])
+    _write_run(by["stapo_seed1"].run_dir, [_row(1, 1.0), _row(2, 3.0, **{"val/t1.0_p1.0/average/avg@N": 0.7})],
+               [1, 2])
+    write_report(cfg, specs)
+    out = Path(cfg.output_dir)
+    final = {(r["metric"], r["method"]): r for r in csv.DictReader((out / "final.csv").open())}
+    # stapo final reward per seed (mean of steps 1–2): 1.5 and 2.0 → mean 1.75, s = 0.353553,
+    # t_{0.975, 1} = 12.7062 → half = 12.7062 · 0.353553 / √2 = 3.17655
+    r = final[("reward", "stapo")]
+    assert float(r["final_mean"]) == pytest.approx(1.75)
+    assert float(r["final_ci_high"]) - 1.75 == pytest.approx(3.17655, abs=1e-4)
+    # paired differences stapo − grpo: seed 0: 1, 2 ; seed 1: 0, 2 → per-seed means 1.5, 1.0 → estimate 1.25
+    assert float(r["diff_mean"]) == pytest.approx(1.25) and r["n_pairs"] == "4"
+    assert 0.0 <= float(r["diff_ci_low"]) <= 1.25 <= float(r["diff_ci_high"]) <= 2.0
+    g = final[("reward", "grpo")]  # grpo: seeds 0 and 1 → mean 0.5; the reference has no difference
+    assert float(g["final_mean"]) == pytest.approx(0.5) and g["diff_mean"] == ""
+    # validation: one series per setting key; only stapo logs it (the window is its last 2 logged steps: step 2)
+    v = final[("val_accuracy[val/t1.0_p1.0/average/avg@N]", "stapo")]
+    assert float(v["final_mean"]) == pytest.approx(0.6) and v["window_steps"] == "2-2"
+    curves = [r for r in csv.DictReader((out / "curves.csv").open()) if r["metric"] == "reward"]
+    s1 = next(r for r in curves if r["method"] == "stapo" and r["step"] == "2")  # rewards 2, 3 at step 2
+    assert float(s1["mean"]) == pytest.approx(2.5) and s1["n_seeds"] == "2"
+    assert float(s1["ci_high"]) - 2.5 == pytest.approx(12.7062 * math.sqrt(0.5) / math.sqrt(2), abs=1e-4)
+    md = (out / "report.md").read_text()
+    # cost: 4 runs × 2 steps = 8 steps, 80 tokens, 8 h of step time × 2 threads = 16 CPU-hours
+    assert "4 runs, 8 steps, 80 response tokens; Σ step time 8.00 h × 2 threads = 16.00 CPU-hours" in md
+    assert "![curves](curves.png)" in md and (out / "curves.png").stat().st_size > 0
+    assert "not logged: accuracy (stapo, grpo)" in md
+
+
+def test_report_one_seed_has_no_band(tmp_path):
+    cfg, specs = _study(tmp_path, "seeds=[0]", "report.window=1")
+    for s in specs:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])
+    write_report(cfg, specs)
+    out = Path(cfg.output_dir)
+    final = {(r["metric"], r["method"]): r for r in csv.DictReader((out / "final.csv").open())}
+    r = final[("reward", "stapo")]
+    assert r["n_seeds"] == "1" and float(r["final_mean"]) == 1.0 and r["final_ci_low"] == r["final_ci_high"] == ""
+    assert float(r["diff_mean"]) == 0.0 and float(r["diff_ci_low"]) == 0.0  # identical runs: Δ = 0, CI [0, 0]
+    assert "| reward (mean, ±1) | stapo | 1 | 1 | n/a |" in (out / "report.md").read_text()
+
+
+def test_report_partial_runs_and_missing_steps(tmp_path):
+    # stapo_seed1 stopped after step 1 and grpo_seed1 never started: the report covers what exists
+    cfg, specs = _study(tmp_path, "report.window=2")
+    by = {s.name: s for s in specs}
+    _write_run(by["stapo_seed0"].run_dir, [_row(1, 1.0), _row(2, 3.0)], [2])
+    _write_run(by["grpo_seed0"].run_dir, [_row(1, 0.0), _row(2, 0.0)], [2])
+    _write_run(by["stapo_seed1"].run_dir, [_row(1, 5.0)], [1])
+    write_report(cfg, specs)
+    out = Path(cfg.output_dir)
+    final = {(r["metric"], r["method"]): r for r in csv.DictReader((out / "final.csv").open())}
+    # stapo: seed 0 → (1 + 3) / 2 = 2, seed 1 → 5 (its only step in the window) → mean 3.5
+    assert float(final[("reward", "stapo")]["final_mean"]) == pytest.approx(3.5)
+    # pairs only where grpo has the seed: seed 0 steps 1, 2 → differences 1, 3 → 2.0
+    assert float(final[("reward", "stapo")]["diff_mean"]) == pytest.approx(2.0)
+    assert final[("reward", "stapo")]["n_pairs"] == "2"
+    assert "Not finished (reported as far as they got): stapo_seed1, grpo_seed1." in (out / "report.md").read_text()
+
+
+def test_final_eval_state_and_report(tmp_path):
+    # final_eval on: a results.json makes the evaluation "done" (reused) and its average avg@N a final value
+    cfg, specs = _study(tmp_path, "final_eval.enabled=true", "final_eval.config=../eval/tiny_test.yaml")
+    by = {s.name: s for s in specs}
+    for name, acc in (("stapo_seed0", 0.5), ("grpo_seed0", 0.25), ("stapo_seed1", 0.75)):
+        _write_run(by[name].run_dir, [_row(1, 0.0), _row(2, 0.0)], [1, 2])
+        if name != "stapo_seed1":
+            (by[name].run_dir / "final_eval").mkdir()
+            (by[name].run_dir / "final_eval" / "results.json").write_text(json.dumps(
+                {"label": name, "complete": False, "metrics": {"t1.0_p1.0": {"average": {"avg@N": acc}}}}))
+    assert [study_runner.eval_status(by[n]).action for n in by] == ["done", "done", "run", "wait"]
+    cmd = study_runner.eval_command(cfg, by["stapo_seed1"])
+    assert cmd[cmd.index("--model") + 1] == str(by["stapo_seed1"].run_dir / "checkpoints" / "step_000002")
+    write_report(cfg, specs)
+    final = {(r["metric"], r["method"]): r for r in csv.DictReader((Path(cfg.output_dir) / "final.csv").open())}
+    r = final[("final_eval[t1.0_p1.0]", "stapo")]  # seed 0 only: 0.5; paired with grpo seed 0: 0.5 − 0.25
+    assert (r["n_seeds"], float(r["final_mean"]), float(r["diff_mean"]), r["n_pairs"]) == ("1", 0.5, 0.25, "1")
+
+
+def test_cli_dry_run_and_bad_config(tmp_path, capsys):
+    from stapo.study.__main__ import main
+
+    assert main(["--config", str(TINY), f"output_dir={tmp_path}", "--dry-run"]) == 0
+    assert "study tiny_test: 4 runs" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+    assert main(["--config", str(TINY), "reference=nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stapo.study: ") and err.count("\n") == 1
+
+
+# --- slow: the real thing -------------------------------------------------------------------------------
+def _study_cmd(out: Path) -> list[str]:
+    return [sys.executable, "-m", "stapo.study", "--config", str(TINY), f"output_dir={out}"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _final_values(out: Path) -> dict[tuple[str, str], tuple[str, ...]]:
+    return {(r["metric"], r["method"]): (r["n_seeds"], r["final_mean"], r["final_ci_low"], r["final_ci_high"],
+                                         r["diff_mean"], r["diff_ci_low"], r["diff_ci_high"], r["n_pairs"])
+            for r in csv.DictReader((out / "final.csv").open())}
+
+
+@pytest.mark.slow
+def test_study_sigkill_mid_grid_then_resume_gives_the_same_report(tmp_path):
+    """The tiny study (2 methods × 2 seeds × 2 steps, a checkpoint every step) killed with SIGKILL — the whole
+    process group, runner and train.py — once the first run has written its first checkpoint, then resumed with the same
+    command; its final.csv equals that of an uninterrupted study exactly. The tiny runs are deterministic on CPU
+    (same seed → same rollouts and updates; a resume restores the RNG states): checked by hand, every non-timing
+    metric of a run resumed from step 1 equals the uninterrupted run's bit for bit."""
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    done = subprocess.run(_study_cmd(ref_out), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+
+    proc = subprocess.Popen(_study_cmd(out), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    first = out / "runs" / "stapo_seed0"
+    deadline = time.monotonic() + 600
+    while latest_checkpoint(first / "checkpoints") is None and proc.poll() is None:  # its step-1 checkpoint
+        assert time.monotonic() < deadline, "the first run never wrote a checkpoint"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the runner and the train.py it started (one process group)
+    proc.wait()
+    assert not (out / "report.md").exists()  # killed before the grid was through
+    cfg = load_study_config(TINY, [f"output_dir={out}"])
+    states = [run_status(s).action for s in run_specs(cfg)]
+    # the first run resumes (or, had it finished in the meantime, is skipped); the next one may have started
+    assert states[0] in ("resume", "skip") and states[2:] == ["new", "new"] and states[1] in ("new", "restart")
+
+    again = subprocess.run(_study_cmd(out), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert again.returncode == 0, again.stderr[-2000:] + again.stdout[-2000:]
+    assert _final_values(out) == _final_values(ref_out)
+    for name in ("stapo_seed0", "grpo_seed1"):  # one metrics row per step, as uninterrupted
+        steps = [json.loads(x)["step"] for x in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2]
