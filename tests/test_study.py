@@ -161,12 +161,12 @@ def test_report_values_by_hand(tmp_path):
     cfg, specs = _study(tmp_path, "report.window=2", "report.bootstrap_samples=400", "runner.threads=2")
     by = {s.name: s for s in specs}
     # grpo (reference) rewards per step: seed 0: 0, 0 ; seed 1: 1, 1
-    # stapo: seed 0: 1, 2 ; seed 1: 1, 3 ; val/…/avg@N at step 2 only (stapo seed 0: 0.5, seed 1: 0.7)
+    # stapo: seed 0: 1, 2 ; seed 1: 1, 3 ; val-core/average/acc/mean@4 at step 2 only (stapo seed 0: 0.5, seed 1: 0.7)
     _write_run(by["grpo_seed0"].run_dir, [_row(1, 0.0), _row(2, 0.0)], [1, 2])
     _write_run(by["grpo_seed1"].run_dir, [_row(1, 1.0), _row(2, 1.0)], [1, 2])
-    _write_run(by["stapo_seed0"].run_dir, [_row(1, 1.0), _row(2, 2.0, **{"val/t1.0_p1.0/average/avg@N": 0.5})],
+    _write_run(by["stapo_seed0"].run_dir, [_row(1, 1.0), _row(2, 2.0, **{"val-core/average/acc/mean@4": 0.5})],
                [1, 2])
-    _write_run(by["stapo_seed1"].run_dir, [_row(1, 1.0), _row(2, 3.0, **{"val/t1.0_p1.0/average/avg@N": 0.7})],
+    _write_run(by["stapo_seed1"].run_dir, [_row(1, 1.0), _row(2, 3.0, **{"val-core/average/acc/mean@4": 0.7})],
                [1, 2])
     write_report(cfg, specs)
     out = Path(cfg.output_dir)
@@ -182,7 +182,7 @@ def test_report_values_by_hand(tmp_path):
     g = final[("reward", "grpo")]  # grpo: seeds 0 and 1 → mean 0.5; the reference has no difference
     assert float(g["final_mean"]) == pytest.approx(0.5) and g["diff_mean"] == ""
     # validation: one series per setting key; only stapo logs it (the window is its last 2 logged steps: step 2)
-    v = final[("val_accuracy[val/t1.0_p1.0/average/avg@N]", "stapo")]
+    v = final[("val_accuracy[val-core/average/acc/mean@4]", "stapo")]
     assert float(v["final_mean"]) == pytest.approx(0.6) and v["window_steps"] == "2-2"
     curves = [r for r in csv.DictReader((out / "curves.csv").open()) if r["metric"] == "reward"]
     s1 = next(r for r in curves if r["method"] == "stapo" and r["step"] == "2")  # rewards 2, 3 at step 2

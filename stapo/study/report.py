@@ -32,11 +32,11 @@ METRICS: dict[str, tuple[str, ...]] = {
     "reward": ("critic/score/mean",),
     "accuracy": ("reward/grader/accuracy",),
     "entropy": ("actor/entropy",),
-    "masked_frac": ("s2t/masked_frac", "s2t_random/masked_frac", "s2t_high_entropy/masked_frac",
-                    "full_low_prob/masked_frac"),
+    "masked_frac": ("actor/s2t/masked_frac", "actor/s2t_random/masked_frac", "actor/s2t_high_entropy/masked_frac",
+                    "actor/full_low_prob/masked_frac"),
     "response_length": ("response_length/mean",),
     "grad_norm": ("actor/grad_norm",),
-    "val_accuracy": ("val/*/average/avg@N",),
+    "val_accuracy": ("val-core/average*/acc/mean@*",),
 }
 #: Axis titles of :data:`METRICS`.
 LABELS: dict[str, str] = {
