@@ -117,6 +117,14 @@ def test_rotary_reload_warning_is_dropped_unless_verbose():
         logger.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real failure: kept
         assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights"]
         logger.filters.clear()
+        worker = logging.getLogger("vllm.v1.worker.cpu_worker")  # an expected CPU start-up warning: dropped
+        worker.addHandler(handler)
+        console.quiet_libraries()
+        worker.warning("%s is not found in LD_PRELOAD. For best performance, ...", "libtcmalloc")
+        worker.warning("something else")  # kept
+        assert records[-1].getMessage() == "something else" and len(records) == 2
+        worker.filters.clear()
+        worker.removeHandler(handler)
         console.set_verbose(True)  # train.py --verbose: nothing is dropped
         console.drop_rotary_reload_warning()
         logger.warning("%s: Failed to load weights", "RotaryEmbedding")
