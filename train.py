@@ -88,8 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="check the config, data and run folder, print the "
                         "resolved config and the cost estimate, and exit: no model loaded, nothing written "
                         "(docs/runs.md#dry-run)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the libraries' own logs (vLLM's INFO lines, transformers, torch), quiet by default")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=2e-6")
     args = parser.parse_args(argv)
+    from stapo import console
+
+    console.set_verbose(args.verbose)
+    console.quiet_libraries()  # before vLLM / transformers are imported (stapo/console.py)
     from stapo.cli import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # SIGTERM while starting up: one line and exit 143 (the step loop handles it itself)
@@ -101,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         return _error(str(e))
+    from stapo.provenance import apply_identity
+
+    apply_identity(cfg, args.config)  # W&B group (the config family) / tags / job_type left unset
 
     from stapo.checkpoint import CheckpointError
     from stapo.data import DataError
@@ -115,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # under torchrun: every rank runs this; torch.distributed is set up by the Trainer (stapo/distributed.py)
         try:  # bad paths / data / run directory / batch sizes vs ranks: one line naming the problem, exit code 2
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
-            trainer = Trainer(cfg, validation_hook=hook, preflight_only=args.dry_run)
+            trainer = Trainer(cfg, validation_hook=hook, preflight_only=args.dry_run,  # argv: run_info.json
+                              argv=sys.argv if argv is None else [os.path.relpath(__file__), *argv])
             if args.dry_run:
                 from stapo.estimate import train_dry_run
 
@@ -132,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         # tables.jsonl line (not a torn last one); W&B online that cannot start with logging.wandb_fallback=error.
         except (CheckpointError, ExtensionError, RunLockError, CorruptJsonlError, TrackerError) as e:
             return _error(str(e))
-        if trainer.dist.is_main:
+        if trainer.dist.is_main:  # start → end of the main metrics, where the files are, the next commands
+            from stapo.train.summary import end_of_run_summary
+
+            mode = trainer.tracker.mode if trainer.tracker is not None else "disabled"
+            print(end_of_run_summary(trainer.run_dir, wandb_mode=mode, group=cfg.logging.group), flush=True)
             print(f"run directory: {trainer.run_dir}")
         barrier(trainer.dist)  # every rank done before any tears the process group down (W = 1: no-op)
         return 0

@@ -45,6 +45,7 @@ __all__ = [
     "load_config",
     "import_modules",
     "check_registered",
+    "check_logging_identity",
     "validate",
     "objective_from_config",
     "check_mask_config_keys",
@@ -249,9 +250,11 @@ class LoggingConfig:
     wandb_fallback: Literal["offline", "error"] = "offline"
     project: str = "stapo"
     entity: Optional[str] = None
-    # W&B grouping (wandb.init's group / tags / job_type / notes). None / empty: filled in at start-up from the
-    # config (stapo.tracking defaults: group = the config family, tags = objective, model, reward; job_type "train"
-    # for train.py, "eval" for evaluate.py).
+    # W&B grouping (wandb.init's group / tags / job_type / notes). None / empty: filled in at start-up
+    # (stapo/provenance.py::resolve_identity): group = the config family (configs/cpu_smollm2_stapo.yaml →
+    # cpu_smollm2, configs/paper/qwen3_8b_grpo.yaml → paper_qwen3_8b), tags = [objective, model short name,
+    # reward], job_type "train" for train.py, "eval" for evaluate.py; the resolved values are recorded in the run's
+    # config.json. W&B limits: group ≤ 128 characters, each tag 1–64.
     group: Optional[str] = None
     tags: list[str] = field(default_factory=list)
     job_type: Optional[str] = None
@@ -562,6 +565,26 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.validation.limit is None or cfg.validation.limit >= 1, "validation.limit", "must be ≥ 1 or null")
     need(cfg.validation.temperature > 0, "validation.temperature", "must be > 0")
     need(0 < cfg.validation.top_p <= 1, "validation.top_p", "must be in (0, 1]")
+    check_logging_identity(cfg.logging, "logging")
+
+
+def check_logging_identity(lc: LoggingConfig, prefix: str) -> None:
+    """W&B's limits on the identity fields of ``lc`` (a :class:`LoggingConfig`, or evaluate.py's subclass under
+    ``prefix``): ``group`` non-blank and ≤ 128 characters, ``job_type`` non-blank and ≤ 64, each tag 1–64
+    characters, not blank.
+
+    Raises:
+        ConfigError: one line naming the key (``<prefix>.group``, ``<prefix>.tags``, ...).
+    """
+    for key, limit in (("group", 128), ("job_type", 64)):
+        v = getattr(lc, key)
+        if v is not None and not (v.strip() and len(v) <= limit):
+            raise ConfigError(f"invalid value for '{prefix}.{key}' ({v!r}): must be 1–{limit} characters, not blank "
+                              f"(or null for the default)")
+    bad = [t for t in lc.tags if not (t.strip() and len(t) <= 64)]
+    if bad:
+        raise ConfigError(f"invalid value for '{prefix}.tags' ({list(lc.tags)!r}): every tag must be 1–64 "
+                          f"characters, not blank ({bad[0]!r} is not)")
 
 
 def check_registered(key: str, value: str, kind: str, registry: Any) -> None:

@@ -68,8 +68,10 @@ def test_group_layout_and_seeded_reproducibility(tok):
     # the samples of a group differ from each other (G independent draws)
     assert len({tuple(r.response_ids) for r in a[:4]}) > 1
     # batching in chunks of rows gives the same count / layout
-    chunked = HFRolloutEngine(model, tok, max_batch_size=5).generate(PROMPTS, 4, sp)
+    calls: list[int] = []  # progress: one call per chunk of ≤ 5 rows of the 12: 5, 5, 2
+    chunked = HFRolloutEngine(model, tok, max_batch_size=5).generate(PROMPTS, 4, sp, progress=calls.append)
     assert [r.group for r in chunked] == [r.group for r in a]
+    assert calls == [5, 5, 2]
 
 
 def test_eos_stops_a_response_and_length_is_flagged(tok):

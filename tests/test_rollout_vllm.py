@@ -188,3 +188,16 @@ def test_seeded_batch_larger_than_one_prefill_step_does_not_crash(engine, policy
     assert len(out) == 128
     assert [r.group for r in out] == [i // 8 for i in range(128)]
     assert all(1 <= len(r.response_ids) <= 2 for r in out)
+
+
+def test_progress_counts_every_response_and_changes_nothing(engine, policy):
+    """``progress(n)`` (the trainer's rollout bar) is called through vLLM's ``use_tqdm`` bar factory with each
+    finished prompt's responses: 3 prompts × G = 4 → calls adding up to 12; the responses are those of a call
+    without it (same seed)."""
+    engine.sync_weights(policy)
+    sp = SamplingParams(temperature=0.7, max_new_tokens=6, seed=5)
+    calls: list[int] = []
+    a = engine.generate(PROMPTS, 4, sp, progress=calls.append)
+    assert sum(calls) == 12 and all(n > 0 for n in calls)
+    b = engine.generate(PROMPTS, 4, sp)
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]

@@ -121,11 +121,11 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
     checks that the offline run's files exist, instead of reading wandb's private binary format."""
     import wandb
 
-    logged: list[tuple[dict, int | None]] = []
+    logged: list[dict] = []
     original = wandb.Run.log
 
     def spy(self, data, step=None, *args, **kwargs):
-        logged.append((dict(data), step))
+        logged.append(dict(data))
         return original(self, data, step, *args, **kwargs)
 
     monkeypatch.setattr(wandb.Run, "log", spy)
@@ -137,9 +137,10 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     assert offline[0].name.endswith(f"-{run_id}") and (offline[0] / f"run-{run_id}.wandb").exists()
     row = _rows(run_dir / "metrics.jsonl")[0]
-    scalars = [(data, step) for data, step in logged if "actor/entropy" in data]
-    assert len(scalars) == 1 and scalars[0][1] == row["step"] == 1
-    data = scalars[0][0]
+    scalars = [data for data in logged if "actor/entropy" in data]
+    # the step travels as W&B's x axis training/global_step (stapo.provenance.TRAIN_STEP_METRIC)
+    assert len(scalars) == 1 and scalars[0].pop("training/global_step") == row["step"] == 1
+    data = scalars[0]
     for key in ("critic/score/mean", "actor/entropy", "actor/pg_loss", "actor/s2t/num_masked"):
         assert key in data, key
     finite = {k: v for k, v in data.items() if isinstance(v, float) and math.isfinite(v)}

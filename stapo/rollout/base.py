@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -101,8 +101,11 @@ class RolloutEngine(Protocol):
     """What the trainer needs from a rollout backend (:class:`~stapo.rollout.hf.HFRolloutEngine`,
     :class:`~stapo.rollout.vllm_backend.VLLMRolloutEngine`)."""
 
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> list[Response]:
-        """``len(prompts) * group_size`` responses; prompt ``i``'s group is ``[i*G:(i+1)*G]``."""
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[Response]:
+        """``len(prompts) * group_size`` responses; prompt ``i``'s group is ``[i*G:(i+1)*G]``. ``progress(n)``,
+        when given, is called as responses finish with how many just did (the calls add up to the total; an
+        engine may report them all at the end)."""
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:

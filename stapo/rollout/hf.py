@@ -10,7 +10,7 @@ model's ``generation_config`` (e.g. a hub model's default T / top-k / top-p) is 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -148,7 +148,8 @@ class HFRolloutEngine:
         self.precision = PrecisionPolicy(param_dtype, compute_dtype or param_dtype)
 
     # -- RolloutEngine -------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> list[Response]:
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[Response]:
         """Sample ``group_size`` responses per prompt; see :class:`~stapo.rollout.base.RolloutEngine`.
 
         Reproducible for a given ``sampling.seed``: response j of prompt i is drawn with its own
@@ -157,6 +158,8 @@ class HFRolloutEngine:
         default i) — vLLM's convention. A response therefore does not depend on the other prompts of the call
         or on ``max_batch_size`` (up to float rounding of the batched forward), and the caller's global RNG state
         is untouched. With ``seed=None`` HF's own sampling draws from the global RNG (and advances it).
+
+        ``progress(n)`` is called after each chunk of ``max_batch_size`` rows with its row count.
 
         Returns:
             ``len(prompts) * group_size`` :class:`Response` objects, prompt ``i``'s at ``[i*G:(i+1)*G]``.
@@ -184,6 +187,8 @@ class HFRolloutEngine:
                 chunk = rows[start:start + size]
                 out.extend(self._generate_rows([prompts[g] for g, _ in chunk], chunk, sampling, device,
                                                None if row_seeds is None else row_seeds[start:start + size]))
+                if progress is not None:
+                    progress(len(chunk))
         return out
 
     def sync_weights(self, model: torch.nn.Module) -> None:

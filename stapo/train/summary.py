@@ -1,0 +1,208 @@
+"""A finished run in a few lines: start → end of its main metrics, where its files are, and what to run next.
+
+Shared by ``train.py`` (the end-of-run summary it prints) and ``scripts/summarize_run.py`` (the Markdown report).
+"Start" and "end" are the means of a metric over the first and the last ``window`` steps of ``metrics.jsonl`` (one
+step of a few dozen responses is noisy); ``window`` is capped at half the number of steps so the two never overlap
+(one step: start = end = that step). Missing values (a key absent from a row, or ``null``: a non-finite value) are
+left out of the means.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["Change", "REPORT_KEYS", "window_size", "start_end", "masked_fraction_key", "markdown_report",
+           "end_of_run_text", "end_of_run_summary"]
+
+#: (metric key, label, format) of the Markdown report, in order (docs/metrics.md names the keys).
+REPORT_KEYS: list[tuple[str, str, str]] = [
+    ("critic/score/mean", "reward (mean, ±1)", "{:+.3f}"),
+    ("reward/grader/accuracy", "accuracy (math-verify)", "{:.3f}"),
+    ("actor/entropy", "entropy (nats / token)", "{:.3f}"),
+    ("actor/s2t/masked_frac", "S2T masked fraction", "{:.4f}"),
+    ("actor/s2t/num_masked", "S2T masked tokens / step", "{:.1f}"),
+    ("frac_reward_zero_std", "groups with zero reward std", "{:.2f}"),
+    ("response_length/mean", "response length (tokens)", "{:.1f}"),
+    ("response_length/clip_ratio", "truncated responses", "{:.2f}"),
+    ("actor/grad_norm", "grad norm", "{:.3f}"),
+    ("timing_s/step", "s / step", "{:.1f}"),
+    ("timing_s/rollout", "rollout s", "{:.1f}"),
+    ("timing_s/old_log_prob", "old log-prob s", "{:.1f}"),
+    ("timing_s/update", "update s", "{:.1f}"),
+    ("timing_s/sync", "sync s", "{:.2f}"),
+]
+_FORMATS = {key: (label, fmt) for key, label, fmt in REPORT_KEYS}
+
+
+@dataclass(frozen=True)
+class Change:
+    """A metric's start and end means (NaN where no step of the window has it)."""
+
+    key: str
+    label: str
+    fmt: str
+    start: float
+    end: float
+
+    def text(self) -> str:
+        """``"<start> → <end>"`` in the metric's format (``n/a`` for NaN)."""
+        return f"{_fmt(self.fmt, self.start)} → {_fmt(self.fmt, self.end)}"
+
+
+def _fmt(fmt: str, v: float) -> str:
+    return "n/a" if math.isnan(v) else fmt.format(v)
+
+
+def window_size(num_steps: int, window: int) -> int:
+    """Steps averaged at each end: ``window`` capped at half of ``num_steps`` (at least 1)."""
+    return max(1, min(window, num_steps // 2 or 1))
+
+
+def _mean(rows: Sequence[dict[str, Any]], key: str) -> float:
+    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    vals = [v for v in vals if math.isfinite(v)]
+    return statistics.fmean(vals) if vals else float("nan")
+
+
+def masked_fraction_key(rows: Sequence[dict[str, Any]]) -> str | None:
+    """The run's masked-fraction metric: ``actor/s2t/masked_frac`` (STAPO), else the first
+    ``actor/<mask>/masked_frac`` of the first row (the S2T ablations' masks), else None (GRPO, JustRL, 20-Entropy
+    mask no token). Keys as in docs/metrics.md (:mod:`stapo.metric_names`)."""
+    if not rows:
+        return None
+    keys = [k for k in rows[0] if k.startswith("actor/") and k.endswith("/masked_frac") and k.count("/") == 2]
+    return "actor/s2t/masked_frac" if "actor/s2t/masked_frac" in keys else (keys[0] if keys else None)
+
+
+def start_end(rows: Sequence[dict[str, Any]], keys: Sequence[str], window: int = 5) -> tuple[int, list[Change]]:
+    """Start and end means of ``keys`` over the first / last :func:`window_size` rows (file order).
+
+    Args:
+        rows: ``metrics.jsonl`` rows (dicts with ``step`` and metric keys), in step order.
+        keys: metric keys; those that no row of either window holds are left out of the result.
+        window: steps averaged at each end (capped, :func:`window_size`).
+
+    Returns:
+        ``(w, changes)``: the window used and one :class:`Change` per key kept, in ``keys``' order.
+    """
+    w = window_size(len(rows), window)
+    first, last = rows[:w], rows[-w:]
+    out = []
+    for key in keys:
+        label, fmt = _FORMATS.get(key, (key, "{:.4g}"))
+        a, b = _mean(first, key), _mean(last, key)
+        if not (math.isnan(a) and math.isnan(b)):
+            out.append(Change(key, label, fmt, a, b))
+    return w, out
+
+
+def markdown_report(rows: Sequence[dict[str, Any]], run_name: str, summary_command: str, window: int = 5,
+                    wall_s: float | None = None, command: str | None = None) -> str:
+    """The Markdown report of ``scripts/summarize_run.py``: the command lines, the step count and windows, the sum of
+    step times, a start/end table of :data:`REPORT_KEYS` and one line per step."""
+    w, changes = start_end(rows, [k for k, _, _ in REPORT_KEYS], window)
+    lines = [f"# Run summary: {run_name}", ""]
+    if command:
+        lines += [f"- Command: `{command}`"]
+    lines += [f"- Summary: `{summary_command}`",
+              f"- Steps: {len(rows)} (start = mean of steps 1–{w}, end = mean of steps "
+              f"{len(rows) - w + 1}–{len(rows)})",
+              f"- Sum of step times: {sum(r.get('timing_s/step') or 0.0 for r in rows) / 60:.1f} min"
+              + (f"; wall time of the whole command: {wall_s / 60:.1f} min" if wall_s else ""), "",
+              "| metric | start | end |", "|---|---|---|"]
+    lines += [f"| {c.label} (`{c.key}`) | {_fmt(c.fmt, c.start)} | {_fmt(c.fmt, c.end)} |" for c in changes]
+    lines += ["", "Per step:", "", "| step | reward | entropy | masked frac | zero-std groups | length | s |",
+              "|---|---|---|---|---|---|---|"]
+
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        v = r.get(key)
+        return _fmt(fmt, float("nan") if v is None else float(v))
+
+    for r in rows:
+        lines.append(f"| {r['step']} | {cell(r, 'critic/score/mean', '{:+.3f}')} | {cell(r, 'actor/entropy', '{:.3f}')} "
+                     f"| {cell(r, 'actor/s2t/masked_frac', '{:.4f}')} | {cell(r, 'frac_reward_zero_std', '{:.2f}')} | "
+                     f"{cell(r, 'response_length/mean', '{:.1f}')} | {cell(r, 'timing_s/step', '{:.1f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _rel(path: Path) -> str:
+    """``path`` relative to the current directory when it is below it, else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, *, window: int = 5,
+                    checkpoint: str | os.PathLike | None = None, wandb_mode: str = "disabled",
+                    wandb_dirs: Sequence[str | os.PathLike] = (), eval_config: str | None = None) -> str:
+    """train.py's end-of-run summary (plain text, a dozen lines).
+
+    Args:
+        rows: the run's ``metrics.jsonl`` rows (every launch's), in step order.
+        run_dir: the run directory.
+        window: steps averaged at each end (:func:`window_size`).
+        checkpoint: the latest complete checkpoint folder, or None.
+        wandb_mode: the W&B mode in use (``offline``: the sync command is printed).
+        wandb_dirs: the run's W&B run folders (``<run_dir>/wandb/offline-run-*`` offline).
+        eval_config: an evaluate.py config to suggest (``configs/eval/<family>.yaml``), or None.
+
+    Returns:
+        The text, lines joined with newlines (no trailing newline).
+    """
+    run = _rel(Path(run_dir))
+    keys = ["critic/score/mean", "reward/grader/accuracy", "actor/entropy"]
+    mask_key = masked_fraction_key(rows)
+    keys += [mask_key] if mask_key else []
+    keys += ["timing_s/step"]
+    lines = []
+    if rows:
+        w, changes = start_end(rows, keys, window)
+        first, last = rows[0]["step"], rows[-1]["step"]
+        total_s = sum(r.get("timing_s/step") or 0.0 for r in rows)
+        lines.append(f"finished: steps {first}–{last}, {total_s / 60:.1f} min of step time; start → end "
+                     f"(means of the first / last {w} step{'s' if w > 1 else ''}):")
+        width = max(len(f"{c.label} ({c.key})") for c in changes) if changes else 0
+        lines += [f"  {f'{c.label} ({c.key})':<{width}}  {c.text()}" for c in changes]
+    else:
+        lines.append("finished: no step was logged")
+    lines.append("files:")
+    lines.append(f"  metrics      {run}/metrics.jsonl")
+    lines.append(f"  checkpoints  {run}/checkpoints" + (f" (latest: {Path(checkpoint).name})" if checkpoint else
+                                                        " (none)"))
+    if wandb_mode != "disabled" and wandb_dirs:
+        where = f"{run}/wandb/offline-run-*" if wandb_mode == "offline" else _rel(Path(wandb_dirs[-1]))
+        lines.append(f"  W&B          {where} ({wandb_mode}{': not uploaded yet' if wandb_mode == 'offline' else ''})")
+    lines.append("next:")
+    lines.append(f"  summarise    python scripts/summarize_run.py {shlex.quote(run)}")
+    lines.append(f"  evaluate     python evaluate.py --model {shlex.quote(run)}"
+                 + (f" --config {eval_config}" if eval_config else ""))
+    if wandb_mode == "offline" and wandb_dirs:
+        lines.append(f"  sync         wandb sync {run}/wandb/offline-run-*")
+    lines.append(f"  compare      python scripts/compare.py A=runs/eval/<label A> B=runs/eval/<label B>  "
+                 f"(evaluation results of several runs)")
+    return "\n".join(lines)
+
+
+def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disabled", group: str | None = None,
+                       window: int = 5) -> str:
+    """:func:`end_of_run_text` of a run directory: reads ``metrics.jsonl`` (a torn last line is left out), finds
+    the latest checkpoint and the W&B run folders (``<run_dir>/wandb/*-<id of wandb_run_id>``), and suggests
+    ``configs/eval/<group>.yaml`` when that file exists (relative to the current directory)."""
+    from stapo.checkpoint import latest_checkpoint
+    from stapo.tracking import read_jsonl_rows
+
+    run_dir = Path(run_dir)
+    rows = read_jsonl_rows(run_dir / "metrics.jsonl")[0] if (run_dir / "metrics.jsonl").is_file() else []
+    id_file = run_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else None
+    wandb_dirs = sorted((run_dir / "wandb").glob(f"*-{run_id}")) if run_id else []
+    eval_config = Path("configs/eval") / f"{group}.yaml" if group else None
+    return end_of_run_text(rows, run_dir, window=window, checkpoint=latest_checkpoint(run_dir / "checkpoints"),
+                           wandb_mode=wandb_mode, wandb_dirs=wandb_dirs,
+                           eval_config=str(eval_config) if eval_config and eval_config.is_file() else None)
