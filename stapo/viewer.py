@@ -12,7 +12,9 @@ It reads the step's rollouts file (``<run_dir>/rollouts/step_XXXXXX.jsonl.gz``, 
   percentile), a toggle between the two; silenced tokens (no gradient under the step's mask) outlined and struck
   through (class ``silenced``), S2T candidates (Â > 0 and p < τ_p, docs/method.md#s2t-mask) underlined
   (class ``cand``); hovering a token shows p, log p, H and the token id;
-- filters: responses with Â > 0, responses with candidates, responses with silenced tokens; a legend.
+- filters: responses with Â > 0, responses with candidates, responses with silenced tokens; a legend. The address
+  may preset them: ``step_000003.html#h,silenced`` (colour by H; only responses with silenced tokens; also ``p``,
+  ``pos``, ``cand``).
 
 Every token, prompt and answer is HTML-escaped (tokens hold ``<``, ``&``, quotes and newlines; a newline token is
 shown with a ``↵`` before its line break).
@@ -177,14 +179,15 @@ def render_page(records: Sequence[dict[str, Any]], *, prob_threshold: float, tit
             meta = [f"sample {rec['sample']}", f"reward {_fmt(rec['reward'], '+.3g')}", f"Â {_fmt(rec['advantage'], '+.3f')}",
                     f"{len(rec['tokens'])} tokens", f"{n_sil_here} silenced", f"{cand_here} candidates"]
             if rec.get("mean_p") is not None:
-                meta.append(f"mean p {rec['mean_p']:.3f}, mean H {rec['mean_entropy']:.3f}")
+                meta.append(f"mean p {rec['mean_p']:.3g}, mean H {rec['mean_entropy']:.3g} nats")
             if rec.get("finish_reason"):
                 meta.append(f"finish: {rec['finish_reason']}")
             answer = rec.get("extracted_answer")
-            meta.append("answer: " + ("none" if answer is None else f"⟨{answer}⟩"))
+            answer_html = "none" if answer is None else f"<code>{html.escape(str(answer))}</code>"
             cls = "resp pos" if adv > 0 else ("resp neg" if adv < 0 else "resp zero")
             body.append(f'<article class="{cls}" data-adv="{adv:.6g}" data-cand="{cand_here}" '
-                        f'data-silenced="{n_sil_here}"><div class="meta">{html.escape(" · ".join(meta))}</div>'
+                        f'data-silenced="{n_sil_here}"><div class="meta">{html.escape(" · ".join(meta))} · '
+                        f'extracted answer: {answer_html}</div>'
                         f'<div class="toks">{"".join(spans)}</div></article>')
         body.append("</section>")
 
@@ -212,11 +215,12 @@ main{{padding:8px 16px}}
 .prompt{{white-space:pre-wrap;font-size:12px;background:#f3f3f3;padding:6px;margin:4px 0}}
 .resp{{border-left:4px solid #bbb;padding:4px 8px;margin:6px 0}}
 .resp.pos{{border-left-color:#1a9850}} .resp.neg{{border-left-color:#d73027}}
-.meta{{font-size:12px;color:#333;margin-bottom:2px}}
+.meta{{font-size:12px;color:#333;margin-bottom:2px}} .meta code{{background:#eee;padding:0 3px}}
 .toks{{font-family:ui-monospace,"DejaVu Sans Mono",Menlo,Consolas,monospace;font-size:13px;line-height:1.9;
 white-space:pre-wrap;word-break:break-word}}
 .tok{{border-radius:2px}} .tok:hover{{outline:1px solid #333}}
-.tok.silenced,.key-sil{{outline:2px solid #000;outline-offset:-1px;text-decoration:line-through 2px;font-weight:bold}}
+.tok.silenced,.key-sil{{outline:2px solid #000;outline-offset:-1px;text-decoration:line-through 2px;font-weight:bold;
+margin:0 2px}}
 .mark-cand .tok.cand,.key-cand{{box-shadow:inset 0 -3px 0 #7b3294}}
 .tok.nl::before{{content:"\\21b5";color:#888}} .tok.empty::before{{content:"\\2205";color:#888}}
 .key{{padding:0 4px;font-family:ui-monospace,"DejaVu Sans Mono",monospace}}
@@ -275,6 +279,16 @@ white-space:pre-wrap;word-break:break-word}}
     body.classList.toggle("mark-cand", e.target.checked);
   }});
   ["f-pos", "f-cand", "f-sil"].forEach(function (id) {{ document.getElementById(id).addEventListener("change", apply); }});
+  // presets from the address: page.html#h,silenced (colour by H, only responses with silenced tokens)
+  var preset = {{pos: "f-pos", cand: "f-cand", silenced: "f-sil"}};
+  location.hash.slice(1).split(",").forEach(function (k) {{
+    if (preset[k]) document.getElementById(preset[k]).checked = true;
+    if (k === "h" || k === "p") {{
+      var el = document.querySelector("input[name=colour][value=" + k + "]");
+      el.checked = true; el.dispatchEvent(new Event("change"));
+    }}
+  }});
+  apply();
 }})();
 </script>
 </body></html>
