@@ -176,7 +176,8 @@ def render_page(records: Sequence[dict[str, Any]], *, prob_threshold: float, tit
                 spans.append(f'<span class="{" ".join(classes)}" title="{html.escape(tip)}">{html.escape(tok)}</span>')
             n_cand += cand_here
             n_sil_here = sum(rec["silenced"])
-            meta = [f"sample {rec['sample']}", f"reward {_fmt(rec['reward'], '+.3g')}", f"Â {_fmt(rec['advantage'], '+.3f')}",
+            meta = [f"sample {rec['sample']}", f"reward {_fmt(rec['reward'], '+.3g')}",
+                    f"Â {_fmt(rec['advantage'], '+.3f')}",
                     f"{len(rec['tokens'])} tokens", f"{n_sil_here} silenced", f"{cand_here} candidates"]
             if rec.get("mean_p") is not None:
                 meta.append(f"mean p {rec['mean_p']:.3g}, mean H {rec['mean_entropy']:.3g} nats")
@@ -261,7 +262,8 @@ margin:0 2px}}
     var pos = document.getElementById("f-pos").checked, cand = document.getElementById("f-cand").checked,
         sil = document.getElementById("f-sil").checked, shown = 0;
     document.querySelectorAll("article.resp").forEach(function (r) {{
-      var ok = (!pos || parseFloat(r.dataset.adv) > 0) && (!cand || +r.dataset.cand > 0) && (!sil || +r.dataset.silenced > 0);
+      var ok = (!pos || parseFloat(r.dataset.adv) > 0) && (!cand || +r.dataset.cand > 0)
+               && (!sil || +r.dataset.silenced > 0);
       r.hidden = !ok; if (ok) shown++;
     }});
     document.querySelectorAll("section.group").forEach(function (g) {{
@@ -278,7 +280,9 @@ margin:0 2px}}
   document.getElementById("f-mark").addEventListener("change", function (e) {{
     body.classList.toggle("mark-cand", e.target.checked);
   }});
-  ["f-pos", "f-cand", "f-sil"].forEach(function (id) {{ document.getElementById(id).addEventListener("change", apply); }});
+  ["f-pos", "f-cand", "f-sil"].forEach(function (id) {{
+    document.getElementById(id).addEventListener("change", apply);
+  }});
   // presets from the address: page.html#h,silenced (colour by H, only responses with silenced tokens)
   var preset = {{pos: "f-pos", cand: "f-cand", silenced: "f-sil"}};
   location.hash.slice(1).split(",").forEach(function (k) {{
