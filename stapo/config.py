@@ -212,7 +212,11 @@ class TrainerConfig:
     # exits 130.
     save_on_interrupt: bool = True
     val_every: int = 0  # 0 disables in-training validation
-    log_examples_every: int = 5  # table of silenced-token examples every N steps (0 disables)
+    log_examples_every: int = 5  # tables of silenced tokens and of completions every N steps (0 disables)
+    # Save every response of every step (text, token ids, per-token log p / entropy / mask decision, reward, Â) to
+    # <run_dir>/rollouts/step_XXXXXX.jsonl.gz (stapo/train/samples.py; the token viewer scripts/view_rollouts.py
+    # reads them). About 40 bytes per response token compressed.
+    save_rollouts: bool = False
     progress_bar: bool = True
     # Under torchrun with more than one rank (stapo/distributed.py): "fsdp2" shards parameters, gradients and
     # optimizer state (fully_shard); "replicate" keeps a full copy per rank and all-reduces gradients;
@@ -744,6 +748,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.val_every",
     "trainer.log_examples_every", "trainer.progress_bar", "trainer.output_dir", "trainer.run_name",
     "trainer.device", "trainer.data_parallel", "trainer.import_modules", "trainer.save_on_interrupt",
+    "trainer.save_rollouts",
     "logging", "validation",
     "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
     "actor.lm_head", "actor.deferred_graphs",

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy_run import make_trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "trainer.save_every=1"]
+COMMON = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "trainer.save_every=1",
+          "trainer.save_rollouts=true"]
 _NOISY = ("timing_s/", "perf/")
 
 
@@ -150,6 +151,25 @@ def test_two_replicated_ranks_match_one_process(one_rank, replicate_run):
     ref_dir, _ = one_rank
     _assert_same_metrics(_rows(replicate_run), _rows(ref_dir))
     _assert_same_weights(_weights(replicate_run, 2), _weights(ref_dir, 2), atol=5e-5)
+
+
+def test_two_ranks_save_the_same_rollouts_and_completions_as_one_process(one_rank, replicate_run):
+    """The rollouts files and completions tables hold every rank's responses, ordered by global prompt index: the
+    same responses, rewards, advantages and silenced tokens as one process (the same S2T mask)."""
+    from stapo.train.samples import read_rollouts, rollouts_path
+
+    ref_dir, _ = one_rank
+    for step in (1, 2):
+        got, ref = (read_rollouts(rollouts_path(d / "toy", step)) for d in (replicate_run, ref_dir))
+        assert len(got) == len(ref) == 16  # 4 prompts × G = 4, both ranks' halves
+        for key in ("prompt_index", "sample", "prompt_id", "token_ids", "reward", "silenced", "num_silenced"):
+            assert [r[key] for r in got] == [r[key] for r in ref], (step, key)
+        assert [r["advantage"] for r in got] == pytest.approx([r["advantage"] for r in ref], abs=1e-6)
+    tables = [[json.loads(line) for line in (d / "toy" / "tables.jsonl").read_text().splitlines()]
+              for d in (replicate_run, ref_dir)]
+    got, ref = ([t for t in ts if t["name"].startswith("completions/")] for ts in tables)
+    assert [(t["step"], len(t["rows"])) for t in got] == [(t["step"], len(t["rows"])) for t in ref]
+    assert [(t["step"], len(t["rows"])) for t in ref] == [(1, 16), (2, 16)]
 
 
 def test_two_fsdp2_ranks_match_one_process(one_rank, fsdp2_run):

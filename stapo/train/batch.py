@@ -28,6 +28,10 @@ class Rollout:
         rewards: [B] fp32.
         advantages: [B] fp32 GRPO advantages (docs/method.md#grpo-advantages).
         reward_stats: the reward function's counts for this rank's responses (its ``.stats``), or None.
+        extracted: length B, the answer the reward function read from each response (its ``.extracted``;
+            ``None`` where it found none), or None when the reward function reports none.
+        prompts: this rank's prompts of the step, ``(prompt ids, gold answer, record id)`` each (index = a
+            response's ``group``), or None.
     """
 
     batch: Any
@@ -35,6 +39,8 @@ class Rollout:
     rewards: torch.Tensor
     advantages: torch.Tensor
     reward_stats: Any = None
+    extracted: list | None = None
+    prompts: list | None = None
 
 
 @dataclass(frozen=True)

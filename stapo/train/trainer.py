@@ -48,6 +48,7 @@ from stapo.train.batch import Rollout, StepBatch
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
 from stapo.train.plan import UpdatePlan, build_plan
 from stapo.train.prompts import PromptLoader, load_prompts
+from stapo.train.samples import completions_table, drop_rollouts_after, response_records, write_rollouts
 from stapo.train.state import RunState, plan_resume
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
 
@@ -483,6 +484,7 @@ class Trainer:
                                    notes=lc.notes, step_metric=TRAIN_STEP_METRIC)
             self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
             self._drop_stale_validation()
+            drop_rollouts_after(self.run_dir, self.step)  # rollouts files of steps a resume redoes (or never reaches)
         history: list[dict[str, float]] = []
         bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
                    dynamic_ncols=True)
@@ -609,7 +611,7 @@ class Trainer:
             progress.close()
         timing["timing_s/step"] = time.perf_counter() - t_step
         sb = StepBatch(rollout=rollout, old=result.old, ref_logprobs=ref, keep=result.keep)
-        self._log_examples(sb)  # every trainer.log_examples_every steps: the silenced-token table
+        self._log_examples(sb)  # the example / completions tables (every log_examples_every), the rollouts file
         return self._metrics(sb, result, timing)  # 7. metrics
 
     # --- the stages of a step -------------------------------------------------------------------------
@@ -637,7 +639,8 @@ class Trainer:
         rewards = torch.tensor(reward_out.rewards, dtype=torch.float32)  # [B]
         adv = grpo_advantages(rewards, self.cfg.rollout.n, eps=alg.adv_eps, norm_by_std=alg.norm_adv_by_std)
         return Rollout(batch=collate_responses(responses, self.tokenizer.pad_token_id), responses=responses,
-                       rewards=rewards, advantages=adv.advantages, reward_stats=getattr(reward_out, "stats", None))
+                       rewards=rewards, advantages=adv.advantages, reward_stats=getattr(reward_out, "stats", None),
+                       extracted=getattr(reward_out, "extracted", None), prompts=list(prompts))
 
     def _plan(self, rollout: Rollout) -> UpdatePlan:
         """The step's update schedule (:func:`stapo.train.plan.build_plan`) from the actor settings."""
@@ -683,9 +686,26 @@ class Trainer:
         return metrics
 
     def _log_examples(self, sb: StepBatch) -> None:
-        """The silenced-token table of this step (:func:`stapo.train.metrics.silenced_examples`; rank 0's rows)
-        every ``trainer.log_examples_every`` steps."""
-        every = self.cfg.trainer.log_examples_every
-        if every and (self.step + 1) % every == 0 and self.tracker is not None:
+        """Every ``trainer.log_examples_every`` steps the silenced-token table (:func:`stapo.train.metrics.
+        silenced_examples`; rank 0's rows) and the completions table (every rank's responses;
+        :func:`stapo.train.samples.completions_table`); with ``trainer.save_rollouts`` every step's rollouts file
+        (:func:`stapo.train.samples.write_rollouts`). Collective under torchrun when either is due."""
+        tc = self.cfg.trainer
+        step = self.step + 1
+        table_due = bool(tc.log_examples_every) and step % tc.log_examples_every == 0
+        if not (table_due or tc.save_rollouts):
+            return
+        indices = dist.local_prompts(list(range(len(sb.rollout.prompts or []) * self.dist.world)),
+                                     self.cfg.actor.ppo_mini_batch_size, self.dist)[1]  # None when W = 1
+        records = response_records(sb, self.tokenizer, step, self.objective.token_mask, prompt_indices=indices,
+                                   token_arrays=tc.save_rollouts)
+        records = [r for part in dist.gather_objects(records, self.dist) for r in part]  # all ranks → rank 0
+        if not self.dist.is_main:
+            return
+        records.sort(key=lambda r: (r["prompt_index"], r["sample"]))
+        if tc.save_rollouts:
+            write_rollouts(self.run_dir, step, records)
+        if table_due and self.tracker is not None:
             s2t = self.cfg.algorithm.s2t
-            self.tracker.log_table(self.step + 1, *silenced_examples(sb, self.tokenizer, self.objective.token_mask, s2t))
+            self.tracker.log_table(step, *silenced_examples(sb, self.tokenizer, self.objective.token_mask, s2t))
+            self.tracker.log_table(step, *completions_table(step, records))
