@@ -48,7 +48,7 @@ def test_completions_table_and_rollouts_file_match_the_step(tmp_path):
         # tiny_test.yaml: 2 prompts × G = 4 responses, W = 1 → rows in rollout order
         assert len(rows) == len(ro.responses) == 8
         silenced = ro.batch.response_mask & ~sb.keep  # [B, R] no gradient under the S2T mask
-        assert int(silenced.sum()) == metrics["s2t/num_masked"]
+        assert int(silenced.sum()) == metrics["actor/s2t/num_masked"]
         for b, (row, resp) in enumerate(zip(rows, ro.responses)):
             assert (row["step"], row["prompt_index"], row["sample"]) == (step, resp.group, resp.index)
             assert row["response"] == resp.text
@@ -63,11 +63,11 @@ def test_completions_table_and_rollouts_file_match_the_step(tmp_path):
         std = math.sqrt(sum((r - mean) ** 2 for r in r0) / 3)
         assert [row["advantage"] for row in rows[:4]] == pytest.approx([(r - mean) / (std + 1e-6) for r in r0],
                                                                        abs=1e-5)
-        assert sum(row["num_silenced"] for row in rows) == metrics["s2t/num_masked"]
+        assert sum(row["num_silenced"] for row in rows) == metrics["actor/s2t/num_masked"]
 
         recs = read_rollouts(rollouts_path(run_dir, step))
         assert len(recs) == 8
-        assert sum(sum(rec["silenced"]) for rec in recs) == metrics["s2t/num_masked"]
+        assert sum(sum(rec["silenced"]) for rec in recs) == metrics["actor/s2t/num_masked"]
         for b, (rec, resp) in enumerate(zip(recs, ro.responses)):
             n = len(resp.response_ids)
             assert all(len(rec[k]) == n for k in ("token_ids", "tokens", "logprobs", "entropy", "silenced"))
@@ -79,7 +79,7 @@ def test_completions_table_and_rollouts_file_match_the_step(tmp_path):
             assert rec["mean_entropy"] == pytest.approx(sum(rec["entropy"]) / n, rel=1e-5)
             assert rec["mask"] == "s2t" and rec["prompt_id"] == ro.prompts[resp.group][2]
             assert "".join(rec["tokens"]).startswith(resp.text[:5])
-    assert any(m["s2t/num_masked"] > 0 for m in history)  # the check above is not all zeros
+    assert any(m["actor/s2t/num_masked"] > 0 for m in history)  # the check above is not all zeros
 
 
 def test_extracted_answer_is_the_reward_functions_own(tmp_path):

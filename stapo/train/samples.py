@@ -15,7 +15,7 @@ p and H are the trainer's old-policy statistics of the step (:class:`~stapo.trai
 rollout policy recomputed in fp32 at the rollout temperature, :mod:`stapo.token_stats`), the values the mask
 reads for the step's first mini-batch (later mini-batches with ``algorithm.mask_stats_source=current`` read the
 then-current policy's). ``silenced`` is ``response_mask & ~keep``: for S2T exactly the tokens counted by
-``s2t/num_masked``; for a mask that keeps a subset (``top_entropy``) every token it dropped; none for ``none``.
+``actor/s2t/num_masked``; for a mask that keeps a subset (``top_entropy``) every token it dropped; none for ``none``.
 
 - :func:`completions_table`: the W&B / ``tables.jsonl`` table ``completions/step_XXXXXX`` (one per step).
 - :func:`write_rollouts`: ``<run_dir>/rollouts/step_XXXXXX.jsonl.gz``, one record per line, written to a temporary
