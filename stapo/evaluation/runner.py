@@ -73,11 +73,13 @@ __all__ = [
     "summarize_run",
     "default_run_dir",
     "run_evaluation",
+    "log_results_to_wandb",
 ]
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "eval_manifest.json"
+SWEEP_KIND = "checkpoint_sweep"  # the "kind" of a sweep folder's manifest (stapo.evaluation.sweep)
 GENERATIONS_DIR = "generations"
 
 
@@ -449,6 +451,9 @@ def _check_manifest(run_dir: Path, new: dict[str, Any]) -> dict[str, Any]:
         old = json.loads(path.read_text())
     except ValueError as e:
         raise EvalError(f"{path} is not valid JSON ({e}); move the run directory away") from None
+    if isinstance(old, dict) and old.get("kind") == SWEEP_KIND:
+        raise EvalError(f"{run_dir} is the folder of a checkpoint sweep (of {old.get('run_dir')}); its checkpoints' "
+                        f"evaluations are in its step_XXXXXX subfolders: choose another output directory (--output)")
 
     def differ(what: str, a: Any, b: Any) -> EvalError:
         return EvalError(f"{run_dir} holds generations made with {what} = {a!r}, this run asks for {b!r}; "
@@ -586,6 +591,7 @@ def run_evaluation(
     grader: Any = None,
     on_block: Callable[[dict[str, Any]], None] | None = None,
     write_reports: bool = True,
+    wandb: bool = True,
 ) -> dict[str, Any]:
     """Evaluate ``cfg.model`` on ``cfg.data.benchmarks`` under every decoding setting (resumable).
 
@@ -599,11 +605,15 @@ def run_evaluation(
         grader: a :class:`~stapo.grader.MathGrader` to share (not closed here); default: one is created and closed.
         on_block: progress callback (see :func:`evaluate_problems`).
         write_reports: write results.json / .md / .csv / .png and the W&B summary into the run directory.
+        wandb: with ``write_reports``, also log the W&B summary (:func:`stapo.evaluation.report.log_wandb`: a
+            train.py checkpoint at its training step in the training run's group); a sweep logs its checkpoints
+            together instead (:mod:`stapo.evaluation.sweep`).
 
     Returns:
         The results dict written to ``results.json``: ``label``, ``run_dir``, ``model``, ``prompt``, ``protocol``,
         ``data`` (problems per benchmark), ``metrics`` (see :func:`summarize_run`), ``run``, ``complete``
-        (all six benchmarks in full), ``created``, ``git_commit``.
+        (all six benchmarks in full), ``created``, ``git_commit``, ``training`` (the training run of a train.py
+        checkpoint: :meth:`~stapo.evaluation.model_source.ModelSource.train_run`; else null).
 
     Raises:
         EvalError: any user-facing problem (bad model path, unknown benchmark, missing data root, a run
@@ -693,11 +703,23 @@ def run_evaluation(
             "stapo_version": stapo.__version__,
             "git_commit": _git_commit(),
             "config": eval_config_to_dict(cfg),
+            "training": source.train_run(),
         }
         if write_reports:
-            from stapo.evaluation.report import log_wandb, write_reports as _write
+            from stapo.evaluation.report import write_reports as _write
 
             _write(results, run_dir, plot=cfg.output.plot)
-            log_wandb(results, run_dir, mode=cfg.logging.wandb_mode, project=cfg.logging.project,
-                      entity=cfg.logging.entity, fallback=cfg.logging.wandb_fallback)
+            if wandb:
+                log_results_to_wandb(results, run_dir, cfg)
         return results
+
+
+def log_results_to_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str | os.PathLike,
+                         cfg: EvalConfig, name: str | None = None) -> None:
+    """:func:`stapo.evaluation.report.log_wandb` with the evaluation config's ``logging.*`` (mode, fallback, and
+    the identity keys that override the training run's: project, entity, group, tags, job_type, notes)."""
+    from stapo.evaluation.report import log_wandb
+
+    lc = cfg.logging
+    log_wandb(results, run_dir, mode=lc.wandb_mode, project=lc.project, entity=lc.entity, fallback=lc.wandb_fallback,
+              group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes, name=name)
