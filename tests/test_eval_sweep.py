@@ -147,6 +147,9 @@ def test_a_rerun_skips_finished_checkpoints_and_redoes_a_missing_one(shared_data
     third = run_sweep(cfg())
     assert (third["evaluated"], third["skipped"]) == ([2], [1])
     assert third["results"][1]["run"]["generated"] == 0
+    # a sweep of step 2 alone keeps step 1 (evaluated before, same settings) on the curve
+    only = run_sweep(sweep_cfg(shared_data_root, tiny_run, out, "model.checkpoints=[2]"))
+    assert (only["skipped"], only["earlier"], [r["step"] for r in rows(out / "metrics.jsonl")]) == ([2], [1], [1, 2])
     # a wider protocol (a second benchmark) is not "finished": both checkpoints are extended
     wider = run_sweep(sweep_cfg(shared_data_root, tiny_run, out, "model.checkpoints=[1,2]",
                                 "data.benchmarks=[aime24,math500]", "data.samples.math500=1"))

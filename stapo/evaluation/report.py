@@ -4,7 +4,9 @@ Paper layout (docs/method.md#headline-numbers): one row per checkpoint/method, o
 AIME25, AMC23,
 MATH500, Minerva, OlympiadBench) plus their average, each cell ``first-setting (second-setting)`` —
 T=1.0 first, T=0.7 in parentheses with the default settings — in percent with two decimals. The same
-functions serve ``evaluate.py`` (one row) and ``scripts/compare.py`` (several results.json merged).
+functions serve ``evaluate.py`` (one row) and ``scripts/compare.py`` (several results.json merged). A checkpoint
+sweep (:mod:`stapo.evaluation.sweep`) gets accuracy against the training step instead (``sweep.csv`` / ``.md`` /
+``.png``); W&B rows are logged at the training step (:data:`STEP_METRIC`).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ Run directory (``output.dir``, default ``runs/eval/<label>``)::
     eval_manifest.json                    what the generations were made with (checked on every rerun)
     generations/<benchmark>__<setting>.jsonl   one line per sample (fields below)
     results.json  results.md  results.csv  results.png   metrics and reports (stapo.evaluation.report)
-    metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.tracking.Tracker; offline by default)
+    metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.tracking.Tracker; offline by default), at the
+                                          checkpoint's training step in its training run's group (report.log_wandb)
 
 A JSONL record holds: ``problem_id, sample`` (0..N−1; the unique key), ``benchmark, setting, problem_index,
 block, seed, temperature, top_p, gold, response, prompt_tokens, response_tokens, finish_reason`` (``"eos"`` /

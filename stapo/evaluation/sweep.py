@@ -18,7 +18,9 @@ Resumption. A checkpoint whose folder holds a ``results.json`` made with the sam
 (model, prompt, data, generation, engine backend, verifier) is skipped and its results reused (one line says so);
 any other is passed to :func:`stapo.evaluation.runner.run_evaluation`, whose store resumes an interrupted one
 where it stopped. A damaged checkpoint (:func:`stapo.checkpoint_files.verify_checkpoint`) is skipped with one
-line naming it. The reports and the W&B run are rebuilt from every evaluated checkpoint at the end.
+line naming it. The reports and the W&B run are rebuilt at the end from every checkpoint evaluated in the folder
+with the same settings — those selected now and those of earlier sweeps (a checkpoint since deleted by
+``trainer.keep_last`` stays on the curve).
 """
 from __future__ import annotations
 
@@ -136,6 +138,16 @@ def _finished(sub: Path, cfg: EvalConfig) -> dict[str, Any] | None:
     return res
 
 
+def _checkpoint_cfg(cfg: EvalConfig, ckpt: Path, sweep_dir: Path) -> EvalConfig:
+    """The evaluation config of one checkpoint of a sweep: ``model.path`` the checkpoint, output in
+    ``<sweep folder>/step_XXXXXX``, the row label ``<label>@step_XXXXXX`` (with ``model.label``)."""
+    sub = copy.deepcopy(cfg)
+    sub.model.path, sub.model.checkpoints = str(ckpt), None
+    sub.model.label = f"{cfg.model.label}@{ckpt.name}" if cfg.model.label else None
+    sub.output.dir = str(sweep_dir / ckpt.name)
+    return sub
+
+
 def _claim(sweep_dir: Path, run_dir: Path) -> None:
     """Write (or check) the sweep folder's manifest.
 
@@ -179,14 +191,16 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
         grader: a :class:`~stapo.grader.MathGrader` to share (not closed here); default one for the whole sweep.
 
     Returns:
-        ``{"run_dir": sweep folder, "train_run_dir", "results": [results dict per evaluated checkpoint, by step],
-        "evaluated": [steps evaluated now], "skipped": [steps reused], "damaged": [steps skipped], "reports"}``.
+        ``{"run_dir": sweep folder, "train_run_dir", "results": [results dict per checkpoint on the curve, by
+        step], "evaluated": [steps evaluated now], "skipped": [selected steps already evaluated], "earlier": [steps
+        not selected this time but evaluated in this folder before, with the same settings], "damaged": [steps
+        skipped], "reports"}``.
 
     Raises:
         EvalError: as :func:`plan_sweep`, :func:`stapo.evaluation.runner.run_evaluation`, and an output folder that
             is a training run's, a single evaluation's or the sweep of another run.
     """
-    from stapo.evaluation.report import write_sweep_reports
+    from stapo.evaluation.report import result_step, write_sweep_reports
     from stapo.evaluation.runner import _holding_lock, log_results_to_wandb, run_evaluation
 
     validate_eval_config(cfg)
@@ -200,16 +214,14 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
     for step, ckpt, why in plan.damaged:
         print(f"evaluate.py: {ckpt} is damaged ({why}); skipped", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"run_dir": str(sweep_dir), "train_run_dir": str(plan.run_dir), "results": [],
-                           "evaluated": [], "skipped": [], "damaged": [s for s, _, _ in plan.damaged]}
+                           "evaluated": [], "skipped": [], "earlier": [],
+                           "damaged": [s for s, _, _ in plan.damaged]}
     owned = None
     with _holding_lock(sweep_dir, "output.dir" if cfg.output.dir else "output.root"):
         _claim(sweep_dir, plan.run_dir)
         try:
             for step, ckpt in plan.checkpoints:
-                sub = copy.deepcopy(cfg)
-                sub.model.path, sub.model.checkpoints = str(ckpt), None
-                sub.model.label = f"{cfg.model.label}@{ckpt.name}" if cfg.model.label else None
-                sub.output.dir = str(sweep_dir / ckpt.name)
+                sub = _checkpoint_cfg(cfg, ckpt, sweep_dir)
                 done = _finished(Path(sub.output.dir), sub)
                 if done is not None:
                     print(f"evaluate.py: {ckpt.name} already evaluated ({sub.output.dir}); skipped",
@@ -230,6 +242,15 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
         finally:
             if owned is not None:
                 owned.close()
+        chosen = {ckpt.name for _, ckpt in plan.checkpoints}
+        for folder in sorted(sweep_dir.iterdir()):  # checkpoints evaluated by earlier sweeps (perhaps since deleted
+            m = _STEP_DIR.match(folder.name)       # by trainer.keep_last) stay on the curve
+            if m and folder.name not in chosen and folder.is_dir():
+                done = _finished(folder, _checkpoint_cfg(cfg, plan.run_dir / "checkpoints" / folder.name, sweep_dir))
+                if done is not None:
+                    out["results"].append(done)
+                    out["earlier"].append(int(m.group(1)))
+        out["results"].sort(key=result_step)
         title = f"{cfg.model.label or plan.run_dir.name} ({plan.run_dir})"
         out["reports"] = {k: str(v) for k, v in
                           write_sweep_reports(out["results"], sweep_dir, title=title, plot=cfg.output.plot).items()}
