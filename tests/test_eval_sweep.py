@@ -180,6 +180,57 @@ def test_a_base_model_is_logged_at_step_0_without_a_training_run():
     assert (ident["group"], ident["job_type"], ident["tags"], ident["config"]) == ("mine", "eval", [], {"a": 1})
 
 
+def offline_records(run_dir: Path) -> list:
+    """The records of the newest offline W&B run under ``run_dir/wandb``, parsed with wandb's own protobuf schema
+    (``wandb.proto.wandb_internal_pb2.Record``). The file is wandb's transaction log (the LevelDB log layout: a
+    7-byte ``:W&B`` header, 32 KiB blocks, each record chunk ``crc32 (4) | length (2) | type (1: full, 2: first,
+    3: middle, 4: last)``); wandb 0.31 has no Python reader for it any more (its Go core reads it)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    path = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))[-1]
+    data, pos, block, chunks, out = path.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):  # block padding
+            pos += left
+            continue
+        chunks = (b"" if kind in (1, 2) else chunks) + data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(chunks)
+            out.append(rec)
+    return out
+
+
+def test_the_offline_wandb_file_holds_the_curve_in_the_training_group(shared_data_root, tmp_path, tiny_run,
+                                                                        monkeypatch):
+    from stapo.evaluation.sweep import run_sweep
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = tmp_path / "sweep"
+    run_sweep(sweep_cfg(shared_data_root, tiny_run, out, "model.checkpoints=all", "logging.wandb_mode=offline"))
+    recs = offline_records(out)
+    kinds = [r.WhichOneof("record_type") for r in recs]
+    assert kinds.count("run") == 1, kinds
+    (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    group = json.loads((tiny_run / "config.json").read_text())["logging"].get("group") or "toy"
+    assert (run.run_group, run.job_type) == (group, "eval")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["algorithm"]["objective"] == "stapo" and config["train_run"]["run"] == "toy"
+    metrics = [(r.metric.name, r.metric.glob_name, r.metric.step_metric) for r in recs
+               if r.WhichOneof("record_type") == "metric"]
+    assert ("", "*", "training/global_step") in metrics
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in recs
+               if r.WhichOneof("record_type") == "history"]
+    points = [h["training/global_step"] for h in history if "eval/t1.0_p1.0/aime24/avg@N" in h]
+    assert points == [1, 2]  # two points on the training-step axis
+
+
 # --- selection, damaged checkpoints and folders -----------------------------------------------------------------
 def fake_checkpoints(run: Path, steps=(1, 2, 3)) -> None:
     from stapo.checkpoint_files import _write_marker

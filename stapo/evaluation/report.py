@@ -433,6 +433,8 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
     ident = wandb_identity(many[0], project=project, entity=entity, group=group, tags=tags, job_type=job_type,
                            notes=notes, name=name)
     config = ident.pop("config")
+    if len(many) > 1 and "train_run" in config:  # a sweep: the steps are the x axis, not one value of the config
+        config["train_run"] = {k: v for k, v in config["train_run"].items() if k != "step"}
     try:
         tracker = Tracker(run_dir, config, mode=mode, fallback=fallback, step_metric=STEP_METRIC, **ident)
     except TrackerError as e:
