@@ -273,8 +273,9 @@ def test_plan_skips_a_damaged_checkpoint_and_names_missing_steps(tmp_path):
 
 
 def test_sweep_cli_names_a_damaged_checkpoint_in_one_line(shared_data_root, tmp_path, capsys):
-    """evaluate.py --all-checkpoints on a run whose every checkpoint is damaged: one line per checkpoint? No: the
-    plan refuses before anything runs, in one line naming each one (exit 2)."""
+    """evaluate.py --all-checkpoints on a run whose only checkpoint is damaged: refused before anything loads, in
+    one line naming the checkpoint and the reason (exit 2). (With intact ones beside it, each damaged one is one
+    line on stderr and skipped: test_plan_skips_a_damaged_checkpoint_and_names_missing_steps, run_sweep.)"""
     import runpy
 
     run = tmp_path / "run"
