@@ -4,12 +4,16 @@
     python evaluate.py --config configs/eval/cpu_smollm2.yaml --limit 2
     python evaluate.py --model runs/stapo_smollm2/checkpoints/step_000020 --benchmarks aime24 math500
     python evaluate.py --config configs/eval/paper.yaml --model /models/qwen3-8b-stapo [key=value ...]
+    python evaluate.py --config configs/eval/cpu_smollm2.yaml --model runs/stapo_smollm2 --all-checkpoints --limit 1
 
 --model takes an HF folder, a train.py checkpoint (or run folder: its latest checkpoint), a hub id, or
 embedded:smollm2. --backend takes any registered rollout backend, including one registered by a module listed in
 the config's import_modules (e.g. 'import_modules=[my_backend.py]'; docs/extending.md). Outputs go to the run
 directory (default runs/eval/<label>): per-sample JSONL with grades, results.json / .md / .csv / .png, and a W&B
-summary (offline by default). Rerunning the same command resumes where it stopped. The harness lives in stapo/evaluation/.
+summary (offline by default): a train.py checkpoint is logged at its training step, in the training run's W&B
+group. --all-checkpoints (model.checkpoints=all|latest|[steps]) evaluates every checkpoint of a run in turn into
+runs/eval/<run>/step_XXXXXX and writes sweep.csv / .md / .png (accuracy against the step) and one W&B run holding the
+curve. Rerunning the same command resumes where it stopped. The harness lives in stapo/evaluation/.
 """
 import argparse
 import os
@@ -23,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML config (configs/eval/); default: the paper protocol")
     p.add_argument("--model", help="model.path: HF folder, train.py checkpoint/run folder, hub id, embedded:smollm2")
     p.add_argument("--label", help="model.label: the row name in tables")
+    p.add_argument("--all-checkpoints", action="store_true",
+                   help="model.checkpoints=all: evaluate every checkpoint of the train.py run --model names, each at "
+                        "its training step (resumable: finished checkpoints are skipped)")
+    p.add_argument("--checkpoints", nargs="+", help="model.checkpoints: all, latest, or training steps (10 20 ...)")
     p.add_argument("--benchmarks", nargs="+", help="data.benchmarks, space- or comma-separated "
                    "(aime24 aime25 amc23 math500 minerva olympiad)")
     p.add_argument("--settings", nargs="+", help="keep only these decoding settings by name (t1.0_p1.0 t0.7_p0.9)")
@@ -47,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.cli import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # SIGTERM: the run folder's lock released, one line, exit 143 (as Ctrl-C: 130)
-    for name in ("benchmarks", "settings"):  # nargs="+" swallows key=value overrides that follow: give them back
+    for name in ("benchmarks", "settings", "checkpoints"):  # nargs="+" swallows key=value overrides that follow:
+        # give them back
         values = getattr(args, name)
         if values:
             args.overrides += [v for v in values if "=" in v]
@@ -60,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = {("model", "path"): args.model, ("model", "label"): args.label, ("data", "limit"): args.limit,
              ("generation", "max_new_tokens"): args.max_new_tokens, ("engine", "backend"): args.backend,
              ("data", "root"): args.data_root, ("output", "dir"): args.output,
-             ("logging", "wandb_mode"): args.wandb, ("data", "benchmarks"): args.benchmarks}
+             ("logging", "wandb_mode"): args.wandb, ("data", "benchmarks"): args.benchmarks,
+             ("model", "checkpoints"): "all" if args.all_checkpoints else (
+                 args.checkpoints[0] if args.checkpoints and len(args.checkpoints) == 1 else args.checkpoints)}
     try:
         cfg = load_eval_config(args.config, list(args.overrides))
         for (section, key), value in flags.items():  # flags win over the file and the overrides
@@ -78,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(eval_dry_run(cfg))
             return 0
-        results = run_evaluation(cfg)
+        if cfg.model.checkpoints is not None:
+            from stapo.evaluation.sweep import run_sweep
+
+            sweep = run_sweep(cfg)
+        else:
+            results = run_evaluation(cfg)
     except (EvalError, ConfigError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
@@ -97,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
               f"STAPO_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
 
-    from stapo.evaluation.report import markdown_table
+    from stapo.evaluation.report import markdown_table, sweep_markdown
 
+    if cfg.model.checkpoints is not None:
+        print(sweep_markdown(sweep["results"], "avg@N"))
+        print(f"run directory: {sweep['run_dir']}")
+        return 0
     print(markdown_table([results], "avg@N"))
     print(f"run directory: {results['run_dir']}")
     return 0

@@ -212,6 +212,9 @@ class TrainerConfig:
     # exits 130.
     save_on_interrupt: bool = True
     val_every: int = 0  # 0 disables in-training validation
+    # verl's trainer.val_before_train: also validate the initial policy at step 0, before the first update
+    # (validation.*; a metrics.jsonl row at step 0); not repeated by a run that already logged it (a resume).
+    val_before_train: bool = False
     log_examples_every: int = 5  # tables of silenced tokens and of completions every N steps (0 disables)
     # Save every response of every step (text, token ids, per-token log p / entropy / mask decision, reward, Â) to
     # <run_dir>/rollouts/step_XXXXXX.jsonl.gz (stapo/train/samples.py; the token viewer scripts/view_rollouts.py
@@ -745,7 +748,7 @@ def _get(cfg: Any, dotted: str) -> Any:
 #: ``actor.*`` but the keys here (mini-batch size, warm-up, weight decay, betas, grad clip), ``model.*`` but the
 #: keys here (path, param/compute dtype), ``trainer.seed``.
 RESUME_MUTABLE_KEYS: tuple[str, ...] = (
-    "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.val_every",
+    "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.val_every", "trainer.val_before_train",
     "trainer.log_examples_every", "trainer.progress_bar", "trainer.output_dir", "trainer.run_name",
     "trainer.device", "trainer.data_parallel", "trainer.import_modules", "trainer.save_on_interrupt",
     "trainer.save_rollouts",

@@ -7,7 +7,9 @@ One file per concern:
   store         append-only JSONL of graded generations (torn-write repair, no duplicates)
   metrics       avg@N, unbiased pass@k, maj@N (deterministic tie-break), benchmark summaries
   runner        blocks → engine → grader (→ verifier) → JSONL → metrics; :func:`run_evaluation`
-  report        paper-layout Markdown table, CSV, bar chart, W&B summary, comparisons
+  report        paper-layout Markdown table, CSV, bar chart, W&B summary (at the training step), comparisons,
+                the sweep's accuracy-against-step table and chart
+  sweep         every checkpoint of a train.py run in turn (``model.checkpoints``; resumable), one W&B curve
   verifier      optional LLM-verifier fallback (CompassVerifier-style A/B/C verdicts)
   validation    the in-training validation hook for ``Trainer(cfg, validation_hook=...)``
   errors        EvalError (one-line user-facing messages)

@@ -49,6 +49,7 @@ __all__ = [
     "import_eval_modules",
     "validate_eval_config",
     "eval_config_to_dict",
+    "checkpoint_selection",
 ]
 
 #: Samples per problem N (docs/method.md#evaluation-protocol), from :data:`stapo.data.BENCHMARK_REGISTRY`.
@@ -80,6 +81,11 @@ class EvalModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     cache_dir: Optional[str] = None  # where the embedded model is converted to
+    # Which checkpoints of a train.py run (model.path: the run folder, its checkpoints/ or one of them) to evaluate,
+    # each in turn at its training step (a sweep, stapo.evaluation.sweep; evaluate.py --all-checkpoints): null — just
+    # the model model.path names (a run folder: its latest intact checkpoint); "all"; "latest"; or a list of
+    # training steps ([20, 40]). Resumable: a rerun skips the checkpoints already evaluated.
+    checkpoints: Any = None
 
 
 @dataclass
@@ -272,6 +278,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         check_registered("engine.backend", cfg.engine.backend, "rollout backend", BACKENDS)
     except ConfigError as e:
         raise EvalError(str(e)) from None
+    cfg.model.checkpoints = checkpoint_selection(cfg.model.checkpoints)
     need(len(cfg.data.benchmarks) > 0, "data.benchmarks", "at least one benchmark is needed")
     custom = cfg.data.custom_benchmarks
     for cname in custom:
@@ -314,6 +321,32 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     need(cfg.verifier.batch_size >= 1, "verifier.batch_size", "must be >= 1")
     bad = [s for s in cfg.verifier.apply_to if s not in ("incorrect", "no_answer", "timeout", "error")]
     need(not bad, "verifier.apply_to", f"unknown grader status {bad}; use incorrect, no_answer, timeout, error")
+
+
+def checkpoint_selection(value: Any) -> str | list[int] | None:
+    """``model.checkpoints`` normalised: ``None``, ``"all"``, ``"latest"``, or a sorted list of distinct training
+    steps (from a list, one integer, or a string of comma-separated integers such as ``"20,40"``).
+
+    Raises:
+        EvalError: anything else (one line naming the key and the accepted forms).
+    """
+    if value is None:
+        return None
+    given = value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("all", "latest"):
+            return text
+        value = [v for v in text.split(",") if v.strip()]
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    try:
+        steps = sorted({int(v) for v in items if not isinstance(v, bool) and str(v).strip().lstrip("+").isdigit()})
+    except (TypeError, ValueError):
+        steps = []
+    if not items or len(steps) != len({str(v).strip() for v in items}):
+        raise EvalError(f"invalid value for 'model.checkpoints' ({given!r}): use all, latest, or a list of "
+                        f"training steps such as [20, 40]")
+    return steps
 
 
 def eval_config_to_dict(cfg: EvalConfig) -> dict[str, Any]:

@@ -61,6 +61,40 @@ class ModelSource:
             return None
         return {"style": data.get("prompt_style"), "system_prompt": data.get("system_prompt")}
 
+    def train_run(self) -> dict[str, Any] | None:
+        """What the training run of a train.py checkpoint was, from its run's ``config.json``: the identity an
+        evaluation logs under (docs/evaluation.md#evaluation-on-the-training-step-axis).
+
+        Returns:
+            ``None`` when this is not a train.py checkpoint; else ``{"run", "run_dir", "step", "objective",
+            "model", "seed", "reward", "project", "entity", "group", "tags"}``: ``run`` the run folder's name,
+            ``step`` the checkpoint's training step, the others from ``algorithm.objective``, ``model.path``,
+            ``trainer.seed``, ``algorithm.reward`` and ``logging.*`` (``None`` / ``[]`` where the file is missing,
+            unreadable or predates the key). ``group`` falls back to the run's name and ``tags`` to
+            ``[objective, model, reward]`` (the values known) when the run recorded none.
+        """
+        if self.kind != "checkpoint" or self.run_dir is None:
+            return None
+        try:
+            cfg = json.loads((Path(self.run_dir) / "config.json").read_text())
+            cfg = cfg if isinstance(cfg, dict) else {}
+        except (OSError, ValueError):
+            cfg = {}
+
+        def get(section: str, key: str) -> Any:
+            node = cfg.get(section)
+            return node.get(key) if isinstance(node, dict) else None
+
+        run = Path(self.run_dir).name
+        objective, model, reward = get("algorithm", "objective"), get("model", "path"), get("algorithm", "reward")
+        model_tag = str(model).rstrip("/").split("/")[-1] if model else None
+        tags = get("logging", "tags")
+        tags = [str(t) for t in tags] if isinstance(tags, list) and tags else [
+            str(t) for t in (objective, model_tag, reward) if t]
+        return {"run": run, "run_dir": self.run_dir, "step": self.step, "objective": objective, "model": model,
+                "seed": get("trainer", "seed"), "reward": reward, "project": get("logging", "project"),
+                "entity": get("logging", "entity"), "group": get("logging", "group") or run, "tags": tags}
+
 
 def _folder_source(spec: str, folder: Path) -> ModelSource:
     folder = folder.resolve()

@@ -4,7 +4,9 @@ Paper layout (docs/method.md#headline-numbers): one row per checkpoint/method, o
 AIME25, AMC23,
 MATH500, Minerva, OlympiadBench) plus their average, each cell ``first-setting (second-setting)`` —
 T=1.0 first, T=0.7 in parentheses with the default settings — in percent with two decimals. The same
-functions serve ``evaluate.py`` (one row) and ``scripts/compare.py`` (several results.json merged).
+functions serve ``evaluate.py`` (one row) and ``scripts/compare.py`` (several results.json merged). A checkpoint
+sweep (:mod:`stapo.evaluation.sweep`) gets accuracy against the training step instead (``sweep.csv`` / ``.md`` /
+``.png``); W&B rows are logged at the training step (:data:`STEP_METRIC`).
 """
 from __future__ import annotations
 
@@ -34,7 +36,15 @@ __all__ = [
     "plot_bars",
     "write_reports",
     "write_comparison",
+    "STEP_METRIC",
+    "result_step",
+    "wandb_identity",
     "log_wandb",
+    "SWEEP_METRICS",
+    "sweep_rows",
+    "sweep_markdown",
+    "plot_sweep",
+    "write_sweep_reports",
 ]
 
 DISPLAY_NAMES = {b.name: b.display for b in BENCHMARK_REGISTRY}  # column titles, from the registry
@@ -345,35 +355,192 @@ def write_comparison(results: Sequence[dict[str, Any]], out_dir: str | os.PathLi
     return paths
 
 
-def log_wandb(results: dict[str, Any], run_dir: str | os.PathLike, *, mode: str = "offline", project: str = "stapo",
-              entity: str | None = None, fallback: str = "offline") -> None:
-    """Log the results to W&B (through :class:`stapo.tracking.Tracker`, offline by default: no API key needed)
-    as scalars ``eval/<setting>/<benchmark>/<metric>`` and a summary table ``eval/summary`` (the paper table plus
-    the long rows). ``mode="disabled"`` still writes ``metrics.jsonl`` and ``tables.jsonl`` in ``run_dir``;
-    a rerun replaces the previous rows there. ``fallback`` as ``logging.wandb_fallback``; the evaluation is
-    finished when this runs, so a W&B that cannot start never fails it: one line on stderr, and the JSONL files
-    are written without W&B."""
+#: The W&B step metric of evaluation runs: verl's name for the training step (the native trainer logs it too), so
+#: the evaluation of a checkpoint of training step K is plotted at x = K beside the training curves.
+STEP_METRIC = "training/global_step"
+
+
+def result_step(results: dict[str, Any]) -> int:
+    """The training step a result belongs to: its train.py checkpoint's step, else 0 (a base model or an HF folder
+    is the policy before the first update)."""
+    step = (results.get("model") or {}).get("step")
+    return int(step) if isinstance(step, int) else 0
+
+
+def wandb_identity(results: dict[str, Any], *, project: str = "stapo", entity: str | None = None,
+                   group: str | None = None, tags: Sequence[str] | None = None, job_type: str | None = None,
+                   notes: str | None = None, name: str | None = None) -> dict[str, Any]:
+    """The W&B run identity of an evaluation (``wandb.init`` keywords plus ``config``).
+
+    An argument that is set wins (``logging.*`` of the evaluation config); otherwise, for a train.py checkpoint
+    (``results["training"]``, :meth:`stapo.evaluation.model_source.ModelSource.train_run`), the training run's
+    group, tags, project and entity — so the evaluation sits in the training run's group — and ``job_type``
+    ``"eval"``. The config is the evaluation config plus ``train_run`` (run, step, objective, model, seed, reward)
+    and the training run's own keys ``algorithm.objective``, ``algorithm.reward``, ``trainer.seed`` (W&B can
+    group or filter training and evaluation runs by the same column). ``project="stapo"`` (the default) gives
+    way to the training run's project.
+    """
+    train = results.get("training") or {}
+    config = dict(results.get("config") or {})
+    if train:
+        config["train_run"] = dict(train)
+        config["algorithm"] = {"objective": train.get("objective"), "reward": train.get("reward")}
+        config["trainer"] = {"seed": train.get("seed")}
+    return {
+        "project": train.get("project") if project == "stapo" and train.get("project") else project,
+        "entity": entity or train.get("entity"),
+        "group": group or train.get("group"),
+        "tags": list(tags) if tags else list(train.get("tags") or []),
+        "job_type": job_type or "eval",
+        "notes": notes,
+        "name": name or f"eval-{results['label']}",
+        "config": config,
+    }
+
+
+def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """``eval/<setting>/<benchmark>/<metric>`` scalars of one result (finite values only)."""
+    flat: dict[str, float] = {}
+    for setting, m in results["metrics"].items():
+        for bench, s in list(m["benchmarks"].items()) + [(AVERAGE, m["average"])]:
+            for key in ("avg@N", "pass@1", "pass@N", "maj@N", "mean_response_tokens", "truncation_rate"):
+                if _finite(s[key]):
+                    flat[f"eval/{setting}/{bench}/{key}"] = float(s[key])
+    return flat
+
+
+def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str | os.PathLike, *,
+              mode: str = "offline", project: str = "stapo", entity: str | None = None, fallback: str = "offline",
+              group: str | None = None, tags: Sequence[str] | None = None, job_type: str | None = None,
+              notes: str | None = None, name: str | None = None) -> None:
+    """Log one result, or the results of several checkpoints of one training run (a sweep), as ONE W&B run
+    (through :class:`stapo.tracking.Tracker`, offline by default: no API key needed).
+
+    Each result is logged at its training step (:func:`result_step`) under the step metric :data:`STEP_METRIC`, so
+    checkpoints form a curve on the training-step axis, in any order: scalars ``eval/<setting>/<benchmark>/<metric>``
+    and the tables ``eval/summary`` (the paper table) and ``eval/details`` (the long rows). Identity (group, tags,
+    job_type ``eval``, the training run's objective, model and seed in the config): :func:`wandb_identity` from
+    the first result. ``mode="disabled"`` still writes ``metrics.jsonl`` and ``tables.jsonl`` in ``run_dir``
+    (one row per result, at its step); a rerun replaces the previous rows there. ``fallback`` as
+    ``logging.wandb_fallback``; the evaluation is finished when this runs, so a W&B that cannot start never fails
+    it: one line on stderr, and the JSONL files are written without W&B.
+    """
     from stapo.tracking import Tracker, TrackerError
 
+    many = [results] if isinstance(results, dict) else list(results)
+    if not many:
+        return
+    ident = wandb_identity(many[0], project=project, entity=entity, group=group, tags=tags, job_type=job_type,
+                           notes=notes, name=name)
+    config = ident.pop("config")
+    if len(many) > 1 and "train_run" in config:  # a sweep: the steps are the x axis, not one value of the config
+        config["train_run"] = {k: v for k, v in config["train_run"].items() if k != "step"}
     try:
-        tracker = Tracker(run_dir, results.get("config", {}), mode=mode, project=project, entity=entity,
-                          name=f"eval-{results['label']}", fallback=fallback)
+        tracker = Tracker(run_dir, config, mode=mode, fallback=fallback, step_metric=STEP_METRIC, **ident)
     except TrackerError as e:
         print(f"evaluate.py: {e}; the results are complete, W&B skipped", file=sys.stderr)
         tracker = Tracker(run_dir, {}, mode="disabled")
     try:
         tracker.truncate_after(-1)
-        flat: dict[str, float] = {}
-        for setting, m in results["metrics"].items():
-            for bench, s in list(m["benchmarks"].items()) + [(AVERAGE, m["average"])]:
-                for key in ("avg@N", "pass@1", "pass@N", "maj@N", "mean_response_tokens", "truncation_rate"):
-                    if _finite(s[key]):
-                        flat[f"eval/{setting}/{bench}/{key}"] = float(s[key])
-        tracker.log(0, flat)
-        header, rows = paper_table([results])
-        tracker.log_table(0, "eval/summary", header, rows)
-        long = csv_rows([results])
-        if long:
-            tracker.log_table(0, "eval/details", list(long[0].keys()), [list(r.values()) for r in long])
+        for res in sorted(many, key=result_step):
+            step = result_step(res)
+            tracker.log(step, _flat_metrics(res))
+            header, rows = paper_table([res])
+            tracker.log_table(step, "eval/summary", header, rows)
+            long = csv_rows([res])
+            if long:
+                tracker.log_table(step, "eval/details", list(long[0].keys()), [list(r.values()) for r in long])
     finally:
         tracker.finish()
+
+
+# --- a sweep of checkpoints: accuracy against the training step -----------------------------------------------
+SWEEP_METRICS = ("avg@N", "pass@N", "maj@N", "mean_response_tokens", "truncation_rate")
+
+
+def sweep_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Long rows of a sweep, one per (step, setting, benchmark or ``average``), in step order: ``step``,
+    ``checkpoint`` (the label), ``setting``, ``benchmark``, ``N``, ``problems`` and :data:`SWEEP_METRICS`
+    (fractions; ``None`` where not finite)."""
+    rows = []
+    for res in sorted(results, key=result_step):
+        for setting, m in res["metrics"].items():
+            for bench, s in list(m["benchmarks"].items()) + [(AVERAGE, m["average"])]:
+                row = {"step": result_step(res), "checkpoint": res["label"], "setting": setting, "benchmark": bench,
+                       "N": s.get("N"), "problems": s.get("problems")}
+                row.update({k: (float(s[k]) if _finite(s.get(k)) else None) for k in SWEEP_METRICS})
+                rows.append(row)
+    return rows
+
+
+def sweep_markdown(results: Sequence[dict[str, Any]], metric: str = "avg@N") -> str:
+    """One table, one row per checkpoint (by step), one column per (benchmark, setting) and their average, the
+    metric in percent: accuracy against the training step."""
+    settings = table_settings(results)
+    cols = table_columns(results) + [AVERAGE]
+    header = ["step"] + [f"{_title(b)} {s}" if len(settings) > 1 else _title(b) for b in cols for s in settings]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for res in sorted(results, key=result_step):
+        cells = [str(result_step(res))] + [_pct(_value(res, s, b, metric)) for b in cols for s in settings]
+        lines.append("| " + " | ".join(cells) + " |")
+    params = {s["name"]: s for r in results for s in r.get("protocol", {}).get("settings", [])}
+    text = "; ".join(f"{n} = T {params[n]['temperature']}, top-p {params[n]['top_p']}" if n in params else n
+                     for n in settings)
+    return "\n".join(lines) + f"\n\n{metric} in % against the training step; {text}.\n"
+
+
+def plot_sweep(results: Sequence[dict[str, Any]], path: str | os.PathLike, metric: str = "avg@N") -> Path:
+    """Line chart of ``metric`` (percent) against the training step: one panel per decoding setting, one line per
+    benchmark and the average (thicker). matplotlib, Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = table_settings(results)
+    cols = table_columns(results) + [AVERAGE]
+    ordered = sorted(results, key=result_step)
+    steps = [result_step(r) for r in ordered]
+    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 3.8), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        for bench in cols:
+            ys = [_value(r, setting, bench, metric) for r in ordered]
+            ax.plot(steps, [100 * y if _finite(y) else float("nan") for y in ys], marker="o",
+                    linewidth=2.5 if bench == AVERAGE else 1.2, label=_title(bench))
+        ax.set_title(setting)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(f"{metric} (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_sweep_reports(results: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *, title: str,
+                        plot: bool = True) -> dict[str, Path]:
+    """``sweep.csv`` (:func:`sweep_rows`), ``sweep.md`` (avg@N / pass@N / maj@N against the step) and, with
+    ``plot``, ``sweep.png`` (:func:`plot_sweep`) in ``out_dir``, each written atomically. Returns ``{kind: path}``.
+
+    Raises:
+        OSError: a file cannot be written (the message names it; the previous one is kept).
+    """
+    out = Path(out_dir)
+    paths = {"csv": out / "sweep.csv", "md": out / "sweep.md"}
+    rows = sweep_rows(results)
+    with _atomic(paths["csv"]) as tmp, tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()) if rows else ["step"])
+        writer.writeheader()
+        writer.writerows(rows)
+    md = [f"# Checkpoint sweep: {title}", ""]
+    for metric in ("avg@N", "pass@N", "maj@N"):
+        md += [f"### {metric}", "", sweep_markdown(results, metric)]
+    with _atomic(paths["md"]) as tmp:
+        tmp.write_text("\n".join(md))
+    if plot and results:
+        paths["png"] = out / "sweep.png"
+        with _atomic(paths["png"]) as tmp:
+            plot_sweep(results, tmp)
+    return paths

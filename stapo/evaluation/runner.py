@@ -9,7 +9,8 @@ Run directory (``output.dir``, default ``runs/eval/<label>``)::
     eval_manifest.json                    what the generations were made with (checked on every rerun)
     generations/<benchmark>__<setting>.jsonl   one line per sample (fields below)
     results.json  results.md  results.csv  results.png   metrics and reports (stapo.evaluation.report)
-    metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.tracking.Tracker; offline by default)
+    metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.tracking.Tracker; offline by default), at the
+                                          checkpoint's training step in its training run's group (report.log_wandb)
 
 A JSONL record holds: ``problem_id, sample`` (0..N−1; the unique key), ``benchmark, setting, problem_index,
 block, seed, temperature, top_p, gold, response, prompt_tokens, response_tokens, finish_reason`` (``"eos"`` /
@@ -73,11 +74,13 @@ __all__ = [
     "summarize_run",
     "default_run_dir",
     "run_evaluation",
+    "log_results_to_wandb",
 ]
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "eval_manifest.json"
+SWEEP_KIND = "checkpoint_sweep"  # the "kind" of a sweep folder's manifest (stapo.evaluation.sweep)
 GENERATIONS_DIR = "generations"
 
 
@@ -449,6 +452,9 @@ def _check_manifest(run_dir: Path, new: dict[str, Any]) -> dict[str, Any]:
         old = json.loads(path.read_text())
     except ValueError as e:
         raise EvalError(f"{path} is not valid JSON ({e}); move the run directory away") from None
+    if isinstance(old, dict) and old.get("kind") == SWEEP_KIND:
+        raise EvalError(f"{run_dir} is the folder of a checkpoint sweep (of {old.get('run_dir')}); its checkpoints' "
+                        f"evaluations are in its step_XXXXXX subfolders: choose another output directory (--output)")
 
     def differ(what: str, a: Any, b: Any) -> EvalError:
         return EvalError(f"{run_dir} holds generations made with {what} = {a!r}, this run asks for {b!r}; "
@@ -598,6 +604,7 @@ def run_evaluation(
     on_block: Callable[[dict[str, Any]], None] | None = None,
     write_reports: bool = True,
     dry_run: bool = False,
+    wandb: bool = True,
 ) -> dict[str, Any]:
     """Evaluate ``cfg.model`` on ``cfg.data.benchmarks`` under every decoding setting (resumable).
 
@@ -617,11 +624,15 @@ def run_evaluation(
             (:class:`PromptSpec`), ``"problems"`` (``{benchmark: [Problem]}`` with prompt ids), ``"totals"``
             (problems loaded), ``"dropped"`` (long prompts), ``"pending"`` (``{setting: {benchmark: problems
             whose samples are not all stored}}``)``}``.
+        wandb: with ``write_reports``, also log the W&B summary (:func:`stapo.evaluation.report.log_wandb`: a
+            train.py checkpoint at its training step in the training run's group); a sweep logs its checkpoints
+            together instead (:mod:`stapo.evaluation.sweep`).
 
     Returns:
         The results dict written to ``results.json``: ``label``, ``run_dir``, ``model``, ``prompt``, ``protocol``,
         ``data`` (problems per benchmark), ``metrics`` (see :func:`summarize_run`), ``run``, ``complete``
-        (all six benchmarks in full), ``created``, ``git_commit``.
+        (all six benchmarks in full), ``created``, ``git_commit``, ``training`` (the training run of a train.py
+        checkpoint: :meth:`~stapo.evaluation.model_source.ModelSource.train_run`; else null).
 
     Raises:
         EvalError: any user-facing problem (bad model path, unknown benchmark, missing data root, a run
@@ -718,11 +729,23 @@ def run_evaluation(
             "stapo_version": stapo.__version__,
             "git_commit": _git_commit(),
             "config": eval_config_to_dict(cfg),
+            "training": source.train_run(),
         }
         if write_reports:
-            from stapo.evaluation.report import log_wandb, write_reports as _write
+            from stapo.evaluation.report import write_reports as _write
 
             _write(results, run_dir, plot=cfg.output.plot)
-            log_wandb(results, run_dir, mode=cfg.logging.wandb_mode, project=cfg.logging.project,
-                      entity=cfg.logging.entity, fallback=cfg.logging.wandb_fallback)
+            if wandb:
+                log_results_to_wandb(results, run_dir, cfg)
         return results
+
+
+def log_results_to_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str | os.PathLike,
+                         cfg: EvalConfig, name: str | None = None) -> None:
+    """:func:`stapo.evaluation.report.log_wandb` with the evaluation config's ``logging.*`` (mode, fallback, and
+    the identity keys that override the training run's: project, entity, group, tags, job_type, notes)."""
+    from stapo.evaluation.report import log_wandb
+
+    lc = cfg.logging
+    log_wandb(results, run_dir, mode=lc.wandb_mode, project=lc.project, entity=lc.entity, fallback=lc.wandb_fallback,
+              group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes, name=name)

@@ -1,7 +1,8 @@
 """In-training validation: the evaluation harness on a small benchmark subset, as a ``Trainer`` hook.
 
 ``stapo.train.Trainer(cfg, validation_hook=hook)`` calls ``hook(trainer, step)`` every ``trainer.val_every``
-steps, after the new weights were synced into the rollout engine, and logs the returned dict. The hook samples
+steps, after the new weights were synced into the rollout engine, and logs the returned dict; with
+``trainer.val_before_train`` also once at step 0, before the first update (verl's key of that name). The hook samples
 with the trainer's own engine (``trainer.engine``), tokenizer and training prompt (``cfg.data.prompt_style``,
 ``cfg.data.system_prompt``), grades with math-verify and computes the same metrics as ``evaluate.py``
 (:func:`stapo.evaluation.runner.evaluate_problems`); the generations go to
@@ -193,13 +194,14 @@ def make_validation_hook(**kwargs: Any) -> ValidationHook:
 
 
 def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
-    """The hook described by a train config, or ``None`` when ``trainer.val_every == 0``.
+    """The hook described by a train config, or ``None`` when ``trainer.val_every == 0`` and
+    ``trainer.val_before_train`` is false (the trainer calls it at step 0 for the latter).
 
     Reads ``cfg.validation`` when the schema has it (fields ``benchmarks``, ``limit``, ``samples``,
     ``temperature``, ``top_p``, ``max_new_tokens``, ``seed``); otherwise uses the :class:`ValidationHook`
     defaults (MATH500, first 32 problems, N = 4, T = 1.0, top-p = 1.0).
     """
-    if not getattr(cfg.trainer, "val_every", 0):
+    if not getattr(cfg.trainer, "val_every", 0) and not getattr(cfg.trainer, "val_before_train", False):
         return None
     vc = getattr(cfg, "validation", None)
     if vc is None:

@@ -43,7 +43,7 @@ from stapo.preflight import check_chat_template, check_device, check_tokenizer, 
 from stapo.provenance import TRAIN_STEP_METRIC, apply_identity, launch_record, record_launch
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.token_stats import TokenStats
-from stapo.tracking import Tracker
+from stapo.tracking import Tracker, read_jsonl_rows
 from stapo.train.batch import Rollout, StepBatch
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
 from stapo.train.plan import UpdatePlan, build_plan
@@ -485,6 +485,13 @@ class Trainer:
             self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
             self._drop_stale_validation()
             drop_rollouts_after(self.run_dir, self.step)  # rollouts files of steps a resume redoes (or never reaches)
+        # trainer.val_before_train (verl's key): validate the initial policy at step 0, before the first update, once (a
+        # run restarted at step 0 whose metrics.jsonl already holds the step-0 row does not repeat it)
+        if tc.val_before_train and self.validation_hook is not None and self.step == 0:
+            path = self.tracker.metrics_path if main else None
+            if main and not (path.exists() and any(row["step"] == 0 for row in read_jsonl_rows(path)[0])):
+                self.tracker.log(0, self.validation_hook(self, 0))
+            dist.barrier(self.dist)
         history: list[dict[str, float]] = []
         bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
                    dynamic_ncols=True)

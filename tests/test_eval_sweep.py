@@ -1,0 +1,406 @@
+"""Evaluation joins training (issue 16, item 2): a train.py checkpoint is evaluated at its training step in the
+training run's W&B group, a sweep over a run's checkpoints (resumable, damaged ones skipped, one curve),
+trainer.val_before_train, and the validation presets.
+
+The training run is the tiny model (configs/tiny_test.yaml, HF rollouts, toy reward): 2 steps, a checkpoint after
+each. The evaluation is configs/eval/tiny_test.yaml cut to AIME24's first problem, N = 2, one decoding setting:
+2 samples of 8 tokens per checkpoint.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from stapo.evaluation import EvalError, load_eval_config  # noqa: E402
+from stapo.evaluation.config import checkpoint_selection  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are dominated by per-op overhead: one thread is as fast and immune to a busy second core."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """runs/toy: 2 training steps of the tiny model (objective stapo, seed 0), checkpoints step_000001, step_000002."""
+    from toy_run import make_trainer
+
+    out = tmp_path_factory.mktemp("runs")
+    trainer = make_trainer(str(out), ["trainer.total_steps=2", "trainer.save_every=1", "trainer.keep_last=2"])
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return out / "toy"
+
+
+def sweep_cfg(root: Path, run: Path, out: Path, *overrides: str):
+    return load_eval_config(REPO / "configs" / "eval" / "tiny_test.yaml", [
+        f"data.root={root}", f"model.path={run}", f"output.dir={out}", "data.benchmarks=[aime24]", "data.limit=1",
+        "data.samples.aime24=2", "generation.settings=[{name: t1.0_p1.0, temperature: 1.0, top_p: 1.0}]",
+        *overrides])
+
+
+class FakeWandbRun:
+    """What the Tracker gives wandb: wandb.init's keywords, define_metric calls and logged rows."""
+
+    def __init__(self, **init):
+        self.init, self.defined, self.rows, self.dir = init, [], [], str(init.get("dir"))
+
+    def define_metric(self, name, step_metric=None, **_):
+        self.defined.append((name, step_metric))
+
+    def log(self, row, step=None):
+        self.rows.append((row, step))
+
+    def finish(self):
+        pass
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    import wandb
+
+    runs: list[FakeWandbRun] = []
+
+    def init(**kw):
+        runs.append(FakeWandbRun(**kw))
+        return runs[-1]
+
+    monkeypatch.setattr(wandb, "init", init)
+    return runs
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --- the sweep ------------------------------------------------------------------------------------------------
+def test_a_sweep_of_two_checkpoints_is_two_points_on_the_training_step_axis(shared_data_root, tmp_path, tiny_run,
+                                                                             fake_wandb, capsys):
+    from stapo.evaluation.sweep import run_sweep
+
+    out = tmp_path / "sweep"
+    res = run_sweep(sweep_cfg(shared_data_root, tiny_run, out, "model.checkpoints=all", "logging.wandb_mode=offline"))
+    assert (res["evaluated"], res["skipped"], res["damaged"]) == ([1, 2], [], [])
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("step_")) == [
+        "step_000001", "step_000002"]
+    # metrics.jsonl of the sweep folder: one row per checkpoint, at its training step
+    got = rows(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2]
+    assert all("eval/t1.0_p1.0/aime24/avg@N" in r and "eval/t1.0_p1.0/average/avg@N" in r for r in got)
+    # sweep.csv: (step, setting, benchmark) rows; AIME24 and the average per checkpoint
+    with (out / "sweep.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [(r["step"], r["benchmark"]) for r in table] == [("1", "aime24"), ("1", "average"), ("2", "aime24"),
+                                                            ("2", "average")]
+    assert "| step |" in (out / "sweep.md").read_text()
+    # W&B: ONE run for the sweep, in the training run's group, job_type eval, plotted against training/global_step
+    assert len(fake_wandb) == 1
+    run = fake_wandb[0]
+    train_cfg = json.loads((tiny_run / "config.json").read_text())
+    assert run.init["group"] == (train_cfg["logging"].get("group") or "toy")
+    assert run.init["job_type"] == "eval"
+    assert run.init["tags"] == (train_cfg["logging"].get("tags") or ["stapo", "tiny", "strict_box"])
+    assert run.init["config"]["algorithm"]["objective"] == "stapo"
+    assert run.init["config"]["trainer"]["seed"] == 0
+    assert run.init["config"]["train_run"]["model"] == "tiny" and run.init["config"]["train_run"]["run"] == "toy"
+    assert ("*", "training/global_step") in run.defined
+    scalars = [row for row, _ in run.rows if "eval/t1.0_p1.0/aime24/avg@N" in row]
+    assert [row["training/global_step"] for row in scalars] == [1, 2]
+    assert all(step is None for _, step in run.rows)  # W&B's own _step only counts rows
+
+
+def test_a_rerun_skips_finished_checkpoints_and_redoes_a_missing_one(shared_data_root, tmp_path, tiny_run, capsys):
+    from stapo.evaluation.sweep import run_sweep
+
+    out = tmp_path / "sweep"
+    cfg = lambda: sweep_cfg(shared_data_root, tiny_run, out, "model.checkpoints=all")  # noqa: E731
+    run_sweep(cfg())
+    gens = {p: p.read_bytes() for p in out.rglob("generations/*.jsonl")}
+    capsys.readouterr()
+    again = run_sweep(cfg())
+    assert (again["evaluated"], again["skipped"]) == ([], [1, 2])
+    err = capsys.readouterr().err
+    assert err.count("already evaluated") == 2 and "step_000001" in err and "step_000002" in err
+    assert {p: p.read_bytes() for p in out.rglob("generations/*.jsonl")} == gens  # nothing generated again
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == [1, 2]  # the rows replaced, not appended
+    # a checkpoint whose evaluation did not finish (no results.json): evaluated again, its stored samples reused
+    (out / "step_000002" / "results.json").unlink()
+    third = run_sweep(cfg())
+    assert (third["evaluated"], third["skipped"]) == ([2], [1])
+    assert third["results"][1]["run"]["generated"] == 0
+    # a sweep of step 2 alone keeps step 1 (evaluated before, same settings) on the curve
+    only = run_sweep(sweep_cfg(shared_data_root, tiny_run, out, "model.checkpoints=[2]"))
+    assert (only["skipped"], only["earlier"], [r["step"] for r in rows(out / "metrics.jsonl")]) == ([2], [1], [1, 2])
+    # a wider protocol (a second benchmark) is not "finished": both checkpoints are extended
+    wider = run_sweep(sweep_cfg(shared_data_root, tiny_run, out, "model.checkpoints=[1,2]",
+                                "data.benchmarks=[aime24,math500]", "data.samples.math500=1"))
+    assert wider["evaluated"] == [1, 2] and all("math500" in r["metrics"]["t1.0_p1.0"]["benchmarks"]
+                                                for r in wider["results"])
+
+
+def test_one_checkpoint_is_logged_at_its_step_in_the_training_run_group(shared_data_root, tmp_path, tiny_run,
+                                                                         fake_wandb):
+    from stapo.evaluation import run_evaluation
+
+    cfg = sweep_cfg(shared_data_root, tiny_run / "checkpoints" / "step_000001", tmp_path / "one",
+                    "logging.wandb_mode=offline", "logging.notes=hello")
+    res = run_evaluation(cfg)
+    assert res["training"]["step"] == 1 and res["training"]["objective"] == "stapo"
+    assert [r["step"] for r in rows(tmp_path / "one" / "metrics.jsonl")] == [1]
+    (run,) = fake_wandb
+    assert (run.init["job_type"], run.init["notes"]) == ("eval", "hello")
+    assert [row["training/global_step"] for row, _ in run.rows] == [1, 1, 1]  # scalars, eval/summary, eval/details
+
+
+def test_a_base_model_is_logged_at_step_0_without_a_training_run():
+    from stapo.evaluation.report import result_step, wandb_identity
+
+    res = {"label": "smollm2", "model": {"step": None}, "config": {"a": 1}, "training": None}
+    ident = wandb_identity(res, group="mine")
+    assert result_step(res) == 0
+    assert (ident["group"], ident["job_type"], ident["tags"], ident["config"]) == ("mine", "eval", [], {"a": 1})
+
+
+def offline_records(run_dir: Path) -> list:
+    """The records of the newest offline W&B run under ``run_dir/wandb``, parsed with wandb's own protobuf schema
+    (``wandb.proto.wandb_internal_pb2.Record``). The file is wandb's transaction log (the LevelDB log layout: a
+    7-byte ``:W&B`` header, 32 KiB blocks, each record chunk ``crc32 (4) | length (2) | type (1: full, 2: first,
+    3: middle, 4: last)``); wandb 0.31 has no Python reader for it any more (its Go core reads it)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    path = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))[-1]
+    data, pos, block, chunks, out = path.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):  # block padding
+            pos += left
+            continue
+        chunks = (b"" if kind in (1, 2) else chunks) + data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(chunks)
+            out.append(rec)
+    return out
+
+
+def test_the_offline_wandb_file_holds_the_curve_in_the_training_group(shared_data_root, tmp_path, tiny_run,
+                                                                        monkeypatch):
+    from stapo.evaluation.sweep import run_sweep
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = tmp_path / "sweep"
+    run_sweep(sweep_cfg(shared_data_root, tiny_run, out, "model.checkpoints=all", "logging.wandb_mode=offline"))
+    recs = offline_records(out)
+    kinds = [r.WhichOneof("record_type") for r in recs]
+    assert kinds.count("run") == 1, kinds
+    (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    group = json.loads((tiny_run / "config.json").read_text())["logging"].get("group") or "toy"
+    assert (run.run_group, run.job_type) == (group, "eval")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["algorithm"]["objective"] == "stapo" and config["train_run"]["run"] == "toy"
+    metrics = [(r.metric.name, r.metric.glob_name, r.metric.step_metric) for r in recs
+               if r.WhichOneof("record_type") == "metric"]
+    assert ("", "*", "training/global_step") in metrics
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in recs
+               if r.WhichOneof("record_type") == "history"]
+    points = [h["training/global_step"] for h in history if "eval/t1.0_p1.0/aime24/avg@N" in h]
+    assert points == [1, 2]  # two points on the training-step axis
+
+
+# --- selection, damaged checkpoints and folders -----------------------------------------------------------------
+def fake_checkpoints(run: Path, steps=(1, 2, 3)) -> None:
+    from stapo.checkpoint_files import _write_marker
+
+    for step in steps:
+        ckpt = run / "checkpoints" / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "config.json").write_text("{}")
+        (ckpt / "model.safetensors").write_bytes(b"w" * 100)
+        (ckpt / "trainer_state.pt").write_bytes(b"s" * 10)
+        _write_marker(ckpt, step)
+
+
+def test_checkpoint_selection_forms():
+    assert checkpoint_selection(None) is None
+    assert checkpoint_selection("ALL") == "all" and checkpoint_selection("latest") == "latest"
+    assert checkpoint_selection([20, 10, 20]) == [10, 20] and checkpoint_selection("10,20") == [10, 20]
+    assert checkpoint_selection(5) == [5]
+    for bad in ("every", [1.5], [], True, [1, "x"]):
+        with pytest.raises(EvalError, match="model.checkpoints"):
+            checkpoint_selection(bad)
+
+
+def test_plan_skips_a_damaged_checkpoint_and_names_missing_steps(tmp_path):
+    from stapo.evaluation.sweep import plan_sweep
+
+    run = tmp_path / "run"
+    fake_checkpoints(run)
+    (run / "checkpoints" / "step_000002" / "model.safetensors").write_bytes(b"w" * 40)  # truncated after the save
+    for spec in (run, run / "checkpoints", run / "checkpoints" / "step_000001"):
+        plan = plan_sweep(str(spec), "all")
+        assert [s for s, _ in plan.checkpoints] == [1, 3]
+        assert [(s, why) for s, _, why in plan.damaged] == [(2, "model.safetensors is 40 bytes, 100 were written")]
+    assert [s for s, _ in plan_sweep(str(run), "latest").checkpoints] == [3]
+    assert [s for s, _ in plan_sweep(str(run), [1, 3]).checkpoints] == [1, 3]
+    with pytest.raises(EvalError, match=r"no checkpoint of step\(s\) \[4\].*steps there: \[1, 2, 3\]"):
+        plan_sweep(str(run), [3, 4])
+    with pytest.raises(EvalError, match="needs a train.py run folder"):
+        plan_sweep(str(tmp_path), "all")
+
+
+def test_sweep_cli_names_a_damaged_checkpoint_in_one_line(shared_data_root, tmp_path, capsys):
+    """evaluate.py --all-checkpoints on a run whose only checkpoint is damaged: refused before anything loads, in
+    one line naming the checkpoint and the reason (exit 2). (With intact ones beside it, each damaged one is one
+    line on stderr and skipped: test_plan_skips_a_damaged_checkpoint_and_names_missing_steps, run_sweep.)"""
+    import runpy
+
+    run = tmp_path / "run"
+    fake_checkpoints(run, steps=(1,))
+    (run / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"")
+    main = runpy.run_path(str(REPO / "evaluate.py"), run_name="evaluate_cli")["main"]
+    rc = main(["--config", str(REPO / "configs/eval/tiny_test.yaml"), "--model", str(run), "--all-checkpoints",
+               "--data-root", str(shared_data_root), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "step_000001: trainer_state.pt is 0 bytes" in err
+
+
+def test_sweep_and_training_folders_never_mix(tmp_path):
+    from stapo.evaluation.runner import MANIFEST, _check_manifest
+    from stapo.evaluation.sweep import _claim
+
+    run = tmp_path / "run"
+    fake_checkpoints(run, steps=(1,))
+    with pytest.raises(EvalError, match="is a train.py run folder"):
+        _claim(run, run)
+    sweep = tmp_path / "sweep"
+    _claim(sweep, run)
+    _claim(sweep, run)  # the same run again: fine
+    with pytest.raises(EvalError, match="is the sweep of"):
+        _claim(sweep, tmp_path / "other")
+    with pytest.raises(EvalError, match="folder of a checkpoint sweep"):  # a single evaluation into it
+        _check_manifest(sweep, {})
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / MANIFEST).write_text(json.dumps({"model": {}}))
+    with pytest.raises(EvalError, match="evaluation of one model"):
+        _claim(single, run)
+
+
+def test_train_py_refuses_a_sweep_folder(tmp_path):
+    from stapo.config import ConfigError, load_config
+    from stapo.evaluation.sweep import _claim
+    from stapo.train import Trainer
+
+    _claim(tmp_path / "sweep", tmp_path / "run")
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [f"trainer.output_dir={tmp_path}", "trainer.run_name=sweep"])
+    with pytest.raises(ConfigError, match="evaluate.py output folder"):
+        Trainer(cfg)
+
+
+# --- trainer.val_before_train -----------------------------------------------------------------------------------
+def test_val_before_train_logs_a_step_0_row_once(shared_data_root, tmp_path):
+    from stapo.config import load_config
+    from stapo.evaluation import make_validation_hook_from_config
+    from stapo.train import Trainer
+    from toy_run import toy_reward
+
+    calls: list[int] = []
+
+    def trainer(total: int, *extra: str) -> Trainer:
+        cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
+            f"trainer.output_dir={tmp_path}", "trainer.run_name=v", f"trainer.total_steps={total}",
+            "trainer.val_before_train=true", f"data.root={shared_data_root}", "validation.benchmarks=[math500]",
+            "validation.limit=1", "validation.samples=2", "data.max_prompt_length=512", *extra])
+        hook = make_validation_hook_from_config(cfg)  # val_every=0: the hook exists for step 0 alone
+        assert hook is not None
+
+        def counted(tr, step):
+            calls.append(step)
+            return hook(tr, step)
+
+        counted.close = hook.close
+        return Trainer(cfg, validation_hook=counted, reward_fn=toy_reward)
+
+    history = trainer(1).train()
+    got = rows(tmp_path / "v" / "metrics.jsonl")
+    assert calls == [0] and [r["step"] for r in got] == [0, 1]
+    val_keys = [k for k in got[0] if k != "step"]
+    assert val_keys and all(k.startswith("val") for k in val_keys)  # the step-0 row: validation only
+    assert not any(k.startswith("val") for k in history[0])  # val_every=0: no validation after step 1
+    assert (tmp_path / "v" / "validation" / "step_000000" / "metrics.json").is_file()
+    trainer(2, "trainer.resume=required").train()  # resumed at step 1: step 0 is not validated again
+    assert calls == [0] and [r["step"] for r in rows(tmp_path / "v" / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_val_before_train_may_change_on_resume():
+    from stapo.config import TrainConfig, resume_key_changes, to_dict
+
+    cfg = TrainConfig()
+    cfg.trainer.val_before_train = True
+    refused, allowed = resume_key_changes(to_dict(TrainConfig()), cfg)
+    assert refused == [] and allowed == [("trainer.val_before_train", False, True)]
+
+
+# --- validation presets -----------------------------------------------------------------------------------------
+def verl_script_defaults() -> dict[str, str]:
+    """``NAME=${NAME:-value}`` defaults of the verl launch script."""
+    text = (REPO / "scripts" / "verl" / "run_stapo_qwen3_1.7b.sh").read_text()
+    return dict(re.findall(r"^(\w+)=\$\{\w+:-([^}]*)\}", text, flags=re.M))
+
+
+def test_the_verl_preset_equals_the_launch_script():
+    from stapo.config import TrainConfig, load_config, merge_config
+
+    script = (REPO / "scripts" / "verl" / "run_stapo_qwen3_1.7b.sh").read_text()
+    env = verl_script_defaults()
+    assert (env["VAL_N"], env["VAL_TEMPERATURE"], env["VAL_TOP_P"]) == ("32", "0.7", "0.9")
+    val_files = re.search(r"data\.val_files=\[([^\]]*)\]", script).group(1)
+    assert re.findall(r"/(\w+)\.parquet", val_files) == ["aime24", "aime25", "amc23"]
+    assert "trainer.test_freq=20" in script and "trainer.val_before_train=True" in script
+    preset = merge_config(TrainConfig, REPO / "configs" / "validation" / "verl.yaml", None)  # the file alone
+    paper = load_config(REPO / "configs" / "paper" / "qwen3_1.7b_stapo.yaml")  # layered under the paper configs
+    for cfg in (preset, paper):
+        v = cfg.validation
+        assert (v.benchmarks, v.limit, v.samples, v.temperature, v.top_p, v.max_new_tokens) == (
+            ["aime24", "aime25", "amc23"], None, 32, 0.7, 0.9, None)  # None: up to rollout.response_length
+        assert (cfg.trainer.val_every, cfg.trainer.val_before_train) == (20, True)
+
+
+def test_the_cpu_preset_layers_under_a_cpu_config(tmp_path):
+    """configs/validation/cpu.yaml is off in the CPU configs (its comment: the measured cost); the documented way to
+    turn it on — a file listing the CPU config and the preset under defaults — gives its values."""
+    from stapo.config import load_config
+
+    assert load_config(REPO / "configs" / "cpu_smollm2_stapo.yaml").trainer.val_every == 0
+    mine = tmp_path / "mine.yaml"  # the preset's recipe, with absolute paths (relative ones are to the file)
+    mine.write_text(f"defaults: [{REPO / 'configs/cpu_smollm2_stapo.yaml'}, {REPO / 'configs/validation/cpu.yaml'}]\n")
+    cfg = load_config(mine)
+    v = cfg.validation
+    assert (v.benchmarks, v.limit, v.samples, v.temperature, v.top_p, v.max_new_tokens) == (
+        ["math500"], 32, 4, 1.0, 1.0, None)
+    assert (cfg.trainer.val_every, cfg.trainer.val_before_train, cfg.algorithm.objective) == (5, True, "stapo")
+    assert cfg.rollout.response_length == 64  # the responses of a validation: up to the recipe's 64 tokens
