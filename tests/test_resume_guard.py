@@ -182,12 +182,14 @@ def test_no_intact_checkpoint_is_one_line_and_exit_2(run):
 def test_checkpoints_without_the_marker_still_resume(run):
     """Written before COMPLETE.json existed: judged by the file rule, the config still checked (in process, no
     weights loaded)."""
+    from stapo.provenance import apply_identity
     from stapo.train.state import plan_resume
 
     root = run / "r" / "checkpoints"
     for marker in root.glob(f"step_*/{ck.MARKER}"):
         marker.unlink()
     cfg = load_config(REPO / "configs" / "tiny_test.yaml", [f"trainer.output_dir={run}", "trainer.run_name=r"])
+    apply_identity(cfg, REPO / "configs" / "tiny_test.yaml")  # as train.py does: the W&B group / tags resolved
     plan = plan_resume(root, cfg, required=True)
     assert plan is not None and plan.checkpoint == root / "step_000002" and plan.step == 2
     assert [k for k, _, _ in plan.changes] == ["trainer.output_dir"]  # the copied run folder

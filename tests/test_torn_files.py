@@ -98,14 +98,15 @@ def test_resume_after_a_torn_last_line_gives_one_row_per_step(tmp_path, capsys):
     run = tmp_path / "r"
     rc, err = train(tmp_path, capsys, "trainer.total_steps=3")
     assert rc == 0, err
-    assert steps(run / "metrics.jsonl") == [1, 2, 3] and steps(run / "tables.jsonl") == [1, 2, 3]
+    # two tables a step (trainer.log_examples_every=1): s2t/examples and completions/step_<k>
+    assert steps(run / "metrics.jsonl") == [1, 2, 3] and steps(run / "tables.jsonl") == [1, 1, 2, 2, 3, 3]
     # A kill while step 3's rows were written: step 3's checkpoint never happened and its rows are torn.
     shutil.rmtree(run / "checkpoints" / "step_000003")
     tear_last_line(run / "metrics.jsonl")
     tear_last_line(run / "tables.jsonl")
     rc, err = train(tmp_path, capsys, "trainer.total_steps=4", "--resume")
     assert rc == 0, err
-    assert steps(run / "metrics.jsonl") == [1, 2, 3, 4] and steps(run / "tables.jsonl") == [1, 2, 3, 4]
+    assert steps(run / "metrics.jsonl") == [1, 2, 3, 4] and steps(run / "tables.jsonl") == [1, 1, 2, 2, 3, 3, 4, 4]
     cut = [line for line in err.splitlines() if "torn last line" in line]
     assert len(cut) == 2 and cut[0].startswith(f"{run / 'metrics.jsonl'}: cut ") \
         and cut[1].startswith(f"{run / 'tables.jsonl'}: cut ")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from stapo.config import ConfigError, TrainConfig, load_config, merge_config
+from stapo.study.keys import METRICS
 
 __all__ = ["MethodConfig", "ReportConfig", "FinalEvalConfig", "RunnerConfig", "StudyConfig", "RunSpec",
            "load_study_config", "run_specs"]
@@ -45,7 +46,7 @@ class ReportConfig:
     confidence: float = 0.95  # of the t-bands and the bootstrap intervals
     bootstrap_samples: int = 10_000  # replicates of the paired bootstrap
     bootstrap_seed: int = 0  # the bootstrap's RNG seed (the report is reproducible)
-    # Report names of stapo.study.report.METRICS to report (empty: all of them).
+    # Report names of stapo.study.keys.METRICS to report (empty: all of them).
     metrics: list[str] = field(default_factory=list)
 
 
@@ -149,8 +150,6 @@ def load_study_config(path: str | Path, overrides: list[str] | None = None) -> S
     need(cfg.runner.threads is None or cfg.runner.threads >= 1, "runner.threads", "must be >= 1 or null")
     need(not cfg.final_eval.enabled or cfg.final_eval.config is not None, "final_eval.config",
          "an evaluate.py YAML is needed when final_eval.enabled is true")
-    from stapo.study.report import METRICS  # the report's metric names
-
     unknown = [m for m in r.metrics if m not in METRICS]
     need(not unknown, "report.metrics", f"unknown {unknown}; known: {', '.join(METRICS)}")
     if cfg.base is not None:
