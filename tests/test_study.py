@@ -303,3 +303,13 @@ def test_study_sigkill_mid_grid_then_resume_gives_the_same_report(tmp_path):
     for name in ("stapo_seed0", "grpo_seed1"):  # one metrics row per step, as uninterrupted
         steps = [json.loads(x)["step"] for x in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         assert steps == [1, 2]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "study").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_study_config_loads_and_builds_its_runs(path):
+    """Each configs/study/*.yaml loads under the study schema and every run's train config is built (the check
+    tests/test_config.py leaves to this file)."""
+    cfg = load_study_config(path)
+    specs = run_specs(cfg)
+    # one run per (method, seed): a method's own seeds, else the study's
+    assert len(specs) == sum(len(m.seeds or cfg.seeds) for m in cfg.methods.values())
