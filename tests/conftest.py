@@ -23,3 +23,15 @@ def _throughput_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Runs the tests start (subprocesses included) record their step times in a temporary throughput cache, not
     in the user's ~/.cache/stapo/throughput.json (stapo/estimate.py)."""
     os.environ["STAPO_THROUGHPUT_CACHE"] = str(tmp_path_factory.mktemp("stapo_cache") / "throughput.json")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): tiny
+    models are dominated by per-op overhead, so one thread is as fast and immune to a busy second core."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -32,15 +32,7 @@ FILES = {("aime24", "t1.0_p1.0"): 6, ("aime24", "t0.7_p0.9"): 6, ("math500", "t1
          ("math500", "t0.7_p0.9"): 4}  # lines per JSONL: problems × N
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are dominated by per-op overhead: one thread is as fast and immune to a busy second core."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

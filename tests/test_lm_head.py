@@ -66,15 +66,7 @@ def assert_close(actual, expected, atol, what, rtol=0.0):
     assert worst <= 0.0, f"{what}: max |Δ| = {err.max().item():.3g} exceeds atol {atol} + rtol {rtol}·|ref|"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this file's tiny tensors on one intra-op thread (restored afterwards): at N = 37, V = 1000 each op
-    takes microseconds, and OpenMP's hand-offs between threads dominate — on a shared 2-core box they made a
-    fused forward+backward take 0.3-1 s instead of ~10 ms.  The results do not depend on the thread count."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,7 @@ PROMPTS = [[1, 28120, 905], [5, 6, 7, 8, 9, 10, 11], [42]]
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are dominated by per-op overhead: one thread is as fast, and immune to a busy second core."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
