@@ -175,6 +175,10 @@ class Tracker:
             (``define_metric("*", step_metric=...)``), and W&B's own ``_step`` just counts rows. This lets an
             evaluation run log a checkpoint of training step K at x = K, in any order, next to the training
             curves. ``None``: rows are logged at W&B step ``step`` (steps must then increase).
+        wandb_step: with ``step_metric``, also log each row at W&B's own step ``step`` (steps must then increase).
+            Training runs set it: a resumed offline run writes a new offline folder whose rows must continue the
+            old ones' W&B steps, or ``wandb sync`` would drop them as out of order. Evaluation runs leave it off
+            (a sweep may log a checkpoint below one already logged).
         resume_id: the W&B run id to continue (stored in ``<run_dir>/wandb_run_id``), so a resumed run
             appends to the same W&B run.
 
@@ -200,9 +204,11 @@ class Tracker:
         job_type: str | None = None,
         notes: str | None = None,
         step_metric: str | None = None,
+        wandb_step: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.step_metric = step_metric
+        self.wandb_step = wandb_step
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tables_path = self.run_dir / "tables.jsonl"
@@ -284,9 +290,10 @@ class Tracker:
             self._wandb_log(step, {name: wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
 
     def _wandb_log(self, step: int, row: dict[str, Any]) -> None:
-        """One W&B row at ``step``: under ``step_metric`` (W&B's ``_step`` counts rows), else as W&B's step."""
+        """One W&B row at ``step``: under ``step_metric`` (and as W&B's step with ``wandb_step``; else W&B's
+        ``_step`` counts rows), or as W&B's step."""
         if self.step_metric:
-            self._wandb.log({**row, self.step_metric: step})
+            self._wandb.log({**row, self.step_metric: step}, step=step if self.wandb_step else None)
         else:
             self._wandb.log(row, step=step)
 

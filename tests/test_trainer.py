@@ -125,7 +125,7 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
     original = wandb.Run.log
 
     def spy(self, data, step=None, *args, **kwargs):
-        logged.append(dict(data))
+        logged.append({**data, "<wandb step>": step})
         return original(self, data, step, *args, **kwargs)
 
     monkeypatch.setattr(wandb.Run, "log", spy)
@@ -138,8 +138,10 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
     assert offline[0].name.endswith(f"-{run_id}") and (offline[0] / f"run-{run_id}.wandb").exists()
     row = _rows(run_dir / "metrics.jsonl")[0]
     scalars = [data for data in logged if "actor/entropy" in data]
-    # the step travels as W&B's x axis training/global_step (stapo.provenance.TRAIN_STEP_METRIC)
+    # the step travels as W&B's x axis training/global_step (stapo.provenance.TRAIN_STEP_METRIC) and as W&B's own
+    # step (increasing, so a resumed offline run's rows continue the earlier ones on `wandb sync`)
     assert len(scalars) == 1 and scalars[0].pop("training/global_step") == row["step"] == 1
+    assert scalars[0].pop("<wandb step>") == 1
     data = scalars[0]
     for key in ("critic/score/mean", "actor/entropy", "actor/pg_loss", "actor/s2t/num_masked"):
         assert key in data, key

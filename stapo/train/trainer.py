@@ -481,7 +481,8 @@ class Trainer:
                                                                                     "launch": len(launches)}},
                                    mode=lc.wandb_mode, project=lc.project, entity=lc.entity, name=self.run_name,
                                    fallback=lc.wandb_fallback, group=lc.group, tags=lc.tags, job_type=lc.job_type,
-                                   notes=lc.notes, step_metric=TRAIN_STEP_METRIC)
+                                   notes=lc.notes, step_metric=TRAIN_STEP_METRIC,
+                                   wandb_step=True)  # monotonic: a resumed offline run continues the steps
             self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
             self._drop_stale_validation()
             drop_rollouts_after(self.run_dir, self.step)  # rollouts files of steps a resume redoes (or never reaches)
