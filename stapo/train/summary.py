@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["Change", "REPORT_KEYS", "TRAINING_KEY", "training_rows", "window_size", "start_end", "step_span", "masked_fraction_key", "markdown_report",
-           "end_of_run_text", "end_of_run_summary"]
+__all__ = ["Change", "REPORT_KEYS", "TRAINING_KEY", "training_rows", "window_size", "start_end", "step_span",
+           "masked_fraction_key", "markdown_report", "end_of_run_text", "end_of_run_summary"]
 
 #: (metric key, label, format) of the Markdown report, in order (docs/metrics.md names the keys).
 REPORT_KEYS: list[tuple[str, str, str]] = [
