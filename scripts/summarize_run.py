@@ -3,7 +3,9 @@
 
     python scripts/summarize_run.py runs/stapo_embedded-smollm2_seed0 [--window 5] [--wall-s 1234] [--out F.md]
 
-"Start" and "end" are means over the first and last ``--window`` steps (one step of 32 responses is noisy).
+"Start" and "end" are means over the first and last ``--window`` training steps (one step of 32 responses is noisy),
+labelled by their ``step`` values; a row without training metrics (the step-0 validation of
+``trainer.val_before_train``) is named but not counted as a step.
 Runs logged before the one metric vocabulary (``s2t/*`` keys...) are read through
 :func:`stapo.metric_names.rename_legacy` (docs/metrics.md#one-vocabulary-native-trainer-and-verl-plugin).
 ``--wall-s``: the measured wall time of the whole command (e.g. from ``/usr/bin/time``), reported as given;

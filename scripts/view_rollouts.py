@@ -9,6 +9,7 @@ defaults to the last saved step, ``--out`` to ``<run>/rollouts/step_XXXXXX.html`
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,10 +19,21 @@ from stapo.cli import ArgumentParser  # noqa: E402
 from stapo.viewer import ViewerError, write_page  # noqa: E402
 
 
+def _step(text: str) -> int:
+    """``--step``: a training step, an integer >= 1 (argparse turns the error into one usage line, exit 2)."""
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if step < 1:
+        raise argparse.ArgumentTypeError(f"step must be >= 1, got {step}")
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="view_rollouts.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a train.py run directory")
-    ap.add_argument("--step", type=int, default=None, help="training step (default: the last saved one)")
+    ap.add_argument("--step", type=_step, default=None, help="training step (default: the last saved one)")
     ap.add_argument("--out", default=None, help="HTML file to write (default: <run>/rollouts/step_XXXXXX.html)")
     args = ap.parse_args(argv)
     try:

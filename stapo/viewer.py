@@ -17,7 +17,9 @@ It reads the step's rollouts file (``<run_dir>/rollouts/step_XXXXXX.jsonl.gz``, 
   ``pos``, ``cand``).
 
 Every token, prompt and answer is HTML-escaped (tokens hold ``<``, ``&``, quotes and newlines; a newline token is
-shown with a ``↵`` before its line break).
+shown with a ``↵`` before its line break). Control characters other than newline and tab (a token may decode to
+``\\x00``) are never written raw: C0 and DEL are shown as their Unicode control pictures (``␀``, ``␛``, ``␡``), C1
+as ``\\x85``, each in a ``<span class="ctl">`` (boxed, its code point on hover).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import html
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,6 +44,31 @@ _NEEDED = ("prompt_index", "sample", "reward", "advantage", "tokens", "token_ids
 
 class ViewerError(ValueError):
     """The viewer cannot build a page (no rollouts, a missing step, an unreadable file or config): one line."""
+
+
+# control characters HTML must not carry raw: C0 except tab and newline, DEL, C1
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _control_text(ch: str) -> str:
+    """A visible stand-in for a control character: its Unicode control picture (U+2400 + code for C0, U+2421 for
+    DEL), ``\\xNN`` for C1."""
+    code = ord(ch)
+    if code < 0x20:
+        return chr(0x2400 + code)
+    return "\u2421" if code == 0x7F else f"\\x{code:02x}"
+
+
+def _esc(text: str) -> str:
+    """``text`` HTML-escaped (quotes too), with every control character but tab and newline replaced by a
+    ``<span class="ctl" title="U+XXXX">`` holding its visible stand-in (:func:`_control_text`)."""
+    return _CONTROL.sub(lambda m: f'<span class="ctl" title="U+{ord(m.group()):04X}">{_control_text(m.group())}'
+                                  f'</span>', html.escape(text))
+
+
+def _esc_attr(text: str) -> str:
+    """``text`` escaped for an attribute or the ``<title>``: control characters as their stand-ins, no markup."""
+    return html.escape(_CONTROL.sub(lambda m: _control_text(m.group()), text))
 
 
 def _lerp(stops: Sequence[tuple[float, tuple[int, int, int]]], t: float) -> str:
@@ -92,6 +120,8 @@ def load_step(run_dir: str | os.PathLike, step: int | None = None) -> tuple[int,
         raise ViewerError(f"{run_dir / ROLLOUTS_DIR} holds no rollouts files: train with trainer.save_rollouts=true")
     if step is None:
         step = steps[-1]
+    if step < 1:
+        raise ViewerError(f"step must be >= 1, got {step}")
     if step not in steps:
         shown = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
         raise ViewerError(f"{rollouts_path(run_dir, step)} not found; saved steps: {shown}")
@@ -150,8 +180,8 @@ def render_page(records: Sequence[dict[str, Any]], *, prob_threshold: float, tit
             head += f" · {first['prompt_id']}"
         if first.get("gold") is not None:
             head += f" · gold answer: {first['gold']}"
-        body.append(f'<section class="group"><h2>{html.escape(head)}</h2>'
-                    f'<details><summary>prompt</summary><pre class="prompt">{html.escape(first.get("prompt") or "")}'
+        body.append(f'<section class="group"><h2>{_esc(head)}</h2>'
+                    f'<details><summary>prompt</summary><pre class="prompt">{_esc(first.get("prompt") or "")}'
                     f'</pre></details>')
         for rec in recs:
             adv = rec["advantage"] if rec["advantage"] is not None else 0.0
@@ -173,7 +203,7 @@ def render_page(records: Sequence[dict[str, Any]], *, prob_threshold: float, tit
                 tip = (f"p = {_fmt(None if lp is None else math.exp(lp), '.4g')} (log p = {_fmt(lp, '.3f')})\n"
                        f"H = {_fmt(h, '.3f')} nats\ntoken id {tid}" + ("\nsilenced" if sil else "")
                        + ("\nS2T candidate (Â > 0, p < τ_p)" if cand else ""))
-                spans.append(f'<span class="{" ".join(classes)}" title="{html.escape(tip)}">{html.escape(tok)}</span>')
+                spans.append(f'<span class="{" ".join(classes)}" title="{html.escape(tip)}">{_esc(tok)}</span>')
             n_cand += cand_here
             n_sil_here = sum(rec["silenced"])
             meta = [f"sample {rec['sample']}", f"reward {_fmt(rec['reward'], '+.3g')}",
@@ -184,10 +214,10 @@ def render_page(records: Sequence[dict[str, Any]], *, prob_threshold: float, tit
             if rec.get("finish_reason"):
                 meta.append(f"finish: {rec['finish_reason']}")
             answer = rec.get("extracted_answer")
-            answer_html = "none" if answer is None else f"<code>{html.escape(str(answer))}</code>"
+            answer_html = "none" if answer is None else f"<code>{_esc(str(answer))}</code>"
             cls = "resp pos" if adv > 0 else ("resp neg" if adv < 0 else "resp zero")
             body.append(f'<article class="{cls}" data-adv="{adv:.6g}" data-cand="{cand_here}" '
-                        f'data-silenced="{n_sil_here}"><div class="meta">{html.escape(" · ".join(meta))} · '
+                        f'data-silenced="{n_sil_here}"><div class="meta">{_esc(" · ".join(meta))} · '
                         f'extracted answer: {answer_html}</div>'
                         f'<div class="toks">{"".join(spans)}</div></article>')
         body.append("</section>")
@@ -200,9 +230,9 @@ def render_page(records: Sequence[dict[str, Any]], *, prob_threshold: float, tit
     h_legend = "".join(f'<span class="sw lh{i}"></span>' for i in range(COLOUR_BINS))
     summary = (f"{len(records)} responses · {len(groups)} prompts · {n_tok} tokens · {n_sil} silenced · "
                f"{n_cand} S2T candidates (Â > 0, p < τ_p = {prob_threshold:g})")
-    esc = html.escape
+    esc = _esc
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>{_esc_attr(title)}</title>
 <style>
 body{{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;background:#f6f6f6;color:#111}}
 header{{position:sticky;top:0;z-index:2;background:#fff;border-bottom:1px solid #ccc;padding:8px 16px}}
@@ -223,6 +253,7 @@ white-space:pre-wrap;word-break:break-word}}
 .tok.silenced,.key-sil{{outline:2px solid #000;outline-offset:-1px;text-decoration:line-through 2px;font-weight:bold;
 margin:0 2px}}
 .mark-cand .tok.cand,.key-cand{{box-shadow:inset 0 -3px 0 #7b3294}}
+.ctl{{outline:1px dashed #888;color:#555;padding:0 1px}}
 .tok.nl::before{{content:"\\21b5";color:#888}} .tok.empty::before{{content:"\\2205";color:#888}}
 .key{{padding:0 4px;font-family:ui-monospace,"DejaVu Sans Mono",monospace}}
 {p_css}

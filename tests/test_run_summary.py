@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stapo.train.summary import (end_of_run_text, markdown_report, masked_fraction_key, start_end, window_size)
+from stapo.train.summary import (end_of_run_text, markdown_report, masked_fraction_key, start_end, training_rows,
+                                 window_size)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +65,7 @@ def test_end_of_run_text_lists_changes_files_and_next_commands(tmp_path):
                            eval_config="configs/eval/cpu_smollm2.yaml")
     lines = text.splitlines()
     # the sum of step times: 10 + 12 + 11 + 9 + 9 + 8 = 59 s = 1.0 min
-    assert lines[0] == "finished: steps 1–6, 1.0 min of step time; start → end (means of the first / last 3 steps):"
+    assert lines[0] == "finished: steps 1–6, 1.0 min of step time; start → end (means of steps 1–3 / steps 4–6):"
     assert any("(critic/score/mean)" in line and line.endswith("-0.500 → +0.500") for line in lines)
     assert any("(actor/s2t/masked_frac)" in line and line.endswith("0.0200 → 0.0030") for line in lines)
     assert any("(timing_s/step)" in line and line.endswith("11.0 → 8.7") for line in lines)
@@ -80,7 +81,7 @@ def test_end_of_run_text_lists_changes_files_and_next_commands(tmp_path):
 def test_end_of_run_text_without_wandb_or_checkpoints(tmp_path):
     text = end_of_run_text(ROWS[:1], tmp_path / "r", wandb_mode="disabled")
     assert "W&B " not in text and "wandb sync" not in text and "(none)" in text
-    assert "means of the first / last 1 step)" in text  # one step: start = end = it
+    assert text.splitlines()[0].endswith("(means of step 1 / step 1):")  # one step: start = end = it
 
 
 def test_markdown_report_table_by_hand():
@@ -91,14 +92,67 @@ def test_markdown_report_table_by_hand():
     assert "| 3 | +0.000 | n/a | 0.0300 | n/a | n/a | 11.0 |" in text  # null entropy, missing keys: n/a
 
 
+# trainer.val_before_train: a step-0 row with validation keys only, then training steps 1–4
+VAL_ROWS = [
+    {"step": 0, "val-core/math500/acc/mean@4": 0.25, "val-aux/response_length/mean": 40.0},
+    {"step": 1, "critic/score/mean": -1.0, "actor/entropy": 2.0, "actor/s2t/masked_frac": 0.01, "timing_s/step": 10.0},
+    {"step": 2, "critic/score/mean": -0.5, "actor/entropy": 1.6, "actor/s2t/masked_frac": 0.03, "timing_s/step": 12.0},
+    {"step": 3, "critic/score/mean": 0.0, "actor/entropy": 1.2, "actor/s2t/masked_frac": 0.02, "timing_s/step": 8.0},
+    {"step": 4, "critic/score/mean": 0.5, "actor/entropy": 1.0, "actor/s2t/masked_frac": 0.0, "timing_s/step": 6.0,
+     "val-core/math500/acc/mean@4": 0.5},
+]
+
+
+def test_step_zero_validation_row_is_not_a_training_step(tmp_path):
+    """4 training rows → window min(5, 4 // 2) = 2: start = steps 1–2, end = steps 3–4 (by their `step` values; the
+    step-0 row, which holds no critic/score/mean, is neither counted nor averaged)."""
+    assert [r["step"] for r in training_rows(VAL_ROWS)] == [1, 2, 3, 4]
+    assert masked_fraction_key(VAL_ROWS) == "actor/s2t/masked_frac"  # read from step 1, not the validation row
+    w, changes = start_end(VAL_ROWS, ["critic/score/mean", "actor/entropy", "actor/s2t/masked_frac",
+                                      "timing_s/step"], window=5)
+    assert w == 2
+    by_key = {c.key: c for c in changes}
+    # reward: start (-1.0 - 0.5) / 2 = -0.75; end (0.0 + 0.5) / 2 = +0.25
+    assert (by_key["critic/score/mean"].start, by_key["critic/score/mean"].end) == (pytest.approx(-0.75),
+                                                                                      pytest.approx(0.25))
+    # entropy: (2.0 + 1.6) / 2 = 1.8 → (1.2 + 1.0) / 2 = 1.1; masked: (0.01 + 0.03) / 2 = 0.02 → (0.02 + 0) / 2 = 0.01
+    assert by_key["actor/entropy"].text() == "1.800 → 1.100"
+    assert by_key["actor/s2t/masked_frac"].text() == "0.0200 → 0.0100"
+    # s / step: (10 + 12) / 2 = 11.0 → (8 + 6) / 2 = 7.0 (the step-0 row has no step time: not "n/a → ...")
+    assert by_key["timing_s/step"].text() == "11.0 → 7.0"
+    lines = end_of_run_text(VAL_ROWS, tmp_path / "r").splitlines()
+    # step time 10 + 12 + 8 + 6 = 36 s = 0.6 min
+    assert lines[0] == "finished: steps 1–4, 0.6 min of step time; start → end (means of steps 1–2 / steps 3–4):"
+    assert any("(critic/score/mean)" in line and line.endswith("-0.750 → +0.250") for line in lines)
+    assert any("(actor/s2t/masked_frac)" in line and line.endswith("0.0200 → 0.0100") for line in lines)
+    text = markdown_report(VAL_ROWS, "r", "python scripts/summarize_run.py r")
+    assert ("- Steps: 4 (start = mean of steps 1–2, end = mean of steps 3–4); 1 row without training metrics "
+            "(validation only: step 0) not counted") in text
+    assert "- Sum of step times: 0.6 min" in text
+    assert "| reward (mean, ±1) (`critic/score/mean`) | -0.750 | +0.250 |" in text
+    assert "| 1 | -1.000 | 2.000 | 0.0100 | n/a | n/a | 10.0 |" in text
+    assert "\n| 0 |" not in text  # no per-step line for the validation-only row
+
+
+def test_a_run_with_only_the_validation_row(tmp_path):
+    assert start_end(VAL_ROWS[:1], ["critic/score/mean"]) == (1, [])
+    assert end_of_run_text(VAL_ROWS[:1], tmp_path / "r").splitlines()[0] == "finished: no training step was logged"
+    assert "- Steps: 0 (no training step was logged); 1 row without training metrics" in markdown_report(
+        VAL_ROWS[:1], "r", "s")
+
+
 def test_summarize_run_script_reads_a_torn_file(tmp_path):
     import json
 
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS) + '{"step": 7, "crit')
+    # a step-0 validation row, the six steps of ROWS, a torn last line
+    rows = [VAL_ROWS[0]] + ROWS
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "crit')
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_run.py"), str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "- Steps: 6 (start" in out.stdout  # the torn last line is left out
+    # the torn last line is left out; the step-0 row is not a training step
+    assert ("- Steps: 6 (start = mean of steps 1–3, end = mean of steps 4–6); 1 row without training metrics "
+            "(validation only: step 0) not counted") in out.stdout
 
 
 # --- the console ---------------------------------------------------------------------------------------------
@@ -133,6 +187,29 @@ def test_rotary_reload_warning_is_dropped_unless_verbose():
         console.set_verbose(False)
         logger.filters.clear()
         logger.removeHandler(handler)
+
+
+def test_validation_notes_skipped_long_prompts_in_one_plain_line(shared_data_root, capsys):
+    """Validation prompts longer than data.max_prompt_length: one line on stderr, no Python warning (with its source
+    line). The first 2 MATH500 problems in a plain prompt are longer than 4 tokens: both are skipped."""
+    import warnings
+    from types import SimpleNamespace
+
+    from stapo.evaluation import make_validation_hook
+    from stapo.models import load_tokenizer
+
+    hook = make_validation_hook(benchmarks=["math500"], limit=2, samples=1, data_root=str(shared_data_root))
+    trainer = SimpleNamespace(tokenizer=load_tokenizer("embedded:smollm2"), cfg=SimpleNamespace(data=SimpleNamespace(
+        prompt_style="plain", system_prompt=None, max_prompt_length=4, root=str(shared_data_root))))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning would raise here
+            problems = hook._load(trainer)
+    finally:
+        hook.close()
+    assert problems["math500"] == []
+    err = capsys.readouterr().err
+    assert err == "validation: 2 math500 prompt(s) longer than data.max_prompt_length=4 tokens are skipped\n"
 
 
 def test_update_bar_shows_the_logged_mini_batch_loss_and_rollout_counts_responses(tmp_path):

@@ -23,6 +23,7 @@ class _Page(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.responses, self.tokens, self.external = [], [], []
         self._tok = None
+        self._inner = 0  # spans open inside the current token (class "ctl": a control character's stand-in)
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
@@ -30,15 +31,20 @@ class _Page(HTMLParser):
             self.external.append((tag, a))
         if tag == "article" and "resp" in a.get("class", "").split():
             self.responses.append({**a, "tokens": []})
-        if tag == "span" and "tok" in a.get("class", "").split():
-            self._tok = {"classes": set(a["class"].split()), "title": a.get("title", ""), "text": ""}
+        if tag == "span" and self._tok is not None:
+            self._inner += 1
+            self._tok["inner"].append(a)
+        elif tag == "span" and "tok" in a.get("class", "").split():
+            self._tok = {"classes": set(a["class"].split()), "title": a.get("title", ""), "text": "", "inner": []}
 
     def handle_data(self, data):
         if self._tok is not None:
             self._tok["text"] += data
 
     def handle_endtag(self, tag):
-        if tag == "span" and self._tok is not None:
+        if tag == "span" and self._inner:
+            self._inner -= 1
+        elif tag == "span" and self._tok is not None:
             self.tokens.append(self._tok)
             self.responses[-1]["tokens"].append(self._tok)
             self._tok = None
@@ -104,6 +110,27 @@ def test_every_token_is_escaped_and_reads_back_unchanged():
     assert "p = n/a" in page.responses[1]["tokens"][1]["title"]
 
 
+def test_control_characters_are_shown_not_written_raw():
+    """A token may decode to a NUL or another control character: none reaches the HTML raw (a browser drops or
+    mangles them, a NUL breaks text tools); each is a visible stand-in in a ``ctl`` span; tab and newline stay."""
+    import re
+
+    rec = {**RECORDS[2], "prompt": "nul\x00here", "extracted_answer": "2\x00",
+           "tokens": ["a\x00b", "\x1b[31m", "\r", "\t", "\x7f", "\x85", "\n"], "token_ids": list(range(7)),
+           "logprobs": [0.0] * 7, "entropy": [0.0] * 7, "silenced": [0] * 7}
+    html_text = render_page([rec], prob_threshold=TAU_P, title="run \x00: step 3")
+    assert re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", html_text) is None  # no raw control character anywhere
+    page = _parse(html_text)
+    # U+2400 + code: NUL → ␀ (U+2400), ESC (0x1b) → ␛ (U+241B), CR (0x0d) → ␍ (U+240D); DEL → ␡; C1 0x85 → \x85
+    assert [t["text"] for t in page.tokens] == ["a\u2400b", "\u241b[31m", "\u240d", "\t", "\u2421", "\\x85", "\n"]
+    assert [[a["title"] for a in t["inner"]] for t in page.tokens] == [
+        ["U+0000"], ["U+001B"], ["U+000D"], [], ["U+007F"], ["U+0085"], []]
+    assert all(a["class"] == "ctl" for t in page.tokens for a in t["inner"])
+    assert 'nul<span class="ctl" title="U+0000">\u2400</span>here' in html_text  # the prompt
+    assert 'extracted answer: <code>2<span class="ctl" title="U+0000">\u2400</span></code>' in html_text
+    assert "<title>run \u2400: step 3</title>" in html_text  # no markup inside <title>
+
+
 def test_render_page_refuses_a_bad_threshold():
     with pytest.raises(ValueError, match="prob_threshold"):
         render_page(RECORDS, prob_threshold=0.0, title="t")
@@ -135,6 +162,12 @@ def test_script_writes_the_page_and_reports_errors_in_one_line(tmp_path):
     bad = subprocess.run(script + [str(run), "--step", "4"], capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "saved steps: 3" in bad.stderr
+    for step in ("-1", "0"):  # not a training step: a usage error, before any file is read
+        neg = subprocess.run(script + [str(run), "--step", step], capture_output=True, text=True)
+        assert neg.returncode == 2
+        assert neg.stderr == f"view_rollouts.py: error: argument --step: step must be >= 1, got {step} (see --help)\n"
+    with pytest.raises(ViewerError, match="step must be >= 1, got -1"):
+        write_page(run, step=-1)
     with pytest.raises(ViewerError, match="config.json not found"):
         write_page(tmp_path)  # not a run directory
     (tmp_path / "config.json").write_text("{}")

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from tqdm import tqdm
 
 from stapo.evaluation.config import PAPER_SETTINGS, DecodingSetting, canonical_benchmark
 from stapo.evaluation.errors import EvalError
@@ -119,8 +121,9 @@ class ValidationHook:
             self._dropped = encode_problems(problems, trainer.tokenizer, prompt, dc.max_prompt_length)
             for bench, n in self._dropped.items():
                 if n:
-                    warnings.warn(f"validation: {n} {bench} prompt(s) longer than data.max_prompt_length="
-                                  f"{dc.max_prompt_length} tokens are skipped", stacklevel=2)
+                    # one plain line on stderr (tqdm.write: above a live progress bar), like the trainer's notices
+                    tqdm.write(f"validation: {n} {bench} prompt(s) longer than data.max_prompt_length="
+                               f"{dc.max_prompt_length} tokens are skipped", file=sys.stderr)
             self._problems = problems
         return self._problems
 

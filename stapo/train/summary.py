@@ -1,10 +1,14 @@
 """A finished run in a few lines: start → end of its main metrics, where its files are, and what to run next.
 
 Shared by ``train.py`` (the end-of-run summary it prints) and ``scripts/summarize_run.py`` (the Markdown report).
-"Start" and "end" are the means of a metric over the first and the last ``window`` steps of ``metrics.jsonl`` (one
-step of a few dozen responses is noisy); ``window`` is capped at half the number of steps so the two never overlap
-(one step: start = end = that step). Missing values (a key absent from a row, or ``null``: a non-finite value) are
-left out of the means.
+"Start" and "end" are the means of a metric over the first and the last ``window`` training steps of
+``metrics.jsonl`` (one step of a few dozen responses is noisy); ``window`` is capped at half the number of training
+steps so the two never overlap (one step: start = end = that step). Missing values (a key absent from a row, or
+``null``: a non-finite value) are left out of the means.
+
+A training step is a row holding :data:`TRAINING_KEY` (``critic/score/mean``); other rows, such as the step-0
+validation-only row of ``trainer.val_before_train``, are not counted as steps, and the windows are labelled by the
+rows' own ``step`` values.
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["Change", "REPORT_KEYS", "window_size", "start_end", "masked_fraction_key", "markdown_report",
-           "end_of_run_text", "end_of_run_summary"]
+__all__ = ["Change", "REPORT_KEYS", "TRAINING_KEY", "training_rows", "window_size", "start_end", "step_span",
+           "masked_fraction_key", "markdown_report", "end_of_run_text", "end_of_run_summary"]
 
 #: (metric key, label, format) of the Markdown report, in order (docs/metrics.md names the keys).
 REPORT_KEYS: list[tuple[str, str, str]] = [
@@ -37,6 +41,23 @@ REPORT_KEYS: list[tuple[str, str, str]] = [
     ("timing_s/sync", "sync s", "{:.2f}"),
 ]
 _FORMATS = {key: (label, fmt) for key, label, fmt in REPORT_KEYS}
+
+#: The key every training step's row holds (the rollout's mean reward); a row without it (the step-0 validation of
+#: ``trainer.val_before_train``) is not a training step.
+TRAINING_KEY = "critic/score/mean"
+
+
+def training_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of training steps (those holding :data:`TRAINING_KEY`), in file order."""
+    return [r for r in rows if TRAINING_KEY in r]
+
+
+def step_span(rows: Sequence[dict[str, Any]]) -> str:
+    """``"steps a–b"`` from the first and last rows' ``step`` values (``"step a"`` for one row; ``""`` for none)."""
+    if not rows:
+        return ""
+    a, b = rows[0]["step"], rows[-1]["step"]
+    return f"step {a}" if a == b else f"steps {a}–{b}"
 
 
 @dataclass(frozen=True)
@@ -71,25 +92,30 @@ def _mean(rows: Sequence[dict[str, Any]], key: str) -> float:
 
 def masked_fraction_key(rows: Sequence[dict[str, Any]]) -> str | None:
     """The run's masked-fraction metric: ``actor/s2t/masked_frac`` (STAPO), else the first
-    ``actor/<mask>/masked_frac`` of the first row (the S2T ablations' masks), else None (GRPO, JustRL, 20-Entropy
-    mask no token). Keys as in docs/metrics.md (:mod:`stapo.metric_names`)."""
-    if not rows:
-        return None
-    keys = [k for k in rows[0] if k.startswith("actor/") and k.endswith("/masked_frac") and k.count("/") == 2]
-    return "actor/s2t/masked_frac" if "actor/s2t/masked_frac" in keys else (keys[0] if keys else None)
+    ``actor/<mask>/masked_frac`` of the first row that has one (the S2T ablations' masks; not the step-0
+    validation-only row), else None (GRPO, JustRL, 20-Entropy mask no token). Keys as in docs/metrics.md
+    (:mod:`stapo.metric_names`)."""
+    for row in rows:
+        keys = [k for k in row if k.startswith("actor/") and k.endswith("/masked_frac") and k.count("/") == 2]
+        if keys:
+            return "actor/s2t/masked_frac" if "actor/s2t/masked_frac" in keys else keys[0]
+    return None
 
 
 def start_end(rows: Sequence[dict[str, Any]], keys: Sequence[str], window: int = 5) -> tuple[int, list[Change]]:
-    """Start and end means of ``keys`` over the first / last :func:`window_size` rows (file order).
+    """Start and end means of ``keys`` over the first / last :func:`window_size` training rows (file order).
 
     Args:
-        rows: ``metrics.jsonl`` rows (dicts with ``step`` and metric keys), in step order.
+        rows: ``metrics.jsonl`` rows (dicts with ``step`` and metric keys), in step order; rows that are not training
+            steps (:func:`training_rows`) are left out before the windows are taken.
         keys: metric keys; those that no row of either window holds are left out of the result.
         window: steps averaged at each end (capped, :func:`window_size`).
 
     Returns:
-        ``(w, changes)``: the window used and one :class:`Change` per key kept, in ``keys``' order.
+        ``(w, changes)``: the window used and one :class:`Change` per key kept, in ``keys``' order (no change when
+        there is no training row).
     """
+    rows = training_rows(rows)
     w = window_size(len(rows), window)
     first, last = rows[:w], rows[-w:]
     out = []
@@ -103,15 +129,22 @@ def start_end(rows: Sequence[dict[str, Any]], keys: Sequence[str], window: int =
 
 def markdown_report(rows: Sequence[dict[str, Any]], run_name: str, summary_command: str, window: int = 5,
                     wall_s: float | None = None, command: str | None = None) -> str:
-    """The Markdown report of ``scripts/summarize_run.py``: the command lines, the step count and windows, the sum of
-    step times, a start/end table of :data:`REPORT_KEYS` and one line per step."""
+    """The Markdown report of ``scripts/summarize_run.py``: the command lines, the training-step count and windows
+    (labelled by the rows' ``step`` values), the sum of step times, a start/end table of :data:`REPORT_KEYS` and one
+    line per training step. Rows that are not training steps (:func:`training_rows`: the step-0 validation of
+    ``trainer.val_before_train``) are named, not counted."""
     w, changes = start_end(rows, [k for k, _, _ in REPORT_KEYS], window)
+    other = [r for r in rows if TRAINING_KEY not in r]
+    rows = training_rows(rows)
     lines = [f"# Run summary: {run_name}", ""]
     if command:
         lines += [f"- Command: `{command}`"]
-    lines += [f"- Summary: `{summary_command}`",
-              f"- Steps: {len(rows)} (start = mean of steps 1–{w}, end = mean of steps "
-              f"{len(rows) - w + 1}–{len(rows)})",
+    steps = (f"- Steps: {len(rows)} (start = mean of {step_span(rows[:w])}, end = mean of {step_span(rows[-w:])})"
+             if rows else "- Steps: 0 (no training step was logged)")
+    if other:
+        steps += (f"; {len(other)} row{'s' if len(other) > 1 else ''} without training metrics (validation only: "
+                  f"step{'s' if len(other) > 1 else ''} {', '.join(str(r['step']) for r in other)}) not counted")
+    lines += [f"- Summary: `{summary_command}`", steps,
               f"- Sum of step times: {sum(r.get('timing_s/step') or 0.0 for r in rows) / 60:.1f} min"
               + (f"; wall time of the whole command: {wall_s / 60:.1f} min" if wall_s else ""), "",
               "| metric | start | end |", "|---|---|---|"]
@@ -144,7 +177,8 @@ def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, 
     """train.py's end-of-run summary (plain text, a dozen lines).
 
     Args:
-        rows: the run's ``metrics.jsonl`` rows (every launch's), in step order.
+        rows: the run's ``metrics.jsonl`` rows (every launch's), in step order; only training rows
+            (:func:`training_rows`) are counted as steps.
         run_dir: the run directory.
         window: steps averaged at each end (:func:`window_size`).
         checkpoint: the latest complete checkpoint folder, or None.
@@ -161,16 +195,16 @@ def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, 
     keys += [mask_key] if mask_key else []
     keys += ["timing_s/step"]
     lines = []
-    if rows:
-        w, changes = start_end(rows, keys, window)
-        first, last = rows[0]["step"], rows[-1]["step"]
-        total_s = sum(r.get("timing_s/step") or 0.0 for r in rows)
-        lines.append(f"finished: steps {first}–{last}, {total_s / 60:.1f} min of step time; start → end "
-                     f"(means of the first / last {w} step{'s' if w > 1 else ''}):")
+    train = training_rows(rows)  # not the step-0 validation-only row of trainer.val_before_train
+    if train:
+        w, changes = start_end(train, keys, window)
+        total_s = sum(r.get("timing_s/step") or 0.0 for r in train)
+        lines.append(f"finished: {step_span(train)}, {total_s / 60:.1f} min of step time; start → end "
+                     f"(means of {step_span(train[:w])} / {step_span(train[-w:])}):")
         width = max(len(f"{c.label} ({c.key})") for c in changes) if changes else 0
         lines += [f"  {f'{c.label} ({c.key})':<{width}}  {c.text()}" for c in changes]
     else:
-        lines.append("finished: no step was logged")
+        lines.append("finished: no training step was logged")
     lines.append("files:")
     lines.append(f"  metrics      {run}/metrics.jsonl")
     lines.append(f"  checkpoints  {run}/checkpoints" + (f" (latest: {Path(checkpoint).name})" if checkpoint else
