@@ -282,9 +282,15 @@ class TrainConfig:
 
 # --- loading ------------------------------------------------------------------------------------------
 def _valid_keys(schema: DictConfig, dotted_parent: str) -> list[str]:
+    """The keys of the schema node ``dotted_parent``. An entry of a ``dict[str, <dataclass>]`` (the study's
+    ``methods.<name>``) has the keys of that dataclass."""
     node: Any = schema
     for part in [p for p in dotted_parent.split(".") if p]:
-        node = node[part]
+        element = getattr(node._metadata, "element_type", None) if isinstance(node, DictConfig) else None
+        if isinstance(node, DictConfig) and part not in node and dataclasses.is_dataclass(element):
+            node = OmegaConf.structured(element)  # a user-named entry: its schema is the element type's
+        else:
+            node = node[part]
     return list(node.keys()) if isinstance(node, DictConfig) else []
 
 

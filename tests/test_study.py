@@ -67,6 +67,16 @@ def test_config_method_seeds(tmp_path):
     ("report.metrics=[rewards]", "report.metrics"),
     ("sedes=[1]", "unknown config key 'sedes'; did you mean 'seeds'"),
     ("methods.grpo.overrides=[algorithm.objective=grpoo]", "run grpo_seed0: invalid value for 'algorithm.objective'"),
+    # defect #11: a method's keys are listed, with the closest one
+    ("methods.stapo.overides=[x=1]", r"unknown config key 'methods.stapo.overides'; did you mean "
+                                      r"'methods.stapo.overrides'\? \(valid keys under 'methods.stapo': config, "
+                                      r"overrides, seeds\)"),
+    # defect #13e: keys the runner sets itself are refused, in the study's and a method's overrides
+    ("overrides=[trainer.seed=5]", "invalid value for 'overrides': 'trainer.seed=5': the runner sets"),
+    ("methods.grpo.overrides=[trainer.run_name=x]", "invalid value for 'methods.grpo.overrides': "
+                                                     "'trainer.run_name=x'"),
+    ("overrides=[+trainer.output_dir=/tmp/x]", "invalid value for 'overrides'"),
+    ("methods.stapo.overrides=[logging.group=g]", "invalid value for 'methods.stapo.overrides'"),
 ])
 def test_config_errors_are_one_line(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -92,9 +102,20 @@ def test_run_status_from_run_folders(tmp_path):
     assert "grpo_seed0   resume   resume from the checkpoint of step 1/2" in plan
     assert "stapo_seed1  restart" in plan and "grpo_seed1   new" in plan
     assert plan.count("$ ") == 3  # a command for each run that is not skipped
-    # a metrics file that does not reach total_steps keeps the run unfinished, even with the last checkpoint
+    # defect #3: the final checkpoint exists, the last row is torn (lost): finished, and the line names the lost
+    # row (resuming would find nothing to train, forever); no command, the report names the run
     _write_run(by["grpo_seed1"].run_dir, [{"step": 1}], [2])
-    assert run_status(by["grpo_seed1"]).action == "resume"
+    with (by["grpo_seed1"].run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "critic/sc')  # a torn last line of 22 bytes
+    st = run_status(by["grpo_seed1"])
+    assert (st.action, st.checkpoint_step, st.logged_step) == ("skip", 2, 1)
+    assert "the metrics row of step 2 is lost" in st.reason and "torn line of 22 bytes" in st.reason
+    assert describe_plan(cfg, specs).count("$ ") == 2
+    said: list[str] = []
+    write_report(cfg, specs, say=said.append)
+    md = (Path(cfg.output_dir) / "report.md").read_text()
+    assert "lacks the rows of the last steps" in md and "grpo_seed1 (rows to step 1 of 2)" in md
+    assert "Not finished (reported as far as they got): stapo_seed1." in md
 
 
 FAKE_TRAIN = r"""
@@ -254,6 +275,224 @@ def test_cli_dry_run_and_bad_config(tmp_path, capsys):
     assert main(["--config", str(TINY), "reference=nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("stapo.study: ") and err.count("\n") == 1
+
+
+def test_final_eval_config_is_checked_at_load(tmp_path):
+    """Defect #5: the final evaluation's config and overrides are loaded when the study loads (one line naming the
+    study file and the key), not after the grid has trained."""
+    on = ["final_eval.enabled=true"]
+    with pytest.raises(ConfigError, match=r"tiny_test.yaml: invalid value for 'final_eval.config': .*nothere.yaml "
+                                          r"is not a file") as e:
+        _study(tmp_path, *on, "final_eval.config=nothere.yaml")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"tiny_test.yaml: final_eval .*unknown config key 'data.limt'; did you "
+                                          r"mean 'data.limit'"):
+        _study(tmp_path, *on, "final_eval.config=../eval/tiny_test.yaml", "final_eval.overrides=[data.limt=1]")
+    with pytest.raises(ConfigError, match=r"final_eval .*invalid value for 'generation.max_new_tokens'"):
+        _study(tmp_path, *on, "final_eval.config=../eval/tiny_test.yaml",
+               "final_eval.overrides=[generation.max_new_tokens=0]")
+    with pytest.raises(ConfigError, match=r"invalid value for 'final_eval.overrides': 'output.dir=/tmp/x'"):
+        _study(tmp_path, *on, "final_eval.config=../eval/tiny_test.yaml", "final_eval.overrides=[output.dir=/tmp/x]")
+    _study(tmp_path, *on, "final_eval.config=../eval/tiny_test.yaml")  # the shipped one loads
+
+
+def _damage_line(path: Path, lineno: int) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    lines[lineno - 1] = lines[lineno - 1][:12] + "\n"  # a complete line that is not a row
+    path.write_text("".join(lines))
+
+
+def test_report_stops_on_a_damaged_middle_line(tmp_path, capsys):
+    """Defect #1: a damaged line that is not the last one stops the report (and --report-only, exit 2) with the
+    one line naming file and line; the run is never dropped silently, and no report is written."""
+    from stapo.study.__main__ import main
+    from stapo.tracking import CorruptJsonlError
+
+    cfg, specs = _study(tmp_path)
+    for s in specs:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])
+    bad = specs[2].run_dir / "metrics.jsonl"
+    _damage_line(bad, 1)
+    with pytest.raises(CorruptJsonlError, match=rf"{bad}: line 1 is not a valid row"):
+        write_report(cfg, specs)
+    assert main(["--config", str(TINY), f"output_dir={tmp_path / 'study'}", "--report-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stapo.study: {bad}: line 1 is not a valid row") and err.count("\n") == 1
+    assert not (Path(cfg.output_dir) / "report.md").exists()
+
+
+def test_report_leaves_out_a_torn_last_line_and_says_so(tmp_path):
+    """Defect #2: a torn last line is left out with one line naming the file; the run is reported (and listed as
+    not finished) up to its last intact step."""
+    cfg, specs = _study(tmp_path, "report.window=1")
+    for s in specs:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])
+    torn = specs[0].run_dir / "metrics.jsonl"  # stapo_seed0: row 2 torn by an interrupted write, checkpoint 1
+    torn.write_text(json.dumps(_row(1, 0.0)) + "\n" + json.dumps(_row(2, 1.0))[:30])
+    (specs[0].run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").unlink()
+    said: list[str] = []
+    write_report(cfg, specs, say=said.append)
+    assert said == [f"{torn}: a torn last line (30 bytes, an interrupted write) is left out; stapo_seed0 is reported "
+                    f"to step 1"]
+    md = (Path(cfg.output_dir) / "report.md").read_text()
+    assert "| stapo_seed0 | 1 | 2 |" in md and "Not finished (reported as far as they got): stapo_seed0." in md
+    # its final reward (window 1: the last step any run logged, 2) is missing: stapo's final is seed 1's alone (1.0)
+    final = {(r["metric"], r["method"]): r for r in csv.DictReader((Path(cfg.output_dir) / "final.csv").open())}
+    assert final[("reward", "stapo")]["n_seeds"] == "1" and float(final[("reward", "stapo")]["final_mean"]) == 1.0
+
+
+def test_report_keeps_the_step0_validation_point(tmp_path):
+    """Defect #9: the step-0 validation row (trainer.val_before_train) is on the val_accuracy curve; training
+    metrics start at step 1; the final window never reaches back to step 0."""
+    cfg, specs = _study(tmp_path, "seeds=[0]", "report.window=5")
+    val = "val-core/average/acc/mean@4"
+    for s in specs:  # step 0: validation only (0.1); steps 1, 2 training, validation again at step 2 (0.3)
+        _write_run(s.run_dir, [{"step": 0, val: 0.1, "critic/score/mean": 9.0}, _row(1, 0.0),
+                               _row(2, 1.0, **{val: 0.3})], [1, 2])
+    write_report(cfg, specs)
+    out = Path(cfg.output_dir)
+    curves = list(csv.DictReader((out / "curves.csv").open()))
+    vsteps = [r["step"] for r in curves if r["metric"] == f"val_accuracy[{val}]" and r["method"] == "stapo"]
+    assert vsteps == ["0", "2"]
+    assert [r["step"] for r in curves if r["metric"] == "reward" and r["method"] == "stapo"] == ["1", "2"]
+    final = {(r["metric"], r["method"]): r for r in csv.DictReader((out / "final.csv").open())}
+    v = final[(f"val_accuracy[{val}]", "stapo")]  # window 5 → the validation steps ≥ 1: step 2 only → 0.3
+    assert v["window_steps"] == "2-2" and float(v["final_mean"]) == pytest.approx(0.3)
+    # reward window: steps 1–2 (step 0's stray 9.0 is not a training value) → (0 + 1) / 2
+    assert float(final[("reward", "stapo")]["final_mean"]) == pytest.approx(0.5)
+
+
+def test_exit_text_names_the_signal():
+    # defect #12: a negative return code is a signal
+    assert study_runner.exit_text(2) == "exit 2"
+    assert study_runner.exit_text(-9) == "killed by signal 9 (SIGKILL)"
+    assert study_runner.exit_text(-15) == "killed by signal 15 (SIGTERM)"
+
+
+HOLD_LOCK = ("import sys\nfrom stapo.runlock import RunLock\nRunLock(sys.argv[1], sys.argv[2]).acquire()\n"
+             "print('held', flush=True)\nsys.stdin.read()\n")
+
+
+def _hold(folder: Path, program: str) -> subprocess.Popen:
+    """Another live process holding ``folder``'s run lock until its stdin is closed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder), program], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=_env())
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def _release(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def test_busy_run_folder_is_waited_for_not_run_beside(tmp_path, monkeypatch):
+    """Defect #4 / #13d: a run folder whose lock a live train.py holds (left by a killed runner) is ``busy
+    (pid N)`` in the plan — not ``restart`` — and the grid waits for it (one line), then decides."""
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    real = study_runner.train_command
+    monkeypatch.setattr(study_runner, "train_command", lambda st: [sys.executable, str(fake), *real(st)[2:]])
+    cfg, specs = _study(tmp_path, "seeds=[0]")
+    first = specs[0].run_dir
+    _write_run(first, [{"step": 1}], [])  # no checkpoint yet: without the lock this would be "restart"
+    holder = _hold(first, "train.py")
+    try:
+        st = run_status(specs[0])
+        assert st.action == "busy" and st.holder.pid == holder.pid
+        plan = describe_plan(cfg, specs)
+        assert f"stapo_seed0  busy     busy (pid {holder.pid}): train.py holds the run folder" in plan
+        assert plan.count("$ ") == 1  # grpo_seed0 only
+        waits: list[float] = []
+
+        def sleep(seconds: float) -> None:  # the first pause: the holder exits (no real waiting in the test)
+            waits.append(seconds)
+            _release(holder)
+
+        monkeypatch.setattr(study_runner, "_sleep", sleep)
+        said: list[str] = []
+        assert run_grid(cfg, specs, say=said.append) == 0
+    finally:
+        if holder.poll() is None:
+            _release(holder)
+    assert waits == [study_runner.BUSY_POLL_S]
+    assert said[0].startswith(f"[1/2] stapo_seed0: waiting for train.py (pid {holder.pid}")
+    assert said[1].startswith("[1/2] stapo_seed0: no complete checkpoint")  # decided after the holder exited
+    assert [json.loads(x)["step"] for x in (first / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_report_only_is_read_only_beside_a_working_runner(tmp_path, capsys):
+    """Defect #13d: --report-only works while a runner holds the study folder, takes no lock and writes nothing
+    under runs/; --dry-run names the runner."""
+    from stapo.study.__main__ import main
+
+    cfg, specs = _study(tmp_path)
+    for s in specs:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])
+    runs = Path(cfg.output_dir) / "runs"
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in runs.rglob("*"))
+    holder = _hold(Path(cfg.output_dir), "stapo.study")
+    try:
+        args = ["--config", str(TINY), f"output_dir={cfg.output_dir}"]
+        assert main([*args, "--report-only"]) == 0
+        assert (Path(cfg.output_dir) / "report.md").is_file()
+        assert main([*args, "--dry-run"]) == 0
+        assert f"the study folder is in use by stapo.study (pid {holder.pid}" in capsys.readouterr().out
+        assert main(args) == 2  # a second runner is still refused
+        assert "is in use by stapo.study" in capsys.readouterr().err
+    finally:
+        _release(holder)
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in runs.rglob("*")) == before
+    assert not list(Path(cfg.output_dir).glob(".*.tmp*"))  # the atomic writes left no temporary file
+
+
+CHILD = r"""
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *a: (out.joinpath("term").write_text("SIGTERM"), sys.exit(143)))
+out.joinpath("ready").write_text("")
+while True:
+    time.sleep(0.05)
+"""
+
+RUNNER = r"""
+import pathlib, sys
+from stapo.study import runner
+runner._run([sys.executable, sys.argv[1], sys.argv[2]], pathlib.Path(sys.argv[2]) / "child.log", False)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_child_gets_sigterm_when_the_runner_is_killed(tmp_path):
+    """Defect #4: a SIGKILL of the runner alone (not its process group) still stops its child: the kernel sends
+    the child SIGTERM (PR_SET_PDEATHSIG), which train.py answers by checkpointing its step and exiting."""
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(child), str(tmp_path)], env=_env())
+    deadline = time.monotonic() + 300  # generous bounds for a loaded machine; the order of events decides
+    while not (tmp_path / "ready").exists():  # the child is up (its handler installed)
+        assert runner.poll() is None, f"the runner exited ({runner.returncode}) before its child was up"
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    runner.kill()
+    runner.wait()
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "term").exists():
+        assert time.monotonic() < deadline, "the child did not get SIGTERM when its runner died"
+        time.sleep(0.05)
+    assert (tmp_path / "term").read_text() == "SIGTERM"
+
+
+def test_killed_run_reports_the_signal(tmp_path, monkeypatch):
+    """Defect #12: a run killed by a signal is reported as such, not by the log's header line."""
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.setattr(study_runner, "train_command", lambda st: [sys.executable, str(script)])
+    cfg, specs = _study(tmp_path, "seeds=[0]", "runner.stop_on_error=true")  # the first run fails, the grid stops
+    said: list[str] = []
+    assert run_grid(cfg, specs, say=said.append) == 1
+    failed = next(s for s in said if "FAILED" in s)
+    assert "stapo_seed0: FAILED (killed by signal 9 (SIGKILL)) after" in failed and "===" not in failed
 
 
 # --- slow: the real thing -------------------------------------------------------------------------------

@@ -5,8 +5,9 @@
     python -m stapo.study --config configs/study/cpu_methods.yaml --report-only
 
 Rerunning the same command resumes the study: finished runs are skipped, interrupted ones resume from their last
-checkpoint, finished final evaluations are reused. Exit codes: 0 all runs finished; 1 a run failed (the others
-ran; rerun to retry); 2 a bad study config or a locked study folder; 130 / 143 interrupted (Ctrl-C / SIGTERM).
+checkpoint, finished final evaluations are reused. --report-only only reads the runs (allowed while a runner works
+in the folder). Exit codes: 0 all runs finished; 1 a run failed (the others ran; rerun to retry); 2 a bad study
+config, a locked study folder or a damaged metrics.jsonl line (named); 130 / 143 interrupted (Ctrl-C / SIGTERM).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.study.config import load_study_config, run_specs
     from stapo.study.report import write_report
     from stapo.study.runner import describe_plan, run_grid
+    from stapo.tracking import CorruptJsonlError
 
     try:
         cfg = load_study_config(args.config, args.overrides)
@@ -45,11 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rc = 0
     try:
-        with RunLock(cfg.output_dir, "stapo.study"):
-            if not args.report_only:
-                rc = run_grid(cfg, specs, verbose=args.verbose)
+        if args.report_only:  # read-only: no lock, nothing written under runs/ (allowed beside a working runner)
             report = write_report(cfg, specs)
-    except RunLockError as e:
+        else:
+            with RunLock(cfg.output_dir, "stapo.study"):
+                rc = run_grid(cfg, specs, verbose=args.verbose)
+                report = write_report(cfg, specs)
+    except (RunLockError, CorruptJsonlError) as e:  # a second runner; a damaged metrics line (file and line)
         print(f"stapo.study: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # between runs or while writing the report

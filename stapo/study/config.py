@@ -4,7 +4,8 @@ A study is a grid of methods × seeds run with train.py. The file is loaded like
 (:func:`stapo.config.merge_config`: OmegaConf over these dataclasses, unknown keys fail with the closest valid key,
 ``defaults: [...]`` parents allowed); paths in it (``base``, ``methods.<name>.config``, ``final_eval.config``)
 are relative to the study file. Every run's train config is built and checked at load time
-(:func:`stapo.config.load_config`), so a typo in an override fails before anything runs.
+(:func:`stapo.config.load_config`), and so is the final evaluation's (when enabled), so a typo in an override fails
+before anything runs. Overrides of the keys the runner sets itself (:data:`RUNNER_TRAIN_KEYS`) are refused.
 
 Run ``<method>_seed<k>`` is::
 
@@ -22,10 +23,19 @@ from typing import Optional
 from stapo.config import ConfigError, TrainConfig, load_config, merge_config
 from stapo.study.keys import METRICS
 
-__all__ = ["MethodConfig", "ReportConfig", "FinalEvalConfig", "RunnerConfig", "StudyConfig", "RunSpec",
+__all__ = ["RUNNER_TRAIN_KEYS", "RUNNER_EVAL_KEYS", "MethodConfig", "ReportConfig", "FinalEvalConfig", "RunnerConfig", "StudyConfig", "RunSpec",
            "load_study_config", "run_specs"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+#: Train keys the runner sets for every run (:func:`run_specs`): an override of one in the study is refused.
+RUNNER_TRAIN_KEYS = ("trainer.output_dir", "trainer.run_name", "trainer.seed", "logging.group")
+#: Evaluation keys the runner sets for a final evaluation (``--model``, ``--label``, ``--output``, the group).
+RUNNER_EVAL_KEYS = ("model.path", "model.label", "output.dir", "logging.group")
+
+
+def _override_key(override: str) -> str:
+    """The dotted key of a ``key=value`` override (a leading ``+`` / ``~`` left out)."""
+    return override.split("=", 1)[0].strip().lstrip("+~")
 
 
 @dataclass
@@ -116,8 +126,10 @@ def load_study_config(path: str | Path, overrides: list[str] | None = None) -> S
     Raises:
         ConfigError: one line naming the file and the key: a missing or unparsable file, an unknown key, no
             methods or seeds, a method or reference name that is not a folder name / not a method, a method
-            without a train config, repeated seeds, bad report values, or a run's train config that
-            :func:`stapo.config.load_config` refuses (prefixed by the run's name).
+            without a train config, repeated seeds, bad report values, an override of a key the runner sets
+            (:data:`RUNNER_TRAIN_KEYS`, :data:`RUNNER_EVAL_KEYS`), a final-evaluation config that
+            :func:`stapo.evaluation.config.load_eval_config` refuses (with its overrides; when
+            ``final_eval.enabled``).
     """
     src = Path(path).resolve()
     cfg: StudyConfig = merge_config(StudyConfig, src, overrides)
@@ -150,6 +162,13 @@ def load_study_config(path: str | Path, overrides: list[str] | None = None) -> S
     need(cfg.runner.threads is None or cfg.runner.threads >= 1, "runner.threads", "must be >= 1 or null")
     need(not cfg.final_eval.enabled or cfg.final_eval.config is not None, "final_eval.config",
          "an evaluate.py YAML is needed when final_eval.enabled is true")
+    owned = [("overrides", cfg.overrides, RUNNER_TRAIN_KEYS)]
+    owned += [(f"methods.{name}.overrides", m.overrides, RUNNER_TRAIN_KEYS) for name, m in cfg.methods.items()]
+    owned += [("final_eval.overrides", cfg.final_eval.overrides, RUNNER_EVAL_KEYS)]
+    for key, overrides, runner_keys in owned:
+        taken = [ov for ov in overrides if _override_key(ov) in runner_keys]
+        need(not taken, key, f"{taken[0] if taken else ''!r}: the runner sets {', '.join(runner_keys)} itself "
+             f"(from the study's output_dir, name, seeds and run names), so an override of them is refused")
     unknown = [m for m in r.metrics if m not in METRICS]
     need(not unknown, "report.metrics", f"unknown {unknown}; known: {', '.join(METRICS)}")
     if cfg.base is not None:
@@ -159,9 +178,34 @@ def load_study_config(path: str | Path, overrides: list[str] | None = None) -> S
             m.config = _resolve(src, m.config)
     if cfg.final_eval.config is not None:
         cfg.final_eval.config = _resolve(src, cfg.final_eval.config)
+    if cfg.final_eval.enabled:
+        _check_final_eval(src, cfg)
     if cfg.output_dir is None:
         cfg.output_dir = str(Path("runs") / "study" / cfg.name)
     return cfg
+
+
+def _check_final_eval(src: Path, cfg: StudyConfig) -> None:
+    """Load the final evaluation's config with its overrides as the runner will pass them
+    (:func:`stapo.evaluation.config.load_eval_config`, which validates it), so that a missing file or a bad key
+    fails at load time, not after the grid has trained.
+
+    Raises:
+        ConfigError: one line: the study file, ``final_eval.config`` / ``final_eval.overrides`` and the evaluation
+            config's own message (which names its file or key).
+    """
+    from stapo.evaluation.config import load_eval_config
+    from stapo.evaluation.errors import EvalError
+
+    fe = cfg.final_eval
+    assert fe.config is not None
+    if not Path(fe.config).is_file():
+        raise ConfigError(f"{src}: invalid value for 'final_eval.config': {fe.config} is not a file (an evaluate.py "
+                          f"YAML, relative to the study file)")
+    try:
+        load_eval_config(fe.config, [*fe.overrides, f"logging.group={cfg.name}"])
+    except (ConfigError, EvalError) as e:
+        raise ConfigError(f"{src}: final_eval (config {fe.config}, overrides {fe.overrides}): {e}") from None
 
 
 def run_specs(cfg: StudyConfig) -> list[RunSpec]:

@@ -13,16 +13,18 @@ import fnmatch
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from stapo.checkpoint_files import latest_checkpoint
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.keys import COST_KEYS, LABELS, METRICS
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
-from stapo.tracking import CorruptJsonlError, read_jsonl_rows
+from stapo.tracking import read_jsonl_rows
 
 __all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "collect", "write_report"]
 
@@ -36,8 +38,8 @@ class Series:
         name: the series' name (a :data:`METRICS` name, ``<name>[<key>]`` for a pattern match, or
             ``final_eval[<setting>]``); keys: the metrics.jsonl keys it was read from.
         seeds: [S] the seeds, in the study's order (only seeds with a run folder).
-        steps: [T] the step axis 1 … T.
-        values: [S, T] float64, NaN where a run did not log the metric.
+        steps: [T + 1] the step axis 0 … T (step 0: the validation before training; training metrics start at 1).
+        values: [S, T + 1] float64, NaN where a run did not log the metric.
     """
 
     name: str
@@ -47,18 +49,34 @@ class Series:
     values: np.ndarray
 
 
-def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
+def _read_rows(run_dir: Path, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """A run's metrics rows, one per step (the last row of a repeated step), in step order.
+
+    A torn last line (an interrupted write) is left out and one line through ``say`` names the file: the run is
+    reported up to its last intact step.
+
+    Raises:
+        CorruptJsonlError: a damaged line that is not a torn last one (one line naming the file and line): the
+            report is not built on silently missing data.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    try:
-        rows, _ = read_jsonl_rows(path)
-    except CorruptJsonlError:
-        return []
+    rows, torn = read_jsonl_rows(path)
     by_step: dict[int, dict[str, Any]] = {}
     for r in rows:  # a repeated step (a crashed attempt's row before the resume truncated it): the last one
         by_step[r["step"]] = r
+    if torn:
+        last = max(by_step, default=0)
+        say(f"{path}: a torn last line ({torn} bytes, an interrupted write) is left out; {run_dir.name} is reported "
+            f"to step {last}")
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _is_validation(key: str) -> bool:
+    """Validation keys (``val-core/…``, ``val-aux/…``) have a step-0 point (the initial policy,
+    ``trainer.val_before_train``); training metrics start at step 1."""
+    return key.startswith("val-")
 
 
 def _number(v: Any) -> float:
@@ -77,16 +95,24 @@ def _final_eval(run_dir: Path) -> dict[str, float]:
     return {s: _number(m.get("average", {}).get("avg@N")) for s, m in res.get("metrics", {}).items()}
 
 
-def collect(cfg: StudyConfig, specs: list[RunSpec]) -> tuple[dict[str, dict[str, Series]], dict[str, list]]:
-    """Read every run folder of the study.
+def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] | None = None
+            ) -> tuple[dict[str, dict[str, Series]], dict[str, list]]:
+    """Read every run folder of the study (nothing is written).
+
+    Args:
+        say: where the one-line notes go (a torn last line left out); default stderr.
 
     Returns:
         ``(series, rows)``: ``series[name][method]`` a :class:`Series` (names in :data:`METRICS` order, pattern
         matches sorted, then ``final_eval[...]``); ``rows[run name]`` the run's metrics rows (one per step).
+
+    Raises:
+        stapo.tracking.CorruptJsonlError: a run's metrics.jsonl has a damaged line that is not a torn last line.
     """
-    rows = {s.name: _read_rows(s.run_dir) for s in specs}
+    say = say or (lambda line: print(f"stapo.study: {line}", file=sys.stderr, flush=True))
+    rows = {s.name: _read_rows(s.run_dir, say) for s in specs}
     t_max = max([s.total_steps for s in specs] + [r[-1]["step"] for r in rows.values() if r])
-    steps = np.arange(1, t_max + 1)
+    steps = np.arange(0, t_max + 1)  # [T + 1] column j = step j
     wanted = cfg.report.metrics or list(METRICS)
     series: dict[str, dict[str, Series]] = {}
     for method in cfg.methods:
@@ -101,13 +127,14 @@ def collect(cfg: StudyConfig, specs: list[RunSpec]) -> tuple[dict[str, dict[str,
                 elif cand in logged and not targets:
                     targets = [(name, [c for c in METRICS[name] if "*" not in c])]
             for sname, keys in targets:
-                vals = np.full((len(runs), t_max), np.nan)  # [S, T]
+                vals = np.full((len(runs), t_max + 1), np.nan)  # [S, T + 1]
                 used: list[str] = []
                 for i, s in enumerate(runs):
                     for r in rows[s.name]:
                         key = next((k for k in keys if _number(r.get(k)) == _number(r.get(k))), None)
-                        if key is not None and 1 <= r["step"] <= t_max:
-                            vals[i, r["step"] - 1] = _number(r[key])
+                        first = 0 if key is not None and _is_validation(key) else 1  # step 0: validation only
+                        if key is not None and first <= r["step"] <= t_max:
+                            vals[i, r["step"]] = _number(r[key])
                             if key not in used:
                                 used.append(key)
                 series.setdefault(sname, {})[method] = Series(sname, used, seeds, steps, vals)
@@ -115,7 +142,7 @@ def collect(cfg: StudyConfig, specs: list[RunSpec]) -> tuple[dict[str, dict[str,
             evals = {s.seed: _final_eval(s.run_dir) for s in specs if s.method == method}
             for setting in sorted({k for e in evals.values() for k in e}):
                 done = [seed for seed, e in evals.items() if setting in e]
-                vals = np.full((len(done), t_max), np.nan)
+                vals = np.full((len(done), t_max + 1), np.nan)  # [S, T + 1], the value at the last step
                 for i, seed in enumerate(done):
                     vals[i, -1] = evals[seed][setting]
                 series.setdefault(f"final_eval[{setting}]", {})[method] = Series(
@@ -139,7 +166,8 @@ def _final_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[
     for sname, by_method in series.items():
         all_vals = np.concatenate([s.values for s in by_method.values()], axis=0)  # [Σ S, T]
         steps = next(iter(by_method.values())).steps
-        win = window_steps(steps, all_vals, r.window)
+        trained = steps >= 1  # the step-0 validation (the initial policy) is on the curve, never a final value
+        win = window_steps(steps[trained], all_vals[:, trained], r.window)
         cols = np.isin(steps, win)  # [T] the window's columns
         ref = by_method.get(cfg.reference)
         for method, s in by_method.items():
@@ -181,8 +209,14 @@ def _curve_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[
     return out
 
 
+def _tmp(path: Path) -> Path:
+    """A temporary name beside ``path`` for an atomic replace, own to this process (a ``--report-only`` may write
+    the report while the runner writes it too)."""
+    return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+
+
 def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _tmp(path)
     with tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
@@ -227,7 +261,7 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
     smooth = f", moving average over {cfg.report.smooth} steps" if cfg.report.smooth > 1 else ""
     fig.suptitle(f"study {cfg.name}: mean over seeds, {cfg.report.confidence:.0%} t-band{smooth}", fontsize=11)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
+    tmp = _tmp(path)
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
@@ -275,12 +309,29 @@ def _pairing_notes(cfg: StudyConfig, specs: list[RunSpec]) -> list[str]:
     return notes
 
 
-def write_report(cfg: StudyConfig, specs: list[RunSpec]) -> Path:
+def _checkpoint_step(run_dir: Path) -> int:
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    try:
+        return int(ckpt.name.removeprefix("step_")) if ckpt is not None else 0
+    except ValueError:
+        return 0
+
+
+def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] | None = None) -> Path:
     """Write ``report.md``, ``curves.png``, ``curves.csv`` and ``final.csv`` into the study's output folder
-    (each file replaced atomically) from whatever runs exist; returns the path of ``report.md``."""
+    (each file replaced atomically) from whatever runs exist; returns the path of ``report.md``. Reads the run
+    folders only (nothing under ``runs/`` is written), so it may run beside a working runner.
+
+    Args:
+        say: where one-line notes go (:func:`collect`); default stderr.
+
+    Raises:
+        stapo.tracking.CorruptJsonlError: a run's metrics.jsonl has a damaged line that is not a torn last line
+            (one line naming the file and line; nothing is written).
+    """
     out = Path(cfg.output_dir)
+    series, rows = collect(cfg, specs, say)
     out.mkdir(parents=True, exist_ok=True)
-    series, rows = collect(cfg, specs)
     curves = _curve_rows(cfg, series)
     finals = _final_rows(cfg, series)
     _write_csv(out / "curves.csv", curves, ["metric", "method", "step", "n_seeds", "mean", "ci_low", "ci_high"])
@@ -303,7 +354,14 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec]) -> Path:
     for s in specs:
         last = rows[s.name][-1]["step"] if rows[s.name] else 0
         lines.append(f"| {s.name} | {last} | {s.total_steps} |")
-    missing = [s.name for s in specs if not rows[s.name] or rows[s.name][-1]["step"] < s.total_steps]
+    short = [s for s in specs if not rows[s.name] or rows[s.name][-1]["step"] < s.total_steps]
+    lost = [s for s in short if _checkpoint_step(s.run_dir) >= s.total_steps]  # trained; rows lost (a torn line)
+    missing = [s.name for s in short if s.name not in {x.name for x in lost}]
+    if lost:
+        lines += ["", "Finished, but their metrics.jsonl lacks the rows of the last steps (a torn last line; the "
+                      "training state is complete, the rows cannot be recomputed without retraining): "
+                  + ", ".join(f"{s.name} (rows to step {rows[s.name][-1]['step'] if rows[s.name] else 0} of "
+                              f"{s.total_steps})" for s in lost) + "."]
     if missing:
         lines += ["", f"Not finished (reported as far as they got): {', '.join(missing)}."]
     lines += ["", "## Curves", "",
@@ -339,7 +397,7 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec]) -> Path:
         lines += ["", "Notes:", ""]
         lines += [f"- not logged: {a}" for a in absent]
         lines += [f"- {n}" for n in notes]
-    tmp = out / "report.md.tmp"
+    tmp = _tmp(out / "report.md")
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out / "report.md")
     return out / "report.md"

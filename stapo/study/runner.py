@@ -8,15 +8,27 @@ order. Before each run its folder decides what to do (:func:`run_status`):
 - ``resume``: a complete checkpoint of an earlier step exists — ``train.py ... --resume`` continues from it;
 - ``restart``: the folder holds no complete checkpoint (killed before its first save): it is deleted (one line
   says so; nothing in it could be resumed) and the run starts afresh;
-- ``new``: no folder yet.
+- ``new``: no folder yet;
+- ``busy``: another live process (a ``train.py`` left by a runner that was killed, finishing its step; one started by
+  hand) holds the run folder's lock: the runner waits for it to exit (one line says so), then decides again — it
+  never starts a second writer beside it.
+
+A run whose final checkpoint exists but whose ``metrics.jsonl`` lacks the rows of its last steps (a torn last line)
+is finished (``skip``): the training state is complete, and the lost rows cannot be recomputed without retraining,
+so the plan line and the report name them instead of resuming a run that has nothing left to train.
 
 The same for the optional final evaluation (``final_eval``): done when ``<run>/final_eval/results.json`` exists
 (evaluate.py writes it at the end), else ``evaluate.py`` (which resumes its own generations). Every attempt is appended to
 ``<output_dir>/attempts.jsonl`` (run, kind, action, exit code, wall seconds, threads) for the report's cost line.
 The study folder is locked for the runner's lifetime (``<output_dir>/run.lock``, :mod:`stapo.runlock`).
+
+A child does not outlive the runner: it stays in the runner's process group (Ctrl-C reaches both), and on Linux it
+is started with ``PR_SET_PDEATHSIG`` = SIGTERM, so when the runner dies, even by SIGKILL, the kernel sends the child
+SIGTERM (train.py then finishes its step, checkpoints it and exits).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -32,11 +44,12 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from stapo.checkpoint_files import latest_checkpoint
+from stapo.runlock import LOCK_NAME, Holder, RunLock, RunLockError
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.tracking import CorruptJsonlError, read_jsonl_rows
 
 __all__ = ["REPO", "RunStatus", "EvalStatus", "run_status", "eval_status", "train_command", "eval_command",
-           "describe_plan", "run_grid", "ATTEMPTS"]
+           "describe_plan", "run_grid", "lock_holder", "exit_text", "ATTEMPTS"]
 
 #: The repository root: train.py and evaluate.py live there.
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +57,9 @@ ATTEMPTS = "attempts.jsonl"
 EVAL_DIR = "final_eval"
 _STEP = re.compile(r"^step_(\d+)$")
 
-Action = Literal["skip", "resume", "restart", "new"]
+Action = Literal["skip", "resume", "restart", "new", "busy"]
+#: Seconds between two looks at a busy run folder (:func:`run_grid` waits for its holder to exit).
+BUSY_POLL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -53,10 +68,11 @@ class RunStatus:
 
     Attributes:
         spec: the run.
-        action: ``skip`` | ``resume`` | ``restart`` | ``new`` (module docstring).
+        action: ``skip`` | ``resume`` | ``restart`` | ``new`` | ``busy`` (module docstring).
         checkpoint_step: the step of its latest complete checkpoint (0: none).
         logged_step: the last step in its ``metrics.jsonl`` (0: none).
         reason: one phrase for the plan's listing.
+        holder: who holds the run folder's lock (``busy``), else None.
     """
 
     spec: RunSpec
@@ -64,6 +80,7 @@ class RunStatus:
     checkpoint_step: int
     logged_step: int
     reason: str
+    holder: Holder | None = None
 
 
 @dataclass(frozen=True)
@@ -77,24 +94,51 @@ class EvalStatus:
 
 
 def _last_logged_step(run_dir: Path) -> tuple[int, str]:
+    """The last step of ``metrics.jsonl`` (0: none) and a note on a torn last line or a damaged line."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return 0, ""
     try:
-        rows, _ = read_jsonl_rows(path)
+        rows, torn = read_jsonl_rows(path)
     except CorruptJsonlError as e:
         return 0, f"; {e}"
-    return max((r["step"] for r in rows), default=0), ""
+    note = f"; {path} ends in a torn line of {torn} bytes (an interrupted write)" if torn else ""
+    return max((r["step"] for r in rows), default=0), note
+
+
+def lock_holder(folder: Path) -> Holder | None:
+    """Who holds ``folder``'s run lock (:mod:`stapo.runlock`; a live process other than this one), else None.
+    Nothing is created or taken. A holder that has not written its identity yet reads as pid 0, program ``?``."""
+    try:
+        RunLock(folder).check_free()
+    except RunLockError:
+        try:
+            text = (Path(folder) / LOCK_NAME).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        return Holder.parse(text) or Holder(pid=0, host="?", started="?")
+    return None
 
 
 def run_status(spec: RunSpec) -> RunStatus:
-    """Decide what to do with a run from its folder (nothing is changed on disk)."""
+    """Decide what to do with a run from its folder (nothing is changed on disk; module docstring)."""
     ckpt = latest_checkpoint(spec.run_dir / "checkpoints")
     ckpt_step = int(_STEP.match(ckpt.name).group(1)) if ckpt is not None else 0
     logged, note = _last_logged_step(spec.run_dir)
     total = spec.total_steps
+    holder = lock_holder(spec.run_dir) if spec.run_dir.is_dir() else None
+    if holder is not None:
+        return RunStatus(spec, "busy", ckpt_step, logged,
+                         f"busy (pid {holder.pid}): {holder.program} holds the run folder (started "
+                         f"{holder.started}); the runner waits for it to exit, then decides", holder)
     if ckpt_step >= total and logged >= total:
         return RunStatus(spec, "skip", ckpt_step, logged, f"finished (step {ckpt_step}/{total})")
+    if ckpt_step >= total:  # the training state is complete, rows after `logged` are lost (a torn last line)
+        lost = f"step {total}" if logged == total - 1 else f"steps {logged + 1}-{total}"
+        return RunStatus(spec, "skip", ckpt_step, logged,
+                         f"finished (step {ckpt_step}/{total}), but metrics.jsonl holds rows only to step {logged}: "
+                         f"the metrics row of {lost} is lost (the training state is complete; the row cannot be "
+                         f"recomputed without retraining)" + note)
     if ckpt is not None:
         return RunStatus(spec, "resume", ckpt_step, logged,
                          f"resume from the checkpoint of step {ckpt_step}/{total} (metrics logged to step {logged})"
@@ -138,11 +182,15 @@ def describe_plan(cfg: StudyConfig, specs: list[RunSpec]) -> str:
     """The ``--dry-run`` listing: one line per run (and final evaluation) with its action and command."""
     lines = [f"study {cfg.name}: {len(specs)} runs ({len(cfg.methods)} methods, seeds "
              f"{', '.join(map(str, dict.fromkeys(s.seed for s in specs)))}) in {cfg.output_dir}"]
+    study = lock_holder(Path(cfg.output_dir)) if Path(cfg.output_dir).is_dir() else None
+    if study is not None:
+        lines.append(f"  the study folder is in use by {study.program} (pid {study.pid}, started {study.started}): "
+                     f"it is working through this plan; a second runner is refused (--report-only is not)")
     width = max(len(s.name) for s in specs)
     for spec in specs:
         st = run_status(spec)
         lines.append(f"  {spec.name:<{width}}  {st.action:<7}  {st.reason}")
-        if st.action != "skip":
+        if st.action not in ("skip", "busy"):
             lines.append(f"  {'':<{width}}  {'':<7}  $ {shlex.join(train_command(st))}")
     if cfg.final_eval.enabled:
         for spec in specs:
@@ -163,27 +211,66 @@ def _record(out: Path, row: dict) -> None:
 
 
 def _last_error(log: Path) -> str:
-    """The last ``train.py:`` / ``evaluate.py:`` line of a log (their one-line errors), else its last line."""
+    """The last ``train.py:`` / ``evaluate.py:`` line of the log's last attempt (their one-line errors), else that
+    attempt's last line ("" when it wrote nothing; the runner's ``=== <time> $ <command>`` header is not output)."""
     try:
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("=== ")]
+    lines = lines[starts[-1] + 1:] if starts else lines
     marked = [ln for ln in lines if ln.startswith(("train.py:", "evaluate.py:"))]
     return (marked or lines or [""])[-1][:300]
+
+
+def exit_text(rc: int) -> str:
+    """A child's return code in words: ``exit 2``, or ``killed by signal 9 (SIGKILL)`` for a negative one."""
+    if rc >= 0:
+        return f"exit {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = "unknown signal"
+    return f"killed by signal {-rc} ({name})"
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGTERM when the runner dies (Linux ``prctl``
+    ``PR_SET_PDEATHSIG``; the child's own SIGTERM handling then applies: train.py checkpoints its step and exits);
+    None elsewhere. libc is loaded here, in the parent, so the child only calls into it between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the runner died between fork and prctl: the signal would never come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def _run(cmd: list[str], log: Path, verbose: bool) -> tuple[int, float, bool]:
     """Run ``cmd`` (its output appended to ``log``, or the console when ``verbose``); returns (exit code, wall
     seconds, interrupted). Ctrl-C reaches the child through the terminal's process group (train.py finishes its
     step and checkpoints; a second Ctrl-C stops it at once): the runner waits for it. SIGTERM to the runner is
-    passed on to the child."""
+    passed on to the child. The child stays in the runner's process group and gets SIGTERM when the runner dies
+    (:func:`_die_with_parent`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with log.open("a") as f:
         f.write(f"\n=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} $ {shlex.join(cmd)}\n")
         f.flush()
         sink = None if verbose else f
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None)
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None,
+                                preexec_fn=_die_with_parent())
         interrupted = False
         while True:
             try:
@@ -194,6 +281,20 @@ def _run(cmd: list[str], log: Path, verbose: bool) -> tuple[int, float, bool]:
                 if getattr(e, "signum", signal.SIGINT) == signal.SIGTERM and proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
     return rc, time.monotonic() - t0, interrupted or rc in (130, 143)
+
+
+def _wait_for(folder: Path, holder: Holder | None, tag: str, say: Callable[[str], None]) -> None:
+    """Wait (one line says so) until no live process holds ``folder``'s run lock: a train.py / evaluate.py of a
+    runner that was killed finishes its step and exits, one started by hand runs to its end. Ctrl-C stops the
+    wait (KeyboardInterrupt)."""
+    who = f"{holder.program} (pid {holder.pid}, started {holder.started})" if holder else "another process"
+    say(f"{tag}: waiting for {who}, which still holds {folder} (left by an earlier runner, or started by hand); "
+        f"the run is decided once it exits (Ctrl-C stops waiting)")
+    while lock_holder(folder) is not None:
+        _sleep(BUSY_POLL_S)
+
+
+_sleep = time.sleep  # the busy wait's pause (tests replace it to release the lock instead of waiting)
 
 
 def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
@@ -216,17 +317,21 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
         log = out / "logs" / (f"{spec.name}.log" if kind == "train" else f"{spec.name}.eval.log")
         if kind == "train":
             st = run_status(spec)
+            if st.action == "busy":
+                _wait_for(spec.run_dir, st.holder, tag, say)
+                st = run_status(spec)
             if st.action == "skip":
                 say(f"{tag}: {st.reason}: skipped")
                 continue
             if st.action == "restart":
-                from stapo.runlock import RunLock
-
                 RunLock(spec.run_dir).check_free()  # another live process writes it: RunLockError, nothing deleted
                 shutil.rmtree(spec.run_dir)
             say(f"{tag}: {st.reason if st.action != 'new' else 'start'} (log: {log})")
             cmd, action = train_command(st), st.action
         else:
+            holder = lock_holder(spec.run_dir / EVAL_DIR)
+            if holder is not None:
+                _wait_for(spec.run_dir / EVAL_DIR, holder, tag, say)
             ev = eval_status(spec)
             if ev.action != "run":
                 say(f"{tag}: final evaluation {'done (reused)' if ev.action == 'done' else 'skipped: the run is not finished'}")
@@ -237,12 +342,14 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
         _record(out, {"run": spec.name, "kind": kind, "action": action, "rc": rc, "wall_s": round(wall, 3),
                       "threads": _threads(cfg), "end": datetime.now(timezone.utc).isoformat(timespec="seconds")})
         if interrupted:
-            say(f"{tag}: interrupted (exit {rc}) after {wall / 60:.1f} min; rerun the same command to resume the "
+            say(f"{tag}: interrupted ({exit_text(rc)}) after {wall / 60:.1f} min; rerun the same command to resume the "
                 f"study")
             return 143 if rc == 143 else 130
         if rc != 0:
             failed.append(spec.name)
-            say(f"{tag}: FAILED (exit {rc}) after {wall / 60:.1f} min: {_last_error(log)} (log: {log})")
+            error = _last_error(log) if rc > 0 else ""  # killed by a signal: the log's last line is not the cause
+            say(f"{tag}: FAILED ({exit_text(rc)}) after {wall / 60:.1f} min{': ' + error if error else ''} "
+                f"(log: {log})")
             if cfg.runner.stop_on_error:
                 break
         else:
