@@ -447,9 +447,13 @@ def test_report_only_is_read_only_beside_a_working_runner(tmp_path, capsys):
 
 
 CHILD = r"""
-import pathlib, signal, sys, time
+import os, pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[1])
-signal.signal(signal.SIGTERM, lambda *a: (out.joinpath("term").write_text("SIGTERM"), sys.exit(143)))
+def on_term(*a):  # written under another name, then renamed: the test never sees a created-but-empty file
+    out.joinpath("term.tmp").write_text("SIGTERM")
+    os.replace(out / "term.tmp", out / "term")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
 out.joinpath("ready").write_text("")
 while True:
     time.sleep(0.05)
