@@ -452,8 +452,10 @@ def test_train_py_refuses_a_sweep_folder(tmp_path):
         Trainer(cfg)
     # defect #13f: nor a run inside a sweep folder (its step_XXXXXX folders are evaluations), at any depth
     for out, name in ((tmp_path / "sweep", "step_000009"), (tmp_path / "sweep" / "a", "b")):
-        cfg = load_config(REPO / "configs" / "tiny_test.yaml", [f"trainer.output_dir={out}", f"trainer.run_name={name}"])
-        with pytest.raises(ConfigError, match=f"inside {tmp_path / 'sweep'}, an evaluate.py output folder"):
+        cfg = load_config(REPO / "configs" / "tiny_test.yaml",
+                          [f"trainer.output_dir={out}", f"trainer.run_name={name}"])
+        with pytest.raises(ConfigError, match=f"'trainer.output_dir' .*inside {tmp_path / 'sweep'}, an evaluate.py "
+                                              f"output folder"):
             Trainer(cfg)
         assert not (out / name).exists()
 

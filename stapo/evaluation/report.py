@@ -478,9 +478,9 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
             if long:
                 tracker.log_table(step, "eval/details", list(long[0].keys()), [list(r.values()) for r in long])
 
-    digests = [_point_digest(res) for res in many]
     logged = _logged_points(out) if mode != "disabled" else {}
-    new = [res for res, d in zip(many, digests) if logged.get(str(result_step(res))) != d]
+    new = {str(result_step(res)): (res, d) for res in many
+           if logged.get(str(result_step(res))) != (d := _point_digest(res))}  # {"<step>": (result, digest)}
     if mode != "disabled" and new:
         ident = wandb_identity(many[0], project=project, entity=entity, group=group, tags=tags, job_type=job_type,
                                notes=notes, name=name)
@@ -493,14 +493,13 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
             print(f"evaluate.py: {e}; the results are complete, W&B skipped", file=sys.stderr)
         else:
             try:
-                log_all(tracker, new)  # the JSONL files are rewritten whole below
+                log_all(tracker, [res for res, _ in new.values()])  # the JSONL files are rewritten whole below
                 started = tracker.wandb_dir is not None
             finally:
                 tracker.finish()
             if started:
                 run_id = (out / "wandb_run_id").read_text().strip()
-                points = {**_logged_points(out), **{str(result_step(r)): d for r, d in zip(many, digests)
-                                                    if any(r is x for x in new)}}
+                points = {**_logged_points(out), **{step: d for step, (_, d) in new.items()}}
                 with _atomic(out / WANDB_LOGGED) as tmp:  # a reader never finds a torn record
                     tmp.write_text(json.dumps({"run_id": run_id, "points": points}, indent=1, sort_keys=True) + "\n")
     mirror = Tracker(out, {}, mode="disabled")  # metrics.jsonl / tables.jsonl: every point, by step

@@ -11,6 +11,7 @@ Run directory (``output.dir``, default ``runs/eval/<label>``)::
     results.json  results.md  results.csv  results.png   metrics and reports (stapo.evaluation.report)
     metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.tracking.Tracker; offline by default), at the
                                           checkpoint's training step in its training run's group (report.log_wandb)
+    wandb_run_id  wandb_logged.json       its W&B run id, and the points logged to it (a rerun logs only new ones)
 
 A JSONL record holds: ``problem_id, sample`` (0..N−1; the unique key), ``benchmark, setting, problem_index,
 block, seed, temperature, top_p, gold, response, prompt_tokens, response_tokens, finish_reason`` (``"eos"`` /

@@ -7,20 +7,24 @@
 list of training steps. Sweep folder (``output.dir``, default ``<output.root>/<run name>``, never the training
 run's folder)::
 
-    eval_manifest.json          {"kind": "checkpoint_sweep", "run_dir": ...}: marks the folder (train.py and a
-                                single evaluation refuse it) and pins it to one training run
+    eval_manifest.json          {"kind": "checkpoint_sweep", "run_dir": ...}: marks the folder (train.py refuses
+                                it and any folder inside it, a single evaluation refuses it) and pins it to one
+                                training run
     run.lock                    held while a process sweeps into it (stapo.runlock; one writer)
     step_XXXXXX/                one evaluation run directory per checkpoint (stapo.evaluation.runner)
     sweep.csv  sweep.md  sweep.png   accuracy against the training step (stapo.evaluation.report)
     metrics.jsonl  tables.jsonl  wandb/   ONE W&B run, every checkpoint at its training step
+    wandb_run_id  wandb_logged.json       its id, and the checkpoints logged to it (a rerun logs only new ones)
 
 Resumption. A checkpoint whose folder holds a ``results.json`` made with the same generation-relevant settings
 (model, prompt, data, generation, engine backend, verifier) is skipped and its results reused (one line says so);
 any other is passed to :func:`stapo.evaluation.runner.run_evaluation`, whose store resumes an interrupted one
 where it stopped. A damaged checkpoint (:func:`stapo.checkpoint_files.verify_checkpoint`) is skipped with one
-line naming it. The reports and the W&B run are rebuilt at the end from every checkpoint evaluated in the folder
-with the same settings — those selected now and those of earlier sweeps (a checkpoint since deleted by
-``trainer.keep_last`` stays on the curve).
+line naming it. The reports are rebuilt at the end from every checkpoint evaluated in the folder with the same
+settings — those selected now and those of earlier sweeps (a checkpoint since deleted by ``trainer.keep_last``
+stays on the curve); the W&B run gets the points it does not hold yet (:func:`stapo.evaluation.report.log_wandb`).
+``evaluate.py --dry-run`` follows the same plan (:func:`check_sweep`, :func:`sweep_jobs`, :func:`earlier_results`;
+:func:`stapo.estimate.eval_sweep_dry_run`).
 """
 from __future__ import annotations
 

@@ -366,10 +366,10 @@ class Trainer:
 
         for folder in (self.run_dir, *Path(self.run_dir).absolute().parents):
             if (folder / MANIFEST).is_file():
-                where = "an" if folder == self.run_dir else f"inside {folder}, an"
-                raise ConfigError(f"invalid value for 'trainer.run_name' ({self.run_name}): {self.run_dir} is "
-                                  f"{where} evaluate.py output folder ({MANIFEST}); choose another run name or "
-                                  f"output folder")
+                key, value, where = (("trainer.run_name", self.run_name, "an") if folder == self.run_dir else
+                                     ("trainer.output_dir", self.cfg.trainer.output_dir, f"inside {folder}, an"))
+                raise ConfigError(f"invalid value for {key!r} ({value}): {self.run_dir} is {where} evaluate.py "
+                                  f"output folder ({MANIFEST}); choose another run name or output folder")
         if self.cfg.trainer.resume != "never" and self.dist.is_main:
             for name in ("metrics.jsonl", "tables.jsonl"):
                 if (self.run_dir / name).is_file():
