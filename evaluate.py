@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], help="logging.wandb_mode")
     p.add_argument("--debug", action="store_true",
                    help="show the full traceback of a runtime failure (also: STAPO_DEBUG=1)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show the libraries' own logs (vLLM's INFO lines, transformers, torch), quiet by default")
     p.add_argument("--dry-run", action="store_true", help="check the config, model path, data and run directory, "
                    "print the resolved config and the cost estimate, and exit: no model loaded, nothing written "
                    "(docs/evaluation.md#dry-run)")
@@ -52,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from stapo import console
+
+    console.set_verbose(args.verbose)
+    console.quiet_libraries()  # before vLLM / transformers are imported (stapo/console.py, as train.py)
     from stapo.cli import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # SIGTERM: the run folder's lock released, one line, exit 143 (as Ctrl-C: 130)

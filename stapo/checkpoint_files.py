@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DCP_DIR", "MARKER", "FULL_HASH_LIMIT", "WEIGHT_GLOBS", "has_hf_weights", "is_sharded", "verify_checkpoint", "resumable_checkpoints",
-           "complete_checkpoints", "latest_checkpoint"]
+__all__ = ["DCP_DIR", "MARKER", "FULL_HASH_LIMIT", "WEIGHT_GLOBS", "has_hf_weights", "is_sharded", "verify_checkpoint",
+           "step_folders", "resumable_checkpoints", "complete_checkpoints", "latest_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 #: The ``torch.distributed.checkpoint`` subfolder of a checkpoint.
@@ -123,15 +123,20 @@ def verify_checkpoint(checkpoint_dir: str | Path, checksums: bool = True) -> str
     return None
 
 
-def resumable_checkpoints(checkpoint_root: str | Path) -> list[tuple[Path, str | None]]:
-    """Every ``step_N`` folder under ``checkpoint_root``, newest first, with :func:`verify_checkpoint`'s reason
-    (None = intact). ``*.tmp`` / ``*.old`` folders (interrupted saves) are not listed. [] when there is no folder."""
+def step_folders(checkpoint_root: str | Path) -> list[Path]:
+    """Every ``step_N`` folder under ``checkpoint_root``, oldest first, complete or not (nothing is read).
+    ``*.tmp`` / ``*.old`` folders (interrupted saves) are not listed. [] when there is no folder."""
     root = Path(checkpoint_root)
     if not root.is_dir():
         return []
-    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))),
-                   reverse=True)
-    return [(p, verify_checkpoint(p)) for _, p in found]
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+    return [p for _, p in found]
+
+
+def resumable_checkpoints(checkpoint_root: str | Path) -> list[tuple[Path, str | None]]:
+    """Every ``step_N`` folder under ``checkpoint_root`` (:func:`step_folders`), newest first, with
+    :func:`verify_checkpoint`'s reason (None = intact). [] when there is no folder."""
+    return [(p, verify_checkpoint(p)) for p in reversed(step_folders(checkpoint_root))]
 
 
 def is_sharded(checkpoint_dir: str | Path) -> bool:

@@ -9,7 +9,9 @@ is scaled from:
   the update plan (:func:`stapo.train.plan.build_plan`), optimizer steps, checkpoints and their size, validation
   samples, the FLOPs of a step at the bound (:mod:`stapo.perf`'s counts).
 * :func:`eval_cost` → :class:`EvalCost`: problems per benchmark (after ``--limit``), samples per setting (avg@N),
-  the samples still to generate (a rerun resumes) and their generated-token bound.
+  the samples still to generate (a rerun resumes) and their generated-token bound; for a checkpoint sweep
+  (``model.checkpoints``), those of every checkpoint still to evaluate, planned by the sweep's own functions
+  (:func:`stapo.evaluation.sweep.check_sweep`, :func:`~stapo.evaluation.sweep.sweep_jobs`).
 * Time: only from a measurement, never guessed. Training: the throughput cache that every finished ``train.py``
   run writes (:func:`record_train_throughput`: ``$STAPO_CACHE_DIR`` or ``~/.cache/stapo``, ``throughput.json``,
   keyed by model, device, compute dtype and :func:`machine_key`), else the ``metrics.jsonl`` of an earlier run of
@@ -38,7 +40,7 @@ from typing import Any, Iterable, Mapping, Sequence
 __all__ = ["TrainCost", "EvalCost", "Measured", "ModelSize", "train_cost", "eval_cost", "checkpoint_steps",
            "model_size", "machine_key", "throughput_cache_path", "record_train_throughput", "lookup_train_throughput",
            "measured_from_runs", "measured_from_evaluations", "format_train_cost", "format_eval_cost",
-           "train_dry_run", "eval_dry_run"]
+           "train_dry_run", "eval_dry_run", "eval_sweep_dry_run"]
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -263,25 +265,27 @@ def measured_from_runs(output_dir: str | os.PathLike, model: str, compute_dtype:
     return max(found, key=lambda x: x[0])[1] if found else None
 
 
-def measured_from_evaluations(root: str | os.PathLike, model_path: str, backend: str, dtype: str,
+def measured_from_evaluations(root: str | os.PathLike, model_path: str | Sequence[str], backend: str, dtype: str,
                               also: Iterable[str | os.PathLike] = ()) -> Measured | None:
-    """The newest ``results.json`` (``also`` folders first, then every ``<root>/*/``) of an evaluation of
-    ``model_path`` (the resolved model path) with this backend and dtype whose ``run.tokens_per_s`` is set
-    (a rerun that generated nothing has none): its generation rate and mean response length.
+    """The newest ``results.json`` (``also`` folders first, then every ``<root>/*/`` and ``<root>/*/step_*/``: a
+    sweep's checkpoints) of an evaluation of ``model_path`` (the resolved model path, or several: e.g. the
+    checkpoints of one run, which share the shape) with this backend and dtype whose ``run.tokens_per_s`` is set (a
+    rerun that generated nothing has none): its generation rate and mean response length.
 
     Returns:
         :class:`Measured` (``seconds_per_step`` None; ``response_length`` = its ``max_new_tokens``), or None.
     """
+    paths = {model_path} if isinstance(model_path, str) else set(model_path)
     candidates = [Path(a) / "results.json" for a in also]
     base = Path(root)
-    if base.is_dir():
-        candidates += sorted(base.glob("*/results.json"))
+    if base.is_dir():  # single evaluations, and the checkpoints of sweeps (stapo.evaluation.sweep)
+        candidates += sorted(base.glob("*/results.json")) + sorted(base.glob("*/step_*/results.json"))
     found = []
     for f in candidates:
         try:
             res = json.loads(f.read_text())
             rate = res["run"].get("tokens_per_s")
-            same = (res["model"]["path"] == model_path and res["model"].get("dtype") == dtype
+            same = (res["model"]["path"] in paths and res["model"].get("dtype") == dtype
                     and res["protocol"]["engine"]["backend"] == backend)
             if not same or not rate:
                 continue
@@ -445,12 +449,14 @@ class EvalCost:
             problem, Σ prompt tokens of its problems.
         settings: the decoding settings' names.
         samples_per_setting: Σ problems × N (the samples of one avg@N table column).
-        samples: every sample of the run (× settings).
+        samples: every sample of the run (× settings × checkpoints).
         pending: samples still to generate (a rerun resumes: complete problems are skipped).
         max_new_tokens: ``generation.max_new_tokens``.
         tokens_bound: pending × max_new_tokens.
         seconds_bound, seconds_expected: the pending samples at the cap / at the measured mean response length,
             over the measured generation rate; None when unknown. measured: the measurement.
+        checkpoints: the checkpoints evaluated (a sweep's still to evaluate; 1 for a single evaluation), each with
+            ``benchmarks`` and ``settings``.
     """
 
     benchmarks: dict[str, dict[str, int]]
@@ -463,10 +469,11 @@ class EvalCost:
     seconds_bound: float | None = None
     seconds_expected: float | None = None
     measured: Measured | None = None
+    checkpoints: int = 1
 
 
 def eval_cost(benchmarks: Mapping[str, Mapping[str, int]], settings: Sequence[str], pending: int, max_new_tokens: int,
-              measured: Measured | None = None) -> EvalCost:
+              measured: Measured | None = None, checkpoints: int = 1) -> EvalCost:
     """Samples, the generated-token bound and the time of an evaluation.
 
     Args:
@@ -475,9 +482,11 @@ def eval_cost(benchmarks: Mapping[str, Mapping[str, int]], settings: Sequence[st
         pending: samples not stored yet (all of them for a new run directory).
         max_new_tokens: tokens per response at most.
         measured: an earlier evaluation's generation rate (:func:`measured_from_evaluations`), or None.
+        checkpoints: how many checkpoints are evaluated with these benchmarks and settings (a sweep); ``pending``
+            counts the samples of all of them.
 
     Example: AIME24 (2 problems, N = 3) and MATH500 (2 problems, N = 2) under 2 settings, 8 new tokens:
-    2·3 + 2·2 = 10 samples per setting, 20 in all, ≤ 160 generated tokens.
+    2·3 + 2·2 = 10 samples per setting, 20 in all, ≤ 160 generated tokens; 3 checkpoints of a sweep: 60.
     """
     per = sum(int(b["problems"]) * int(b["N"]) for b in benchmarks.values())
     bound = int(pending) * int(max_new_tokens)
@@ -487,9 +496,9 @@ def eval_cost(benchmarks: Mapping[str, Mapping[str, int]], settings: Sequence[st
         if measured.mean_response_tokens is not None:
             sec_exp = pending * min(measured.mean_response_tokens, max_new_tokens) / measured.tokens_per_s
     return EvalCost(benchmarks={k: dict(v) for k, v in benchmarks.items()}, settings=list(settings),
-                    samples_per_setting=per, samples=per * len(settings), pending=int(pending),
+                    samples_per_setting=per, samples=per * len(settings) * int(checkpoints), pending=int(pending),
                     max_new_tokens=int(max_new_tokens), tokens_bound=bound, seconds_bound=sec_bound,
-                    seconds_expected=sec_exp, measured=measured)
+                    seconds_expected=sec_exp, measured=measured, checkpoints=int(checkpoints))
 
 
 # --- formatting -----------------------------------------------------------------------------------------------
@@ -584,9 +593,10 @@ def format_eval_cost(c: EvalCost) -> str:
         dropped = f" ({b['dropped']} dropped: long prompt)" if b.get("dropped") else ""
         rows.append((name, _n(b["problems"]), f"{b['N']:<3}{_n(b['problems'] * b['N']):>16}  "
                                                f"{_n(b.get('prompt_tokens')):>13}{dropped}"))
-    lines = ["cost estimate:", *_table(rows),
+    per_ckpt = f" × {c.checkpoints} checkpoint(s)" if c.checkpoints != 1 else ""
+    lines = [f"cost estimate{' (per checkpoint)' if per_ckpt else ''}:", *_table(rows),
              f"samples: {_n(c.samples_per_setting)} per setting (avg@N) × {len(c.settings)} setting(s) "
-             f"({', '.join(c.settings)}) = {_n(c.samples)}; to generate: {_n(c.pending)}"
+             f"({', '.join(c.settings)}){per_ckpt} = {_n(c.samples)}; to generate: {_n(c.pending)}"
              f"{' (the rest are stored: a rerun resumes)' if c.pending < c.samples else ''}",
              f"generated tokens ≤ {_n(c.tokens_bound)} ({_n(c.pending)} × {c.max_new_tokens} max new tokens)"]
     m = c.measured
@@ -650,7 +660,8 @@ def train_dry_run(trainer: Any) -> str:
 def eval_dry_run(cfg: Any) -> str:
     """What ``evaluate.py --dry-run`` prints: every check of :func:`stapo.evaluation.runner.run_evaluation` that
     needs no model (``dry_run=True``: nothing written, no lock taken), then the resolved config (YAML), the run
-    directory and :func:`format_eval_cost`.
+    directory and :func:`format_eval_cost`. With ``model.checkpoints`` (``--all-checkpoints`` / ``--checkpoints``)
+    the sweep's plan instead (:func:`eval_sweep_dry_run`).
 
     Raises:
         stapo.evaluation.EvalError: as :func:`~stapo.evaluation.runner.run_evaluation` before it loads the model.
@@ -658,19 +669,83 @@ def eval_dry_run(cfg: Any) -> str:
     from stapo.evaluation.config import eval_config_to_dict
     from stapo.evaluation.runner import run_evaluation
 
+    if cfg.model.checkpoints is not None:
+        return eval_sweep_dry_run(cfg)
     plan = run_evaluation(cfg, dry_run=True)
-    benchmarks = {name: {"problems": len(plist), "loaded": plan["totals"][name], "dropped": plan["dropped"][name],
-                         "N": int(cfg.data.samples[name]), "prompt_tokens": sum(len(p.prompt_ids) for p in plist)}
-                  for name, plist in plan["problems"].items()}
-    pending = sum(n * int(cfg.data.samples[b]) for per in plan["pending"].values() for b, n in per.items())
+    cost, _ = _plan_cost(cfg, [plan], measured_from_evaluations(
+        cfg.output.root, plan["source"].path, cfg.engine.backend, cfg.model.dtype, also=[plan["run_dir"]]))
     source = plan["source"]
-    measured = measured_from_evaluations(cfg.output.root, source.path, cfg.engine.backend, cfg.model.dtype,
-                                         also=[plan["run_dir"]])
-    cost = eval_cost(benchmarks, [s.name for s in cfg.generation.settings], pending, cfg.generation.max_new_tokens,
-                     measured)
     exists = "exists" if Path(plan["run_dir"]).is_dir() else "not created by --dry-run"
     head = ["# evaluate.py --dry-run: the resolved config", _yaml(eval_config_to_dict(cfg)).rstrip(),
             f"model: {source.spec} ({source.kind}{f', step {source.step}' if source.step is not None else ''}); "
             f"prompt: {plan['prompt'].style} ({plan['prompt'].source})",
             f"run directory: {plan['run_dir']} ({exists})"]
     return "\n".join(head + [format_eval_cost(cost)])
+
+
+def _plan_cost(cfg: Any, plans: Sequence[Mapping[str, Any]], measured: Measured | None) -> tuple[EvalCost, list[int]]:
+    """The :class:`EvalCost` of the dry-run plans of one or more checkpoints evaluated with ``cfg``'s benchmarks
+    and settings (:func:`~stapo.evaluation.runner.run_evaluation` with ``dry_run=True``; the problems of the first
+    one — the checkpoints of a run share the tokenizer and prompt), and each plan's samples still to generate."""
+    first = plans[0]
+    benchmarks = {name: {"problems": len(plist), "loaded": first["totals"][name], "dropped": first["dropped"][name],
+                         "N": int(cfg.data.samples[name]), "prompt_tokens": sum(len(p.prompt_ids) for p in plist)}
+                  for name, plist in first["problems"].items()}
+    pending = [sum(n * int(cfg.data.samples[b]) for per in plan["pending"].values() for b, n in per.items())
+               for plan in plans]
+    return eval_cost(benchmarks, [s.name for s in cfg.generation.settings], sum(pending),
+                     cfg.generation.max_new_tokens, measured, checkpoints=len(plans)), pending
+
+
+def eval_sweep_dry_run(cfg: Any) -> str:
+    """``evaluate.py --dry-run`` of a checkpoint sweep (``model.checkpoints``): the plan a real sweep would follow,
+    from the sweep's own functions (:func:`stapo.evaluation.sweep.check_sweep`, then, with the sweep folder's lock
+    only checked, :func:`~stapo.evaluation.sweep.sweep_jobs` and :func:`~stapo.evaluation.sweep.earlier_results`),
+    and the dry run of every checkpoint still to evaluate. Prints the resolved config, the sweep folder, one line
+    per selected checkpoint (its folder and whether it is skipped as already evaluated, evaluated, or damaged, with
+    the reason), the checkpoints evaluated earlier that stay on the curve, and the cost of the checkpoints still to
+    evaluate (:func:`format_eval_cost`, × checkpoints). Nothing is loaded or written.
+
+    Raises:
+        stapo.evaluation.EvalError: what the sweep refuses (a step with no checkpoint, no intact checkpoint, an
+            output folder that is not this run's sweep folder, a folder in use), and as
+            :func:`~stapo.evaluation.runner.run_evaluation` before it loads the model, for each checkpoint.
+    """
+    from stapo.evaluation.config import eval_config_to_dict
+    from stapo.evaluation.runner import _holding_lock, run_evaluation
+    from stapo.evaluation.sweep import check_sweep, earlier_results, sweep_jobs
+
+    plan, sweep_dir = check_sweep(cfg)
+    with _holding_lock(sweep_dir, "output.dir" if cfg.output.dir else "output.root", take=False):
+        jobs = sweep_jobs(cfg, plan, sweep_dir)
+        earlier = earlier_results(cfg, plan, sweep_dir)
+    todo = [job for job in jobs if job.done is None]
+    plans = [run_evaluation(job.cfg, dry_run=True) for job in todo]
+    exists = "exists" if sweep_dir.is_dir() else "not created by --dry-run"
+    lines = ["# evaluate.py --dry-run: the resolved config", _yaml(eval_config_to_dict(cfg)).rstrip(),
+             f"sweep of {plan.run_dir} (model.checkpoints={cfg.model.checkpoints}): sweep folder {sweep_dir} "
+             f"({exists})"]
+    if plans:
+        lines.append(f"prompt: {plans[0]['prompt'].style} ({plans[0]['prompt'].source})")
+    names = {p.name for p in (plan.run_dir / "checkpoints").glob("step_*")} | {p.name for p in sweep_dir.glob("step_*")}
+    measured = measured_from_evaluations(  # any checkpoint of the run (one shape), in this sweep or elsewhere
+        cfg.output.root, [str(plan.run_dir / "checkpoints" / name) for name in names], cfg.engine.backend,
+        cfg.model.dtype, also=[job.cfg.output.dir for job in jobs])
+    cost, pending = _plan_cost(cfg, plans, measured) if plans else (None, [])
+    todo_pending = dict(zip((job.step for job in todo), pending))
+    rows = [(job.step, job.checkpoint.name, job.cfg.output.dir,
+             "already evaluated: skipped" if job.done is not None else
+             f"to evaluate ({_n(todo_pending[job.step])} samples to generate)") for job in jobs]
+    rows += [(step, ckpt.name, "-", f"damaged ({why}): skipped") for step, ckpt, why in plan.damaged]
+    lines.append(f"checkpoints: {len(plan.checkpoints) + len(plan.damaged)} selected — {len(todo)} to evaluate, "
+                 f"{len(jobs) - len(todo)} already evaluated (skipped), {len(plan.damaged)} damaged (skipped)")
+    lines += _table([(f"step {s}", name, f"{folder}  {what}") for s, name, folder, what in sorted(rows)])
+    if earlier:
+        lines.append(f"also on the curve (evaluated earlier in this folder with the same settings): step(s) "
+                     f"{', '.join(str(s) for s, _ in earlier)}")
+    if cost is None:
+        lines.append("cost estimate: nothing to evaluate (every selected checkpoint is evaluated; the sweep reports "
+                     "are rebuilt)")
+    else:
+        lines.append(format_eval_cost(cost))
+    return "\n".join(lines)

@@ -148,6 +148,12 @@ def test_eval_cost_by_hand(tmp_path):
     c = est.eval_cost(benchmarks, ["t1.0_p1.0", "t0.7_p0.9"], pending=20, max_new_tokens=8)
     assert (c.samples_per_setting, c.samples, c.tokens_bound) == (10, 20, 160)  # 2·3 + 2·2; × 2 settings; × 8
     assert c.seconds_bound is None and "time: unknown" in est.format_eval_cost(c)
+    # a sweep: 3 checkpoints still to evaluate, each 10 samples × 2 settings = 60; 50 not stored yet
+    c3 = est.eval_cost(benchmarks, ["t1.0_p1.0", "t0.7_p0.9"], pending=50, max_new_tokens=8, checkpoints=3)
+    assert (c3.samples_per_setting, c3.samples, c3.tokens_bound) == (10, 60, 400)  # 50 × 8
+    text = est.format_eval_cost(c3)
+    assert text.startswith("cost estimate (per checkpoint):")
+    assert "× 2 setting(s) (t1.0_p1.0, t0.7_p0.9) × 3 checkpoint(s) = 60; to generate: 50" in text
     out = tmp_path / "earlier"
     out.mkdir()
     results = {"model": {"path": "/m", "dtype": "float32"}, "protocol": {"engine": {"backend": "hf"},
@@ -158,6 +164,12 @@ def test_eval_cost_by_hand(tmp_path):
     m = est.measured_from_evaluations(tmp_path, "/m", "hf", "float32")
     assert (m.tokens_per_s, m.mean_response_tokens) == (10.0, 4.0)  # (3·10 + 5·10) / 20
     assert est.measured_from_evaluations(tmp_path, "/m", "vllm", "float32") is None
+    # a sweep's checkpoint (<root>/<sweep>/step_XXXXXX/results.json), looked up among several model paths
+    (out / "results.json").rename(tmp_path / "x.json")
+    (tmp_path / "sweep" / "step_000001").mkdir(parents=True)
+    (tmp_path / "x.json").rename(tmp_path / "sweep" / "step_000001" / "results.json")
+    assert est.measured_from_evaluations(tmp_path, ["/other", "/m"], "hf", "float32").tokens_per_s == 10.0
+    assert est.measured_from_evaluations(tmp_path, ["/other"], "hf", "float32") is None
     c = est.eval_cost(benchmarks, ["t1.0_p1.0", "t0.7_p0.9"], pending=20, max_new_tokens=8, measured=m)
     assert c.seconds_bound == 16.0  # 160 tokens / 10 per s
     assert c.seconds_expected == 8.0  # 20 samples × 4 tokens / 10 per s

@@ -163,6 +163,55 @@ def test_one_checkpoint_is_logged_at_its_step_in_the_training_run_group(shared_d
     assert [row["training/global_step"] for row, _ in run.rows] == [1, 1, 1]  # scalars, eval/summary, eval/details
 
 
+def test_a_rerun_logs_only_new_points_and_starts_no_wandb_when_there_are_none(shared_data_root, tmp_path, tiny_run,
+                                                                            fake_wandb):
+    """Defect #10: a sweep of step 1, then of every checkpoint, then again: W&B gets step 1, then step 2 alone (in
+    the same W&B run), then nothing (no wandb.init); metrics.jsonl always holds every point."""
+    from stapo.evaluation.report import WANDB_LOGGED
+    from stapo.evaluation.sweep import run_sweep
+
+    out = tmp_path / "sweep"
+    cfg = lambda sel: sweep_cfg(shared_data_root, tiny_run, out, f"model.checkpoints={sel}",  # noqa: E731
+                                "logging.wandb_mode=offline")
+
+    def steps(run):  # the training steps of the rows logged to one W&B run: scalars, eval/summary, eval/details
+        return [row["training/global_step"] for row, _ in run.rows]
+
+    run_sweep(cfg("[1]"))
+    assert len(fake_wandb) == 1 and steps(fake_wandb[0]) == [1, 1, 1]
+    record = json.loads((out / WANDB_LOGGED).read_text())
+    assert record["run_id"] == (out / "wandb_run_id").read_text().strip() == fake_wandb[0].init["id"]
+    assert sorted(record["points"]) == ["1"]
+    run_sweep(cfg("all"))  # step 1 skipped (already evaluated and logged), step 2 new
+    assert len(fake_wandb) == 2 and steps(fake_wandb[1]) == [2, 2, 2]
+    assert fake_wandb[1].init["id"] == fake_wandb[0].init["id"]  # the same W&B run, resumed
+    assert sorted(json.loads((out / WANDB_LOGGED).read_text())["points"]) == ["1", "2"]
+    run_sweep(cfg("all"))  # nothing new: W&B not started at all
+    assert len(fake_wandb) == 2
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == [1, 2]  # the local mirror keeps every point
+    assert [(r["step"], r["name"]) for r in rows(out / "tables.jsonl")] == [
+        (1, "eval/summary"), (1, "eval/details"), (2, "eval/summary"), (2, "eval/details")]
+    # another W&B run (its id file replaced, e.g. a copied folder): the record is not its, so every point is logged
+    (out / "wandb_run_id").write_text("other123")
+    run_sweep(cfg("all"))
+    assert len(fake_wandb) == 3 and steps(fake_wandb[2]) == [1, 1, 1, 2, 2, 2]
+
+
+def test_a_rerun_of_one_checkpoint_evaluation_logs_it_once(shared_data_root, tmp_path, tiny_run, fake_wandb):
+    """Defect #10, single evaluation: a plain rerun does not log the summary again; a rerun that extends the
+    evaluation (data.limit 1 → 2: new samples, new numbers) logs the changed point."""
+    from stapo.evaluation import run_evaluation
+
+    ckpt = tiny_run / "checkpoints" / "step_000001"
+    run_evaluation(sweep_cfg(shared_data_root, ckpt, tmp_path / "one", "logging.wandb_mode=offline"))
+    run_evaluation(sweep_cfg(shared_data_root, ckpt, tmp_path / "one", "logging.wandb_mode=offline"))
+    assert len(fake_wandb) == 1
+    assert [r["step"] for r in rows(tmp_path / "one" / "metrics.jsonl")] == [1]
+    run_evaluation(sweep_cfg(shared_data_root, ckpt, tmp_path / "one", "logging.wandb_mode=offline", "data.limit=2"))
+    assert len(fake_wandb) == 2 and [row["training/global_step"] for row, _ in fake_wandb[1].rows] == [1, 1, 1]
+    assert fake_wandb[1].rows[0][0]["eval/t1.0_p1.0/aime24/avg@N"] is not None
+
+
 def test_a_base_model_is_logged_at_step_0_without_a_training_run():
     from stapo.evaluation.report import result_step, wandb_identity
 
@@ -280,6 +329,96 @@ def test_sweep_cli_names_a_damaged_checkpoint_in_one_line(shared_data_root, tmp_
     assert rc == 2 and err.count("\n") == 1 and "step_000001: trainer_state.pt is 0 bytes" in err
 
 
+def test_sweep_dry_run_plans_the_real_sweep_and_refuses_what_it_refuses(shared_data_root, tmp_path, tiny_run,
+                                                                         monkeypatch, capsys):
+    """Defect #6: evaluate.py --dry-run with --all-checkpoints / --checkpoints shows the sweep's checkpoints, their
+    folders, which are already evaluated (skipped) or damaged, and the cost of the rest; writes and loads nothing;
+    refuses an unknown step with the real sweep's one line (exit 2)."""
+    import runpy
+    import shutil
+
+    from stapo.evaluation.sweep import plan_sweep, run_sweep
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("--dry-run loaded a model or started an engine")
+
+    # a run with tiny_run's two checkpoints (linked) and a damaged third one
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(tiny_run / "config.json", run / "config.json")
+    for name in ("step_000001", "step_000002"):
+        (run / "checkpoints" / name).symlink_to(tiny_run / "checkpoints" / name, target_is_directory=True)
+    fake_checkpoints(run, steps=(3,))
+    (run / "checkpoints" / "step_000003" / "trainer_state.pt").write_bytes(b"")
+    out = tmp_path / "sweep"
+    run_sweep(sweep_cfg(shared_data_root, run, out, "model.checkpoints=[1]"))  # step 1 evaluated for real
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    monkeypatch.setattr("stapo.evaluation.runner._load_model", must_not_run)
+    monkeypatch.setattr("stapo.evaluation.runner._build_engine", must_not_run)
+    main = runpy.run_path(str(REPO / "evaluate.py"), run_name="evaluate_cli")["main"]
+    argv = ["--config", str(REPO / "configs/eval/tiny_test.yaml"), "data.benchmarks=[aime24]", "data.limit=1",
+            "data.samples.aime24=2", "generation.settings=[{name: t1.0_p1.0, temperature: 1.0, top_p: 1.0}]",
+            "--model", str(run), "--data-root", str(shared_data_root), "--output", str(out), "--dry-run"]
+    capsys.readouterr()
+    assert main(argv + ["--all-checkpoints"]) == 0
+    text = capsys.readouterr().out
+    assert f"sweep of {run} (model.checkpoints=all): sweep folder {out} (exists)" in text
+    assert "checkpoints: 3 selected — 1 to evaluate, 1 already evaluated (skipped), 1 damaged (skipped)" in text
+    lines = {line.split()[1]: line for line in text.splitlines() if line.startswith("  step ")}
+    assert f"{out / 'step_000001'}  already evaluated: skipped" in lines["1"]
+    # step 2: 1 AIME24 problem × N = 2 under 1 setting = 2 samples, none stored
+    assert f"{out / 'step_000002'}  to evaluate (2 samples to generate)" in lines["2"]
+    assert "damaged (trainer_state.pt is 0 bytes, 10 were written): skipped" in lines["3"]
+    assert "samples: 2 per setting (avg@N) × 1 setting(s) (t1.0_p1.0) = 2; to generate: 2" in text
+    assert "generated tokens ≤ 16 (2 × 8 max new tokens)" in text  # 2 samples × 8 new tokens
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing written
+    # a list of steps: the same refusal as the real sweep, one line, exit 2
+    with pytest.raises(EvalError) as real:
+        plan_sweep(str(run), [1, 7])
+    assert main(argv + ["--checkpoints", "1", "7"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"evaluate.py: error: {real.value}\n" and "no checkpoint of step(s) [7]" in err
+
+
+def test_a_run_folder_names_every_damaged_checkpoint(tmp_path, capsys):
+    """Defect #13c: --model <run> where step 3 fails its checksum and step 2 has lost trainer_state.pt: one line
+    for each, then the one-line error."""
+    from stapo.evaluation.model_source import resolve_model_source
+
+    run = tmp_path / "run"
+    fake_checkpoints(run, steps=(2, 3))
+    (run / "checkpoints" / "step_000003" / "model.safetensors").write_bytes(b"x" * 100)  # same size, other bytes
+    (run / "checkpoints" / "step_000002" / "trainer_state.pt").unlink()
+    with pytest.raises(EvalError, match="has no intact checkpoint"):
+        resolve_model_source(str(run))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert "step_000003 is damaged (model.safetensors does not match its checksum" in err[0]
+    assert "step_000002 is damaged (trainer_state.pt is missing)" in err[1]
+
+
+def test_loading_weights_bar_follows_logging_progress_bar(tiny_run, capsys):
+    """Defect #13a: transformers' "Loading weights" bar only with logging.progress_bar (and its setting restored)."""
+    from transformers.utils import logging as hf_logging
+
+    from stapo.evaluation.model_source import resolve_model_source
+    from stapo.evaluation.runner import _load_model
+
+    source = resolve_model_source(str(tiny_run / "checkpoints" / "step_000001"))
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as a fresh process has it (unless HF_HUB_DISABLE_PROGRESS_BARS is set)
+    try:
+        for progress_bar in (False, True):
+            cfg = load_eval_config(REPO / "configs" / "eval" / "tiny_test.yaml",
+                                   [f"logging.progress_bar={progress_bar}"])
+            _load_model(source, cfg, tokenizer=None)
+            assert ("Loading weights" in capsys.readouterr().err) is progress_bar
+            assert hf_logging.is_progress_bar_enabled()  # restored after the load
+    finally:
+        if not was:
+            hf_logging.disable_progress_bar()
+
+
 def test_sweep_and_training_folders_never_mix(tmp_path):
     from stapo.evaluation.runner import MANIFEST, _check_manifest
     from stapo.evaluation.sweep import _claim
@@ -311,6 +450,14 @@ def test_train_py_refuses_a_sweep_folder(tmp_path):
     cfg = load_config(REPO / "configs" / "tiny_test.yaml", [f"trainer.output_dir={tmp_path}", "trainer.run_name=sweep"])
     with pytest.raises(ConfigError, match="evaluate.py output folder"):
         Trainer(cfg)
+    # defect #13f: nor a run inside a sweep folder (its step_XXXXXX folders are evaluations), at any depth
+    for out, name in ((tmp_path / "sweep", "step_000009"), (tmp_path / "sweep" / "a", "b")):
+        cfg = load_config(REPO / "configs" / "tiny_test.yaml",
+                          [f"trainer.output_dir={out}", f"trainer.run_name={name}"])
+        with pytest.raises(ConfigError, match=f"'trainer.output_dir' .*inside {tmp_path / 'sweep'}, an evaluate.py "
+                                              f"output folder"):
+            Trainer(cfg)
+        assert not (out / name).exists()
 
 
 # --- trainer.val_before_train -----------------------------------------------------------------------------------

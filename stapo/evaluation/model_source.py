@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stapo.checkpoint_files import _STEP_DIR, complete_checkpoints, has_hf_weights, verify_checkpoint
+from stapo.checkpoint_files import (_STEP_DIR, complete_checkpoints, has_hf_weights, step_folders,
+                                    verify_checkpoint)
 from stapo.evaluation.errors import EvalError
 
 __all__ = ["EMBEDDED_NAMES", "ModelSource", "resolve_model_source"]
@@ -114,9 +115,11 @@ def _folder_source(spec: str, folder: Path) -> ModelSource:
                                str(run_dir) if run_dir is not None else None)
         return ModelSource(spec, "hf_folder", str(folder), folder.name)
     for root in (folder / "checkpoints", folder):  # a train.py run folder (its config.json is not a model's)
-        ckpts = complete_checkpoints(root)  # the rule a resume uses (stapo/checkpoint_files.py)
-        for ckpt in reversed(ckpts):  # the newest intact one; each damaged newer one is named
-            damaged = verify_checkpoint(ckpt)
+        # in a checkpoints/ folder every step_N folder is a checkpoint, damaged or not (each one named below);
+        # elsewhere (a folder holding checkpoints directly, or something else) only the complete ones count
+        ckpts = step_folders(root) if root.name == "checkpoints" else complete_checkpoints(root)
+        for ckpt in reversed(ckpts):  # the newest intact one (the rule a resume uses: stapo/checkpoint_files.py);
+            damaged = verify_checkpoint(ckpt)  # each damaged newer one is named, one line each
             if damaged is None:
                 return _folder_source(spec, ckpt)
             print(f"evaluating {root}: {ckpt.name} is damaged ({damaged}); trying the one before", file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import math
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "result_step",
     "wandb_identity",
     "log_wandb",
+    "WANDB_LOGGED",
     "SWEEP_METRICS",
     "sweep_rows",
     "sweep_markdown",
@@ -409,6 +411,33 @@ def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
+#: The file (in an evaluation's or a sweep's folder) that records which points its W&B run holds already:
+#: ``{"run_id": the W&B run id (wandb_run_id), "points": {"<training step>": digest of what was logged}}``.
+WANDB_LOGGED = "wandb_logged.json"
+
+
+def _point_digest(res: dict[str, Any]) -> str:
+    """SHA-256 (hex) of what :func:`log_wandb` logs for one result: its step, scalars and table rows (a rerun that
+    extends an evaluation — more problems, benchmarks or settings — changes it; a plain rerun does not)."""
+    header, rows = paper_table([res])
+    text = json.dumps([result_step(res), _flat_metrics(res), header, rows, csv_rows([res])], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _logged_points(run_dir: Path) -> dict[str, str]:
+    """``{"<step>": digest}`` of the points the W&B run of ``run_dir`` holds (:data:`WANDB_LOGGED`); {} when the
+    file is missing or unreadable, or records another W&B run than ``wandb_run_id`` names (a new run: log all)."""
+    try:
+        rec = json.loads((run_dir / WANDB_LOGGED).read_text())
+        run_id = (run_dir / "wandb_run_id").read_text().strip()
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(rec, dict) or rec.get("run_id") != run_id or not isinstance(rec.get("points"), dict):
+        return {}
+    return {str(k): str(v) for k, v in rec["points"].items()}
+
+
 def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str | os.PathLike, *,
               mode: str = "offline", project: str = "stapo", entity: str | None = None, fallback: str = "offline",
               group: str | None = None, tags: Sequence[str] | None = None, job_type: str | None = None,
@@ -420,29 +449,27 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
     checkpoints form a curve on the training-step axis, in any order: scalars ``eval/<setting>/<benchmark>/<metric>``
     and the tables ``eval/summary`` (the paper table) and ``eval/details`` (the long rows). Identity (group, tags,
     job_type ``eval``, the training run's objective, model and seed in the config): :func:`wandb_identity` from
-    the first result. ``mode="disabled"`` still writes ``metrics.jsonl`` and ``tables.jsonl`` in ``run_dir``
-    (one row per result, at its step); a rerun replaces the previous rows there. ``fallback`` as
-    ``logging.wandb_fallback``; the evaluation is finished when this runs, so a W&B that cannot start never fails
-    it: one line on stderr, and the JSONL files are written without W&B.
+    the first result. ``metrics.jsonl`` and ``tables.jsonl`` in ``run_dir`` always hold every result (one row per
+    result, at its step; a rerun replaces the previous rows there), ``mode="disabled"`` included.
+
+    Only new points go to W&B: :data:`WANDB_LOGGED` records (atomically, after the W&B run finished) the step and
+    a digest (:func:`_point_digest`) of each point logged, so a rerun of a finished evaluation or sweep logs only
+    the checkpoints evaluated (or extended) since — and when there are none it does not start W&B at all (an
+    offline rerun would otherwise leave another ``offline-run-*`` folder holding every point again, which
+    ``wandb sync`` would upload twice). ``fallback`` as ``logging.wandb_fallback``; the evaluation is finished when
+    this runs, so a W&B that cannot start never fails it: one line on stderr, the JSONL files are written without
+    W&B, and nothing is recorded as logged.
     """
     from stapo.tracking import Tracker, TrackerError
 
-    many = [results] if isinstance(results, dict) else list(results)
+    many = sorted([results] if isinstance(results, dict) else list(results), key=result_step)
     if not many:
         return
-    ident = wandb_identity(many[0], project=project, entity=entity, group=group, tags=tags, job_type=job_type,
-                           notes=notes, name=name)
-    config = ident.pop("config")
-    if len(many) > 1 and "train_run" in config:  # a sweep: the steps are the x axis, not one value of the config
-        config["train_run"] = {k: v for k, v in config["train_run"].items() if k != "step"}
-    try:
-        tracker = Tracker(run_dir, config, mode=mode, fallback=fallback, step_metric=STEP_METRIC, **ident)
-    except TrackerError as e:
-        print(f"evaluate.py: {e}; the results are complete, W&B skipped", file=sys.stderr)
-        tracker = Tracker(run_dir, {}, mode="disabled")
-    try:
+    out = Path(run_dir)
+
+    def log_all(tracker: Tracker, todo: Sequence[dict[str, Any]]) -> None:
         tracker.truncate_after(-1)
-        for res in sorted(many, key=result_step):
+        for res in todo:
             step = result_step(res)
             tracker.log(step, _flat_metrics(res))
             header, rows = paper_table([res])
@@ -450,8 +477,36 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
             long = csv_rows([res])
             if long:
                 tracker.log_table(step, "eval/details", list(long[0].keys()), [list(r.values()) for r in long])
+
+    logged = _logged_points(out) if mode != "disabled" else {}
+    new = {str(result_step(res)): (res, d) for res in many
+           if logged.get(str(result_step(res))) != (d := _point_digest(res))}  # {"<step>": (result, digest)}
+    if mode != "disabled" and new:
+        ident = wandb_identity(many[0], project=project, entity=entity, group=group, tags=tags, job_type=job_type,
+                               notes=notes, name=name)
+        config = ident.pop("config")
+        if len(many) > 1 and "train_run" in config:  # a sweep: the steps are the x axis, not one value of the config
+            config["train_run"] = {k: v for k, v in config["train_run"].items() if k != "step"}
+        try:
+            tracker = Tracker(out, config, mode=mode, fallback=fallback, step_metric=STEP_METRIC, **ident)
+        except TrackerError as e:
+            print(f"evaluate.py: {e}; the results are complete, W&B skipped", file=sys.stderr)
+        else:
+            try:
+                log_all(tracker, [res for res, _ in new.values()])  # the JSONL files are rewritten whole below
+                started = tracker.wandb_dir is not None
+            finally:
+                tracker.finish()
+            if started:
+                run_id = (out / "wandb_run_id").read_text().strip()
+                points = {**_logged_points(out), **{step: d for step, (_, d) in new.items()}}
+                with _atomic(out / WANDB_LOGGED) as tmp:  # a reader never finds a torn record
+                    tmp.write_text(json.dumps({"run_id": run_id, "points": points}, indent=1, sort_keys=True) + "\n")
+    mirror = Tracker(out, {}, mode="disabled")  # metrics.jsonl / tables.jsonl: every point, by step
+    try:
+        log_all(mirror, many)
     finally:
-        tracker.finish()
+        mirror.finish()
 
 
 # --- a sweep of checkpoints: accuracy against the training step -----------------------------------------------

@@ -11,6 +11,7 @@ Run directory (``output.dir``, default ``runs/eval/<label>``)::
     results.json  results.md  results.csv  results.png   metrics and reports (stapo.evaluation.report)
     metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.tracking.Tracker; offline by default), at the
                                           checkpoint's training step in its training run's group (report.log_wandb)
+    wandb_run_id  wandb_logged.json       its W&B run id, and the points logged to it (a rerun logs only new ones)
 
 A JSONL record holds: ``problem_id, sample`` (0..N−1; the unique key), ``benchmark, setting, problem_index,
 block, seed, temperature, top_p, gold, response, prompt_tokens, response_tokens, finish_reason`` (``"eos"`` /
@@ -544,16 +545,34 @@ def _load_tokenizer(source: ModelSource, cfg: EvalConfig):
         raise EvalError(f"cannot load the tokenizer of {source.spec!r}: {str(e).splitlines()[0]}") from None
 
 
+@contextlib.contextmanager
+def _hf_progress_bars(enabled: bool) -> Iterator[None]:
+    """transformers' own progress bars (its ``Loading weights`` bar of ``from_pretrained``) off for the block
+    unless ``enabled`` (``logging.progress_bar``), restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not enabled and was:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not enabled and was:
+            hf_logging.enable_progress_bar()
+
+
 def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
     from stapo.models import build_tiny_model, load_policy
 
     try:
-        if source.kind == "tiny":
-            model, _ = build_tiny_model(seed=0, dtype=cfg.model.dtype, tokenizer=tokenizer)
+        with _hf_progress_bars(cfg.logging.progress_bar):
+            if source.kind == "tiny":
+                model, _ = build_tiny_model(seed=0, dtype=cfg.model.dtype, tokenizer=tokenizer)
+                return model
+            model, _ = load_policy(source.path, dtype=cfg.model.dtype,
+                                   attn_implementation=cfg.model.attn_implementation, cache_dir=cfg.model.cache_dir,
+                                   tokenizer=tokenizer)
             return model
-        model, _ = load_policy(source.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
-                               cache_dir=cfg.model.cache_dir, tokenizer=tokenizer)
-        return model
     except (OSError, ValueError) as e:
         raise EvalError(f"cannot load model {source.spec!r}: {str(e).splitlines()[0]}") from None
 
@@ -691,7 +710,8 @@ def run_evaluation(
                     from stapo.evaluation.verifier import build_verifier
 
                     try:
-                        verifier = build_verifier(cfg.verifier, engine_info.get("device", "cpu"))
+                        with _hf_progress_bars(cfg.logging.progress_bar):
+                            verifier = build_verifier(cfg.verifier, engine_info.get("device", "cpu"))
                     except (OSError, ValueError) as e:
                         raise EvalError(f"cannot load verifier {cfg.verifier.model!r}: "
                                         f"{str(e).splitlines()[0]}") from None

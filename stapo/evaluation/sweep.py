@@ -7,26 +7,31 @@
 list of training steps. Sweep folder (``output.dir``, default ``<output.root>/<run name>``, never the training
 run's folder)::
 
-    eval_manifest.json          {"kind": "checkpoint_sweep", "run_dir": ...}: marks the folder (train.py and a
-                                single evaluation refuse it) and pins it to one training run
+    eval_manifest.json          {"kind": "checkpoint_sweep", "run_dir": ...}: marks the folder (train.py refuses
+                                it and any folder inside it, a single evaluation refuses it) and pins it to one
+                                training run
     run.lock                    held while a process sweeps into it (stapo.runlock; one writer)
     step_XXXXXX/                one evaluation run directory per checkpoint (stapo.evaluation.runner)
     sweep.csv  sweep.md  sweep.png   accuracy against the training step (stapo.evaluation.report)
     metrics.jsonl  tables.jsonl  wandb/   ONE W&B run, every checkpoint at its training step
+    wandb_run_id  wandb_logged.json       its id, and the checkpoints logged to it (a rerun logs only new ones)
 
 Resumption. A checkpoint whose folder holds a ``results.json`` made with the same generation-relevant settings
 (model, prompt, data, generation, engine backend, verifier) is skipped and its results reused (one line says so);
 any other is passed to :func:`stapo.evaluation.runner.run_evaluation`, whose store resumes an interrupted one
 where it stopped. A damaged checkpoint (:func:`stapo.checkpoint_files.verify_checkpoint`) is skipped with one
-line naming it. The reports and the W&B run are rebuilt at the end from every checkpoint evaluated in the folder
-with the same settings — those selected now and those of earlier sweeps (a checkpoint since deleted by
-``trainer.keep_last`` stays on the curve).
+line naming it. The reports are rebuilt at the end from every checkpoint evaluated in the folder with the same
+settings — those selected now and those of earlier sweeps (a checkpoint since deleted by ``trainer.keep_last``
+stays on the curve); the W&B run gets the points it does not hold yet (:func:`stapo.evaluation.report.log_wandb`).
+``evaluate.py --dry-run`` follows the same plan (:func:`check_sweep`, :func:`sweep_jobs`, :func:`earlier_results`;
+:func:`stapo.estimate.eval_sweep_dry_run`).
 """
 from __future__ import annotations
 
 import copy
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,8 @@ from stapo.checkpoint_files import _STEP_DIR, resumable_checkpoints
 from stapo.evaluation.config import EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
 
-__all__ = ["SweepPlan", "plan_sweep", "sweep_run_dir", "run_sweep"]
+__all__ = ["SweepPlan", "SweepJob", "plan_sweep", "sweep_run_dir", "check_sweep", "sweep_jobs", "earlier_results",
+           "run_sweep"]
 
 #: The sections of an evaluation config that decide the generations and grades of a finished checkpoint.
 _SAME_RESULTS = ("model", "prompt", "data", "generation", "verifier")
@@ -148,8 +154,8 @@ def _checkpoint_cfg(cfg: EvalConfig, ckpt: Path, sweep_dir: Path) -> EvalConfig:
     return sub
 
 
-def _claim(sweep_dir: Path, run_dir: Path) -> None:
-    """Write (or check) the sweep folder's manifest.
+def _claim(sweep_dir: Path, run_dir: Path, write: bool = True) -> None:
+    """Write (or check) the sweep folder's manifest; ``write=False`` (a dry run) only checks, creating nothing.
 
     Raises:
         EvalError: the folder is a train.py run folder, a single evaluation's folder, or the sweep of another run.
@@ -174,8 +180,79 @@ def _claim(sweep_dir: Path, run_dir: Path) -> None:
             raise EvalError(f"output folder {sweep_dir} is the sweep of {old.get('run_dir')}, not of {run_dir}: "
                             f"choose another output directory (--output)")
         return
+    if not write:
+        return
     sweep_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(mine, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    """One selected intact checkpoint of a sweep (:func:`sweep_jobs`).
+
+    Attributes:
+        step: its training step.
+        checkpoint: its folder ``<run>/checkpoints/step_XXXXXX``.
+        cfg: its evaluation config (:func:`_checkpoint_cfg`: output in ``<sweep folder>/step_XXXXXX``).
+        done: the results of an earlier evaluation in that folder with the same generation-relevant settings
+            (:func:`_finished`; the sweep skips it and reuses them), else None (it is evaluated, resuming).
+    """
+
+    step: int
+    checkpoint: Path
+    cfg: EvalConfig
+    done: dict[str, Any] | None
+
+
+def check_sweep(cfg: EvalConfig) -> tuple[SweepPlan, Path]:
+    """Every check of a sweep that needs neither a model nor the sweep folder's lock, writing nothing: the config,
+    the checkpoint selection (:func:`plan_sweep`), and the sweep folder (not inside the training run; not a
+    training run's, a single evaluation's or another run's sweep folder). :func:`run_sweep` and ``evaluate.py
+    --dry-run`` (:func:`stapo.estimate.eval_dry_run`) both start here, so a dry run refuses what a sweep refuses.
+
+    Returns:
+        ``(plan, sweep folder)``.
+
+    Raises:
+        EvalError: ``model.checkpoints`` is not set, and as :func:`plan_sweep` and :func:`_claim`.
+    """
+    validate_eval_config(cfg)
+    if cfg.model.checkpoints is None:
+        raise EvalError("run_sweep needs model.checkpoints (all, latest or a list of steps)")
+    plan = plan_sweep(cfg.model.path, cfg.model.checkpoints)
+    sweep_dir = sweep_run_dir(cfg, plan.run_dir)
+    if sweep_dir.resolve() == plan.run_dir or plan.run_dir in sweep_dir.resolve().parents:
+        raise EvalError(f"output folder {sweep_dir} is inside the training run {plan.run_dir}: evaluation results go "
+                        f"to a folder of their own; drop --output or choose another")
+    _claim(sweep_dir, plan.run_dir, write=False)
+    return plan, sweep_dir
+
+
+def sweep_jobs(cfg: EvalConfig, plan: SweepPlan, sweep_dir: Path) -> list[SweepJob]:
+    """The intact selected checkpoints of ``plan``, oldest first, each with its config and, when its folder already
+    holds finished results made with the same settings, those results (read only; call it holding the sweep
+    folder's lock, or in a dry run after checking it is free)."""
+    jobs = []
+    for step, ckpt in plan.checkpoints:
+        sub = _checkpoint_cfg(cfg, ckpt, sweep_dir)
+        jobs.append(SweepJob(step, ckpt, sub, _finished(Path(sub.output.dir), sub)))
+    return jobs
+
+
+def earlier_results(cfg: EvalConfig, plan: SweepPlan, sweep_dir: Path) -> list[tuple[int, dict[str, Any]]]:
+    """``[(step, results)]`` of the checkpoints evaluated in ``sweep_dir`` by earlier sweeps with the same settings
+    but not selected now (perhaps since deleted by ``trainer.keep_last``): they stay on the curve. By step."""
+    if not sweep_dir.is_dir():
+        return []
+    chosen = {ckpt.name for _, ckpt in plan.checkpoints}
+    out = []
+    for folder in sorted(sweep_dir.iterdir()):
+        m = _STEP_DIR.match(folder.name)
+        if m and folder.name not in chosen and folder.is_dir():
+            done = _finished(folder, _checkpoint_cfg(cfg, plan.run_dir / "checkpoints" / folder.name, sweep_dir))
+            if done is not None:
+                out.append((int(m.group(1)), done))
+    return out
 
 
 def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = None,
@@ -203,14 +280,7 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
     from stapo.evaluation.report import result_step, write_sweep_reports
     from stapo.evaluation.runner import _holding_lock, log_results_to_wandb, run_evaluation
 
-    validate_eval_config(cfg)
-    if cfg.model.checkpoints is None:
-        raise EvalError("run_sweep needs model.checkpoints (all, latest or a list of steps)")
-    plan = plan_sweep(cfg.model.path, cfg.model.checkpoints)
-    sweep_dir = sweep_run_dir(cfg, plan.run_dir)
-    if sweep_dir.resolve() == plan.run_dir or plan.run_dir in sweep_dir.resolve().parents:
-        raise EvalError(f"output folder {sweep_dir} is inside the training run {plan.run_dir}: evaluation results go "
-                        f"to a folder of their own; drop --output or choose another")
+    plan, sweep_dir = check_sweep(cfg)
     for step, ckpt, why in plan.damaged:
         print(f"evaluate.py: {ckpt} is damaged ({why}); skipped", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"run_dir": str(sweep_dir), "train_run_dir": str(plan.run_dir), "results": [],
@@ -220,9 +290,8 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
     with _holding_lock(sweep_dir, "output.dir" if cfg.output.dir else "output.root"):
         _claim(sweep_dir, plan.run_dir)
         try:
-            for step, ckpt in plan.checkpoints:
-                sub = _checkpoint_cfg(cfg, ckpt, sweep_dir)
-                done = _finished(Path(sub.output.dir), sub)
+            for job in sweep_jobs(cfg, plan, sweep_dir):
+                step, ckpt, sub, done = job.step, job.checkpoint, job.cfg, job.done
                 if done is not None:
                     print(f"evaluate.py: {ckpt.name} already evaluated ({sub.output.dir}); skipped",
                           file=sys.stderr, flush=True)
@@ -242,14 +311,9 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
         finally:
             if owned is not None:
                 owned.close()
-        chosen = {ckpt.name for _, ckpt in plan.checkpoints}
-        for folder in sorted(sweep_dir.iterdir()):  # checkpoints evaluated by earlier sweeps (perhaps since deleted
-            m = _STEP_DIR.match(folder.name)       # by trainer.keep_last) stay on the curve
-            if m and folder.name not in chosen and folder.is_dir():
-                done = _finished(folder, _checkpoint_cfg(cfg, plan.run_dir / "checkpoints" / folder.name, sweep_dir))
-                if done is not None:
-                    out["results"].append(done)
-                    out["earlier"].append(int(m.group(1)))
+        for step, done in earlier_results(cfg, plan, sweep_dir):
+            out["results"].append(done)
+            out["earlier"].append(step)
         out["results"].sort(key=result_step)
         title = f"{cfg.model.label or plan.run_dir.name} ({plan.run_dir})"
         out["reports"] = {k: str(v) for k, v in

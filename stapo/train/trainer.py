@@ -353,19 +353,23 @@ class Trainer:
         return engine_kwargs(rc.backend, options)
 
     def _check_run_folder(self) -> None:
-        """The run folder is not an evaluate.py output folder, and its ``metrics.jsonl`` / ``tables.jsonl`` (when
-        present) hold only valid rows but for a torn last line — checked before anything is loaded or recorded.
+        """The run folder is not an evaluate.py output folder nor inside one (an evaluation's or a checkpoint
+        sweep's, e.g. ``runs/eval/<run>/step_000009``), and its ``metrics.jsonl`` / ``tables.jsonl`` (when present)
+        hold only valid rows but for a torn last line — checked before anything is loaded or recorded.
 
         Raises:
-            stapo.config.ConfigError: the folder holds an evaluation (its manifest).
+            stapo.config.ConfigError: the folder or a folder above it holds an evaluation (its manifest).
             stapo.tracking.CorruptJsonlError: a damaged line that is not a torn last one (naming file and line).
         """
         from stapo.evaluation.runner import MANIFEST
         from stapo.tracking import read_jsonl_rows
 
-        if (self.run_dir / MANIFEST).is_file():
-            raise ConfigError(f"invalid value for 'trainer.run_name' ({self.run_name}): {self.run_dir} is an "
-                              f"evaluate.py output folder ({MANIFEST}); choose another run name or output folder")
+        for folder in (self.run_dir, *Path(self.run_dir).absolute().parents):
+            if (folder / MANIFEST).is_file():
+                key, value, where = (("trainer.run_name", self.run_name, "an") if folder == self.run_dir else
+                                     ("trainer.output_dir", self.cfg.trainer.output_dir, f"inside {folder}, an"))
+                raise ConfigError(f"invalid value for {key!r} ({value}): {self.run_dir} is {where} evaluate.py "
+                                  f"output folder ({MANIFEST}); choose another run name or output folder")
         if self.cfg.trainer.resume != "never" and self.dist.is_main:
             for name in ("metrics.jsonl", "tables.jsonl"):
                 if (self.run_dir / name).is_file():
