@@ -241,6 +241,7 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
     fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 3.6 * nrow), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, name in zip(axes.flat, names):
+        means: list[float] = []  # the y range shown: the means' range, padded (a band of 2 seeds, t = 12.7, is wider)
         for k, method in enumerate(cfg.methods):
             pts = [r for r in curves if r["metric"] == name and r["method"] == method]
             if not pts:
@@ -251,6 +252,11 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
             ax.plot(x, y, color=c, label=method, marker="o" if len(x) < 12 else None, ms=3)
             lo, hi = np.array([p["ci_low"] for p in pts]), np.array([p["ci_high"] for p in pts])
             ax.fill_between(x, lo, hi, color=c, alpha=0.18, linewidth=0)
+            means += [float(v) for v in y if math.isfinite(v)]
+        if means:
+            low, high = min(means), max(means)
+            pad = 0.5 * (high - low) or 0.5 * abs(high) or 1.0
+            ax.set_ylim(low - pad, high + pad)
         ax.set_title(_label(name), fontsize=10)
         ax.set_xlabel("training step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -259,7 +265,8 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     smooth = f", moving average over {cfg.report.smooth} steps" if cfg.report.smooth > 1 else ""
-    fig.suptitle(f"study {cfg.name}: mean over seeds, {cfg.report.confidence:.0%} t-band{smooth}", fontsize=11)
+    fig.suptitle(f"study {cfg.name}: mean over seeds, {cfg.report.confidence:.0%} t-band{smooth} (y axis: the means' "
+                 f"range ± 50 %; wider bands are cut, curves.csv has them whole)", fontsize=11)
     fig.tight_layout()
     tmp = _tmp(path)
     fig.savefig(tmp, dpi=110)
