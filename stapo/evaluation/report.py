@@ -273,11 +273,7 @@ def plot_bars(results: Sequence[dict[str, Any]], path: str | os.PathLike, metric
         ax.grid(axis="y", alpha=0.3)
         if len(results) > 1 or ax is axes[0, 0]:
             ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 def write_reports(results: dict[str, Any], run_dir: str | os.PathLike, *, plot: bool = True) -> dict[str, Path]:
@@ -567,11 +563,7 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str | os.PathLike, metri
         ax.set_ylabel(f"{metric} (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 def write_sweep_reports(results: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *, title: str,
@@ -599,3 +591,14 @@ def write_sweep_reports(results: Sequence[dict[str, Any]], out_dir: str | os.Pat
         with _atomic(paths["png"]) as tmp:
             plot_sweep(results, tmp)
     return paths
+
+
+def _save_figure(fig, path: str | os.PathLike) -> Path:
+    """Lay out ``fig``, write it to ``path`` as a 120-dpi PNG, close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
