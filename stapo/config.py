@@ -84,6 +84,9 @@ class SyntheticConfig:
     num_problems: int = 2000
     levels: list[int] = field(default_factory=lambda: [1])  # difficulty levels (see stapo/synthetic)
     seed: int = 0
+    # "all": every draw (the problem stream of earlier versions); "train": never a problem of the held-out split
+    # that the generated benchmarks arith_test / arith_hard are drawn from (stapo.synthetic.is_heldout)
+    split: Literal["all", "train"] = "all"
 
 
 @dataclass
@@ -129,7 +132,7 @@ class AlgorithmConfig:
     # A registered objective (stapo.objectives.OBJECTIVES: stapo, justrl, grpo, entropy20 and the ablations);
     # checked by validate(), an unknown name fails with the closest registered one.
     objective: str = "stapo"
-    reward: Literal["strict_box", "math_verify"] = "strict_box"
+    reward: Literal["strict_box", "math_verify", "math_verify_value"] = "strict_box"
     norm_adv_by_std: bool = True
     adv_eps: float = 1e-6
     # Overrides of the objective's own values (null = keep the objective's value).
@@ -574,6 +577,8 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.trainer.keep_last >= 1, "trainer.keep_last", "must be ≥ 1")
     need(cfg.trainer.val_every >= 0, "trainer.val_every", "must be ≥ 0")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
+    need(cfg.data.synthetic.split in ("all", "train"), "data.synthetic.split",
+         f"{cfg.data.synthetic.split!r} must be 'all' or 'train' (the test split is for evaluation: arith_test)")
     need(cfg.validation.samples >= 1, "validation.samples", "must be ≥ 1")
     need(cfg.validation.limit is None or cfg.validation.limit >= 1, "validation.limit", "must be ≥ 1 or null")
     need(cfg.validation.temperature > 0, "validation.temperature", "must be > 0")

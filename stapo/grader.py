@@ -30,10 +30,12 @@ candidates; correct when any pair verifies.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 import weakref
@@ -80,6 +82,9 @@ class GradeResult:
             extracted string), ``None`` when nothing was extracted.
         error: short description for ``timeout`` / ``error`` verdicts, else ``None``.
         seconds: wall-clock seconds spent on this answer (in the worker; for timeouts, until the kill).
+        unevaluated: math-verify found the answer equivalent but it is an unevaluated expression
+            (``9 + 5`` for 14) and the grader requires a value (``MathGrader(require_value=True)``): the status is
+            ``incorrect``.
     """
 
     correct: bool
@@ -87,6 +92,7 @@ class GradeResult:
     extracted: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    unevaluated: bool = False
 
 
 @dataclass
@@ -98,6 +104,8 @@ class GraderStats:
         correct / incorrect / no_answer / timeouts / errors: answers per :class:`GradeStatus`
             (they sum to ``n``).
         worker_restarts: workers killed (timeout) or found dead and replaced.
+        unevaluated: of the ``incorrect``, answers math-verify found equivalent that were unevaluated expressions
+            (:func:`is_unevaluated_expression`; only with ``MathGrader(require_value=True)``).
         seconds: wall-clock seconds spent in :meth:`MathGrader.grade`.
         error_types: ``{exception class name (or "WorkerDied", "GoldUnparseable"): count}``.
     """
@@ -109,6 +117,7 @@ class GraderStats:
     timeouts: int = 0
     errors: int = 0
     worker_restarts: int = 0
+    unevaluated: int = 0
     seconds: float = 0.0
     error_types: dict[str, int] = field(default_factory=dict)
 
@@ -120,6 +129,7 @@ class GraderStats:
             self.correct += 1
         elif status is GradeStatus.INCORRECT:
             self.incorrect += 1
+            self.unevaluated += bool(result.unevaluated)
         elif status is GradeStatus.NO_ANSWER:
             self.no_answer += 1
         elif status is GradeStatus.TIMEOUT:
@@ -131,7 +141,7 @@ class GraderStats:
 
     def merge(self, other: "GraderStats") -> None:
         """Add ``other``'s counts into ``self`` (used for the grader's running totals)."""
-        for name in ("n", "correct", "incorrect", "no_answer", "timeouts", "errors", "worker_restarts"):
+        for name in ("n", "correct", "incorrect", "no_answer", "timeouts", "errors", "worker_restarts", "unevaluated"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.seconds += other.seconds
         for key, count in other.error_types.items():
@@ -188,6 +198,23 @@ def _first_str(items: Sequence[object]) -> str | None:
         if isinstance(item, str):
             return item
     return None
+
+
+#: A binary arithmetic operator between two operands: ``9 + 5``, ``(3)(4)`` is not matched, ``-5`` is not.
+_UNEVALUATED_RE = re.compile(r"[\d)\]}]\s*(?:[-+*/×÷·]|\\times|\\cdot|\\div)\s*[\d(\[{\\]")
+
+
+def is_unevaluated_expression(answer: str | None) -> bool:
+    """Whether an extracted answer still holds a binary ``+ - * / × ÷ \\times \\cdot \\div`` between two operands.
+
+    The answer-form rule of ``MathGrader(require_value=True)`` (the ``math_verify_value`` reward): math-verify
+    evaluates ``9 + 5`` to 14, so on the synthetic arithmetic task an echo of the question ("So 9 + 5.") would be
+    graded correct. Only the part after the last ``=`` is checked (math-verify grades an equation's right side).
+    Examples: ``"9 + 5."`` → True, ``"9+5"`` → True, ``"3\\times 4"`` → True; ``"14"``, ``"-3"``,
+    ``"9 + 5 = 14"``, ``"\\frac{1}{2}"``, ``"2^{10}"``, ``None`` → False. Not an equivalence check: math-verify
+    decides equivalence.
+    """
+    return bool(answer) and _UNEVALUATED_RE.search(answer.rsplit("=", 1)[-1]) is not None
 
 
 def check_text_batch(responses: Sequence[str], golds: Sequence[str], prefix: str = "") -> tuple[list[str], list[str]]:
@@ -385,6 +412,9 @@ class MathGrader:
             that already run threads (torch); ``"forkserver"`` also works.  Note: with spawn,
             scripts that create a grader need an ``if __name__ == "__main__":`` guard.
         startup_timeout_s: seconds a new worker may take to import math-verify and report ready.
+        require_value: an answer math-verify finds equivalent but that is an unevaluated expression
+            (:func:`is_unevaluated_expression`: ``9 + 5`` for 14) is graded ``incorrect`` and counted in
+            ``GraderStats.unevaluated`` (the ``math_verify_value`` reward; the synthetic task's held-out benchmarks).
 
     Raises:
         ValueError: bad arguments.
@@ -400,6 +430,7 @@ class MathGrader:
         *,
         start_method: str = "spawn",
         startup_timeout_s: float = 120.0,
+        require_value: bool = False,
     ) -> None:
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
@@ -410,6 +441,7 @@ class MathGrader:
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
+        self.require_value = bool(require_value)
         self._ctx = mp.get_context(start_method)
         self._lock = threading.Lock()
         self._closed = False
@@ -564,6 +596,8 @@ class MathGrader:
         timeout = self.timeout_s
 
         def finish(k: int, result: GradeResult) -> None:
+            if self.require_value and result.correct and is_unevaluated_expression(result.extracted):
+                result = dataclasses.replace(result, correct=False, status=GradeStatus.INCORRECT, unevaluated=True)
             results[k] = result
             stats.add(result)
 

@@ -21,6 +21,12 @@ non-strict "Minerva" path, which JustRL does not use.
 
 ``math_verify`` uses the evaluation grader (:mod:`stapo.grader`) for tasks whose answers are not
 plain integers; grader timeouts and errors give -1.0 and are counted in the returned stats.
+
+``math_verify_value`` is ``math_verify`` with an answer-form rule (``MathGrader(require_value=True)``): an answer that
+math-verify finds equivalent but that is still an unevaluated expression scores -1 (counted in
+``reward/grader/unevaluated``). Not from the paper: on the synthetic arithmetic task math-verify evaluates an echo
+of the question ("So 9 + 5.") to the gold answer, so plain ``math_verify`` pays for repeating the question
+(results/study_cpu/ and results/cpu_task_probe.md measure how often).
 """
 from __future__ import annotations
 
@@ -51,7 +57,7 @@ STRICT_BOX_TAIL_CHARS = 300  # verl: solution_str = solution_str[-300:]
 STRICT_BOX_WINDOW_CHARS = 100  # verl is_correct_strict_box: pred = pred[-100:]
 REWARD_CORRECT = 1.0
 REWARD_INCORRECT = -1.0
-REWARD_NAMES = ("dapo_strict_box", "math_verify")
+REWARD_NAMES = ("dapo_strict_box", "math_verify", "math_verify_value")
 REWARD_ALIASES = {"strict_box": "dapo_strict_box"}  # config spelling
 
 
@@ -218,6 +224,8 @@ class MathVerifyReward:
             raise ValueError("pass either an existing grader or grader keyword arguments, not both")
         self._owns_grader = grader is None
         self.grader = grader if grader is not None else MathGrader(**grader_kwargs)
+        if self.grader.require_value:
+            self.name = "math_verify_value"
 
     def __call__(self, responses: Sequence[str], golds: Sequence[str]) -> RewardBatch:
         responses, golds = check_text_batch(responses, golds)
@@ -246,8 +254,9 @@ def make_reward_fn(name: str, **kwargs) -> StrictBoxReward | MathVerifyReward:
     """Build a training reward by name (a config value).
 
     Args:
-        name: ``"dapo_strict_box"`` (JustRL/STAPO default; alias ``"strict_box"``) or ``"math_verify"``.
-        **kwargs: for ``"math_verify"``: ``grader=`` or :class:`~stapo.grader.MathGrader`
+        name: ``"dapo_strict_box"`` (JustRL/STAPO default; alias ``"strict_box"``), ``"math_verify"`` or
+            ``"math_verify_value"`` (math-verify, and an unevaluated expression such as ``9 + 5`` scores -1).
+        **kwargs: for the math-verify rewards: ``grader=`` or :class:`~stapo.grader.MathGrader`
             arguments; none are accepted for ``"dapo_strict_box"``.
 
     Returns:
@@ -263,4 +272,9 @@ def make_reward_fn(name: str, **kwargs) -> StrictBoxReward | MathVerifyReward:
         return StrictBoxReward()
     if name == "math_verify":
         return MathVerifyReward(**kwargs)
+    if name == "math_verify_value":
+        grader = kwargs.get("grader")
+        if grader is not None and not grader.require_value:
+            raise ValueError("math_verify_value needs a grader made with require_value=True")
+        return MathVerifyReward(**kwargs) if grader is not None else MathVerifyReward(require_value=True, **kwargs)
     raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARD_NAMES)}")

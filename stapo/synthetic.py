@@ -20,14 +20,23 @@ small model such as SmolLM2-135M-Instruct gets some right; the default mix (leve
 it problems it gets wrong, so GRPO groups have non-zero reward variance.  ``*`` binds tighter than
 ``+``/``-`` (the answer is the value of the printed expression under the usual precedence).
 
+Held-out split: a problem is *held out* when the SHA-256 of its text falls in a fixed tenth of the hash range
+(:func:`is_heldout`), whatever the seed, count or levels that drew it. ``generate_arithmetic(split="train")`` never
+returns a held-out problem, ``split="test"`` returns only held-out ones (each at most once), so a policy trained on
+``split="train"`` is evaluated on problems it has never seen. The generated benchmarks :data:`GENERATED_BENCHMARKS`
+(``arith_test``: level 2, the training task's harder half; ``arith_hard``: levels 3-4, multiplication and three
+operands, never trained on) are built from the held-out split and are evaluated like the file benchmarks
+(``evaluate.py --benchmarks arith_test``, ``validation.benchmarks: [arith_test]``).
+
 Not from the paper: a CPU-scale stand-in for DAPO-Math-17k (docs/method.md#cpu-recipe asks to scale the recipe
 down with configs, not to change the algorithm).
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 from stapo.records import Record
 
@@ -41,6 +50,12 @@ __all__ = [
     "evaluate_expression",
     "make_problem",
     "generate_arithmetic",
+    "HELDOUT_MODULUS",
+    "is_heldout",
+    "GeneratedBenchmark",
+    "GENERATED_BENCHMARKS",
+    "generated_benchmark",
+    "could_be_level",
 ]
 
 SOURCE = "synthetic_arithmetic"
@@ -79,6 +94,20 @@ LEVELS: dict[int, ArithmeticLevel] = {
 DEFAULT_LEVELS: tuple[int, ...] = (1, 2, 3, 4)
 DEFAULT_NUM_PROBLEMS = 2048
 DEFAULT_SEED = 0
+#: One problem in ``HELDOUT_MODULUS`` (by the hash of its text) belongs to the held-out split.
+HELDOUT_MODULUS = 10
+Split = Literal["all", "train", "test"]
+SPLITS: tuple[str, ...] = ("all", "train", "test")
+
+
+def is_heldout(problem: str) -> bool:
+    """Whether a problem text is in the held-out split: ``int(sha256(text)[:8 bytes]) % HELDOUT_MODULUS == 0``.
+
+    Example: of the 81 level-1 problems (``"What is a + b?"``, 1 <= a, b <= 9) about 8 are held out; the split
+    depends on the text only, so it is the same for every seed, count and level mix.
+    """
+    digest = hashlib.sha256(problem.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % HELDOUT_MODULUS == 0
 
 
 def evaluate_expression(numbers: Sequence[int], ops: Sequence[str]) -> int:
@@ -141,21 +170,25 @@ def generate_arithmetic(
     n: int = DEFAULT_NUM_PROBLEMS,
     seed: int = DEFAULT_SEED,
     levels: Sequence[int] = DEFAULT_LEVELS,
+    split: Split = "all",
 ) -> list[Record]:
     """Generate ``n`` arithmetic problems, levels assigned round-robin (record i has level
-    ``levels[i % len(levels)]``), deterministic for a given ``(n, seed, levels)``.
+    ``levels[i % len(levels)]``), deterministic for a given ``(n, seed, levels, split)``.
 
     Args:
         n: number of problems (>= 0).
         seed: RNG seed.
         levels: levels to use (keys of :data:`LEVELS`).
+        split: ``"all"`` (every draw; the stream of earlier versions), ``"train"`` (draws that are held out are
+            redrawn, :func:`is_heldout`) or ``"test"`` (only held-out problems, each at most once).
 
     Returns:
-        ``list[Record]`` with ``id = "synthetic_arithmetic/L<level>/<i>"``, ``answer = str(int)``,
-        ``source = "synthetic_arithmetic"``.
+        ``list[Record]`` with ``id = "synthetic_arithmetic/L<level>/<i>"`` (``.../test/L<level>/<i>`` for the
+        test split), ``answer = str(int)``, ``source = "synthetic_arithmetic"``.
 
     Raises:
-        ValueError: ``n < 0``, empty ``levels`` or an unknown level.
+        ValueError: ``n < 0``, empty ``levels``, an unknown level or split, or a test split larger than a level's
+            held-out problems (level 1 has about 8).
     """
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
@@ -165,10 +198,91 @@ def generate_arithmetic(
     unknown = [lv for lv in levels if lv not in LEVELS]
     if unknown:
         raise ValueError(f"unknown arithmetic levels {unknown}; known: {sorted(LEVELS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
     rng = random.Random(seed)
     records = []
+    seen: set[str] = set()
     for i in range(n):
         level = levels[i % len(levels)]
-        problem, answer = make_problem(rng, level)
-        records.append(Record(id=f"{SOURCE}/L{level}/{i}", problem=problem, answer=str(answer), source=SOURCE))
+        for _ in range(100_000):  # a held-out draw is 1 in 10; a new test problem of level >= 2 is found fast
+            problem, answer = make_problem(rng, level)
+            if split == "all" or (split == "train" and not is_heldout(problem)):
+                break
+            if split == "test" and is_heldout(problem) and problem not in seen:
+                seen.add(problem)
+                break
+        else:
+            raise ValueError(f"cannot draw {n} distinct held-out problems of levels {list(levels)} "
+                             f"(level {level} ran out after {i}); use fewer problems or higher levels")
+        rid = f"{SOURCE}/test/L{level}/{i}" if split == "test" else f"{SOURCE}/L{level}/{i}"
+        records.append(Record(id=rid, problem=problem, answer=str(answer), source=SOURCE))
     return records
+
+
+@dataclass(frozen=True)
+class GeneratedBenchmark:
+    """A benchmark drawn from the held-out split (``generate_arithmetic(num_problems, seed, levels, "test")``).
+
+    Attributes:
+        name: the benchmark's name in evaluation and validation configs.
+        levels / num_problems / seed: what :func:`generate_arithmetic` draws.
+        samples: the default N per problem (avg@N).
+        description: one line for reports and docs.
+        exclude_levels: problems another level could also produce are skipped (:func:`could_be_level`: a level-3
+            ``88 - 71`` is also a level-2 problem, so it is not "harder").
+    """
+
+    name: str
+    levels: tuple[int, ...]
+    num_problems: int
+    seed: int
+    samples: int
+    description: str
+    exclude_levels: tuple[int, ...] = ()
+
+
+def could_be_level(problem: str, level: int) -> bool:
+    """Whether ``make_problem(rng, level)`` could print ``problem`` (operand count, digit counts, operators and,
+    for the non-negative levels, the order of a difference). Example: ``"What is 88 - 71?"`` → True for levels 2
+    and 3, ``"What is 12 * 4?"`` → False for every level (level 3 has two-digit operands only).
+    """
+    spec = LEVELS[level]
+    parts = problem.removeprefix("What is ").removesuffix("?").split(" ")
+    numbers, ops = parts[0::2], parts[1::2]
+    if len(numbers) != spec.operands or any(op not in spec.ops for op in ops):
+        return False
+    if not all(spec.min_digits <= len(x) <= spec.max_digits for x in numbers):
+        return False
+    return spec.allow_negative or not (ops[0] == "-" and int(numbers[0]) < int(numbers[1]))
+
+
+#: The held-out benchmarks of the synthetic task (issue 17's CPU study): name → spec.
+GENERATED_BENCHMARKS: dict[str, GeneratedBenchmark] = {
+    b.name: b
+    for b in (
+        GeneratedBenchmark("arith_test", (2,), 1000, 1, 4,
+                           "held-out level-2 problems (1-2 digit sums and differences): the training task"),
+        GeneratedBenchmark("arith_hard", (3, 4), 500, 2, 4,
+                           "held-out levels 3-4 (2-digit products, three operands, negative results): never trained",
+                           exclude_levels=(1, 2)),
+    )
+}
+
+
+def generated_benchmark(name: str) -> list[Record]:
+    """The problems of a :data:`GENERATED_BENCHMARKS` benchmark, with ``source`` = its name.
+
+    Raises:
+        KeyError: an unknown name (the message lists the known ones).
+    """
+    if name not in GENERATED_BENCHMARKS:
+        raise KeyError(f"unknown generated benchmark {name!r}; known: {', '.join(GENERATED_BENCHMARKS)}")
+    spec = GENERATED_BENCHMARKS[name]
+    draws = 3 * spec.num_problems if spec.exclude_levels else spec.num_problems  # room for the excluded ones
+    records = generate_arithmetic(draws, spec.seed, spec.levels, split="test")
+    records = [r for r in records if not any(could_be_level(r.problem, lv) for lv in spec.exclude_levels)]
+    if len(records) < spec.num_problems:  # pragma: no cover - a spec error, caught by the tests
+        raise ValueError(f"{name}: only {len(records)} problems after excluding levels {spec.exclude_levels}")
+    records = records[:spec.num_problems]
+    return [Record(id=f"{name}/{i}", problem=r.problem, answer=r.answer, source=name) for i, r in enumerate(records)]

@@ -449,6 +449,35 @@ def test_custom_benchmark_from_a_jsonl_file(shared_data_root, tmp_path, tok, tin
     assert header == ["model", "MATH500", "mine", "Avg"]
 
 
+def test_generated_synthetic_benchmarks_need_no_data_root(tmp_path, tok, tiny, monkeypatch):
+    """arith_test / arith_hard (stapo.synthetic.GENERATED_BENCHMARKS) are benchmarks by name: their default N is 4,
+    they load without a data root, and grader.require_value grades an echo of the question incorrect."""
+    from stapo.evaluation.runner import load_problems
+    from stapo.grader import MathGrader
+
+    missing = tmp_path / "no_data_here"
+    cfg = tiny_cfg(missing, tmp_path / "o", "data.benchmarks=[arith_test,Arith_Hard]", "data.limit=2",
+                   "generation.settings=[{}]", "grader.require_value=true")
+    assert cfg.data.benchmarks == ["arith_test", "arith_hard"] and cfg.data.samples["arith_test"] == 4
+    problems = load_problems(cfg.data.root, cfg.data.benchmarks, 2)
+    assert [p.record.id for p in problems["arith_test"]] == ["arith_test/0", "arith_test/1"]
+    with pytest.raises(EvalError, match=r"did you mean 'arith_test'"):
+        tiny_cfg(missing, tmp_path / "o", "data.benchmarks=[arith_tset]")
+    # the whole evaluation runs on them, with the grader it builds from grader.require_value
+    built = []
+
+    class Recording(MathGrader):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs.get("require_value"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr("stapo.grader.MathGrader", Recording)
+    run_evaluation(cfg, model=tiny, tokenizer=tok)
+    assert built == [True]
+    recs = read_jsonl(tmp_path / "o" / "generations" / "arith_test__t1.0_p1.0.jsonl")
+    assert len(recs) == 2 * 4 and {r["gold"] for r in recs} == {p.record.answer for p in problems["arith_test"]}
+
+
 def test_custom_benchmark_errors_name_the_file_and_key(shared_data_root, tmp_path):
     from stapo.evaluation.runner import load_problems
 

@@ -216,3 +216,31 @@ def test_stats_merge_and_dict():
     assert a.seconds == 1.5 and a.error_types == {"X": 1}
     d = a.as_dict()
     assert d["grader/accuracy"] == 2 / 5 and d["grader/error_type/X"] == 1
+
+
+def test_unevaluated_expression_rule_by_hand():
+    from stapo.grader import is_unevaluated_expression as unevaluated
+
+    # an operator between two operands: not a value
+    for answer in ("9 + 5.", "9+5", "3\\times 4", "12 - 7", "(2)+(3)", "8 / 2"):
+        assert unevaluated(answer), answer
+    # values (a leading minus, a fraction, a power, thousands separators) and an equation's right side
+    for answer in ("14", "-3", "\\frac{1}{2}", "2^{10}", "1,000", "9 + 5 = 14", "", None):
+        assert not unevaluated(answer), answer
+
+
+def test_require_value_grades_an_echo_incorrect():
+    # math-verify evaluates "9 + 5" to 14: the plain grader pays the echo, require_value does not
+    responses = ["So 9 + 5.", "9 + 5 = 14", "\\boxed{9+5}", "The answer is 14.", "15"]
+    golds = ["14"] * 5
+    with MathGrader(num_workers=1, timeout_s=TIMEOUT_S) as plain:
+        assert plain.grade(responses, golds).correct == [True, True, True, True, False]
+    with MathGrader(num_workers=1, timeout_s=TIMEOUT_S, require_value=True) as strict:
+        batch = strict.grade(responses, golds)
+    assert batch.correct == [False, True, False, True, False]
+    assert [r.unevaluated for r in batch.results] == [True, False, True, False, False]
+    assert batch.results[0].status is GradeStatus.INCORRECT and batch.results[0].extracted == "9 + 5."
+    # counts: 2 correct, 3 incorrect of which 2 unevaluated; the statuses still sum to n
+    s = batch.stats
+    assert (s.n, s.correct, s.incorrect, s.unevaluated) == (5, 2, 3, 2)
+    assert s.as_dict()["grader/unevaluated"] == 2

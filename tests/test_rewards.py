@@ -122,7 +122,7 @@ def test_reward_input_errors_name_the_index():
         make_reward_fn("exact_match")
     with pytest.raises(ValueError, match="takes no options"):
         make_reward_fn("dapo_strict_box", timeout_s=3)
-    assert REWARD_NAMES == ("dapo_strict_box", "math_verify")
+    assert REWARD_NAMES == ("dapo_strict_box", "math_verify", "math_verify_value")
     assert isinstance(make_reward_fn("strict_box"), StrictBoxReward)  # config alias
 
 
@@ -148,3 +148,20 @@ def test_math_verify_reward(grader):
     assert not grader.closed
     with pytest.raises(ValueError, match="either an existing grader"):
         MathVerifyReward(grader=grader, timeout_s=1.0)
+
+
+def test_math_verify_value_reward():
+    assert "math_verify_value" in REWARD_NAMES
+    fn = make_reward_fn("math_verify_value")
+    try:
+        assert fn.name == "math_verify_value" and fn.grader.require_value
+        batch = fn(["So 9 + 5.", "so 14", "\\boxed{13}"], ["14", "14", "14"])
+        # by hand: echo -> -1 (unevaluated), 14 -> +1, 13 -> -1
+        assert batch.rewards == [-1.0, 1.0, -1.0]
+        logged = batch.stats.as_dict()
+        assert logged["reward/grader/unevaluated"] == 1 and logged["reward/correct"] == 1
+    finally:
+        fn.close()
+    with MathGrader(num_workers=1) as plain:
+        with pytest.raises(ValueError, match="require_value=True"):
+            make_reward_fn("math_verify_value", grader=plain)

@@ -255,8 +255,11 @@ def test_final_eval_state_and_report(tmp_path):
         _write_run(by[name].run_dir, [_row(1, 0.0), _row(2, 0.0)], [1, 2])
         if name != "stapo_seed1":
             (by[name].run_dir / "final_eval").mkdir()
+            # two benchmarks: a final value per benchmark beside the average (arith_test 2·acc − 0.25, arith_hard 0.25)
+            benches = {"arith_test": {"avg@N": 2 * acc - 0.25}, "arith_hard": {"avg@N": 0.25}}
             (by[name].run_dir / "final_eval" / "results.json").write_text(json.dumps(
-                {"label": name, "complete": False, "metrics": {"t1.0_p1.0": {"average": {"avg@N": acc}}}}))
+                {"label": name, "complete": False,
+                 "metrics": {"t1.0_p1.0": {"average": {"avg@N": acc}, "benchmarks": benches}}}))
     assert [study_runner.eval_status(by[n]).action for n in by] == ["done", "done", "run", "wait"]
     cmd = study_runner.eval_command(cfg, by["stapo_seed1"])
     assert cmd[cmd.index("--model") + 1] == str(by["stapo_seed1"].run_dir / "checkpoints" / "step_000002")
@@ -264,6 +267,9 @@ def test_final_eval_state_and_report(tmp_path):
     final = {(r["metric"], r["method"]): r for r in csv.DictReader((Path(cfg.output_dir) / "final.csv").open())}
     r = final[("final_eval[t1.0_p1.0]", "stapo")]  # seed 0 only: 0.5; paired with grpo seed 0: 0.5 − 0.25
     assert (r["n_seeds"], float(r["final_mean"]), float(r["diff_mean"]), r["n_pairs"]) == ("1", 0.5, 0.25, "1")
+    r = final[("final_eval[t1.0_p1.0/arith_test]", "stapo")]  # 2·0.5 − 0.25 = 0.75 vs grpo 2·0.25 − 0.25 = 0.25
+    assert (float(r["final_mean"]), float(r["diff_mean"])) == (0.75, 0.5)
+    assert float(final[("final_eval[t1.0_p1.0/arith_hard]", "grpo")]["final_mean"]) == 0.25
 
 
 def test_cli_dry_run_and_bad_config(tmp_path, capsys):
@@ -556,3 +562,29 @@ def test_every_shipped_study_config_loads_and_builds_its_runs(path):
     specs = run_specs(cfg)
     # one run per (method, seed): a method's own seeds, else the study's
     assert len(specs) == sum(len(m.seeds or cfg.seeds) for m in cfg.methods.values())
+
+
+def test_quadrant_table_by_hand(tmp_path):
+    # report.window=2 over 3 steps; only the low_p_low_h quadrant carries values here (the others NaN: empty)
+    # stapo seed 0: share 0.1, 0.2, 0.4 ; seed 1: 0.3, NaN (empty that step), 0.6
+    #   step 1: mean(0.1, 0.3) = 0.2 ; last 2 steps: seed 0 (0.2 + 0.4)/2 = 0.3, seed 1 0.6 (NaN left out) → 0.45
+    # grad_norm only at step 1 of seed 0 (2.0): step 1 → 2.0, last 2 steps → NaN (no run has a value there)
+    cfg, specs = _study(tmp_path, "report.window=2", "report.bootstrap_samples=200")
+    by = {s.name: s for s in specs}
+    key = "s2t/quadrant/low_p_low_h/"
+    nan = float("nan")
+    _write_run(by["stapo_seed0"].run_dir, [_row(1, 0.0, **{key + "share": 0.1, key + "grad_norm": 2.0}),
+                                           _row(2, 0.0, **{key + "share": 0.2}), _row(3, 0.0, **{key + "share": 0.4})],
+               [1, 2, 3])
+    _write_run(by["stapo_seed1"].run_dir, [_row(1, 0.0, **{key + "share": 0.3}), _row(2, 0.0, **{key + "share": nan}),
+                                           _row(3, 0.0, **{key + "share": 0.6})], [1, 2, 3])
+    _write_run(by["grpo_seed0"].run_dir, [_row(1, 0.0)], [1])  # logs no quadrant: no rows for grpo
+    report = write_report(cfg, specs).read_text()
+    rows = {(r["method"], r["phase"], r["quadrant"]): r
+            for r in csv.DictReader((Path(cfg.output_dir) / "quadrants.csv").open())}
+    assert {m for m, _, _ in rows} == {"stapo"}
+    first, last = rows[("stapo", "step 1", "low_p_low_h")], rows[("stapo", "last 2 steps", "low_p_low_h")]
+    assert float(first["share"]) == pytest.approx(0.2) and float(last["share"]) == pytest.approx(0.45)
+    assert float(first["grad_norm"]) == 2.0 and last["grad_norm"] == ""  # NaN is written as an empty cell
+    assert rows[("stapo", "step 1", "high_p_high_h")]["share"] == ""
+    assert "## Token taxonomy" in report and "| stapo | last 2 steps | low_p_low_h | 0.45 |" in report

@@ -100,3 +100,77 @@ def test_record_has_one_home_and_no_import_cycle():
     code = "import sys, stapo.synthetic; print('stapo.data' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+# --- the held-out split (issue 17) --------------------------------------------------------------------------
+def test_heldout_split_is_a_fixed_tenth_by_text():
+    from stapo.synthetic import HELDOUT_MODULUS, is_heldout
+
+    # by the definition: sha256(text)[:8 bytes] as a big-endian int, mod 10 == 0
+    import hashlib
+
+    text = "What is 7 + 8?"
+    expected = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % HELDOUT_MODULUS == 0
+    assert is_heldout(text) is expected
+    # every level-1 problem enumerated: a tenth is held out, give or take (81 problems → 8 here)
+    level1 = [f"What is {a} + {b}?" for a in range(1, 10) for b in range(1, 10)]
+    assert 3 <= sum(map(is_heldout, level1)) <= 15
+
+
+def test_train_and_test_splits_are_disjoint_and_all_is_unchanged():
+    from stapo.synthetic import is_heldout
+
+    train = generate_arithmetic(600, seed=3, levels=(1, 2), split="train")
+    test = generate_arithmetic(200, seed=4, levels=(2,), split="test")
+    assert not any(is_heldout(r.problem) for r in train)
+    assert all(is_heldout(r.problem) for r in test)
+    assert not {r.problem for r in train} & {r.problem for r in test}
+    assert len({r.problem for r in test}) == 200  # the test split never repeats a problem
+    assert all(r.id.startswith("synthetic_arithmetic/test/L2/") for r in test)
+    # split="all" is the stream of earlier versions: the default draws are untouched
+    assert generate_arithmetic(50, seed=3, levels=(1, 2)) == generate_arithmetic(50, seed=3, levels=(1, 2), split="all")
+    # and "all" does contain held-out problems (so training on it would see some test problems)
+    assert any(is_heldout(r.problem) for r in generate_arithmetic(600, seed=3, levels=(1, 2)))
+
+
+def test_test_split_larger_than_a_level_fails_with_a_message():
+    with pytest.raises(ValueError, match="distinct held-out problems"):
+        generate_arithmetic(50, seed=0, levels=(1,), split="test")  # level 1 has ~8 held-out problems
+    with pytest.raises(ValueError, match="unknown split"):
+        generate_arithmetic(5, split="dev")
+
+
+def test_generated_benchmarks():
+    from stapo.synthetic import GENERATED_BENCHMARKS, generated_benchmark, is_heldout
+
+    test, hard = generated_benchmark("arith_test"), generated_benchmark("arith_hard")
+    assert len(test) == GENERATED_BENCHMARKS["arith_test"].num_problems
+    assert test[0].id == "arith_test/0" and test[0].source == "arith_test"
+    assert all(is_heldout(r.problem) for r in test + hard)
+    assert not {r.problem for r in test} & {r.problem for r in hard}  # seeds and levels differ
+    for rec in test[:50] + hard[:50]:
+        assert int(rec.answer) == _oracle(_expression(rec.problem))
+    assert generated_benchmark("arith_test") == test  # deterministic
+    with pytest.raises(KeyError, match="known: arith_test"):
+        generated_benchmark("arith_tset")
+
+
+def test_could_be_level_by_hand():
+    from stapo.synthetic import could_be_level
+
+    assert could_be_level("What is 88 - 71?", 2) and could_be_level("What is 88 - 71?", 3)
+    assert not could_be_level("What is 71 - 88?", 2)  # level 2 never prints a negative difference
+    assert could_be_level("What is 3 + 4?", 1) and could_be_level("What is 3 + 4?", 2)
+    assert not could_be_level("What is 12 * 45?", 2) and could_be_level("What is 12 * 45?", 3)
+    assert not could_be_level("What is 1 + 2 - 3?", 2) and could_be_level("What is 1 + 2 - 3?", 4)
+    # every problem a level draws could be drawn by it
+    rng = random.Random(0)
+    for level in LEVELS:
+        assert all(could_be_level(make_problem(rng, level)[0], level) for _ in range(100))
+
+
+def test_arith_hard_has_no_training_level_problem():
+    from stapo.synthetic import could_be_level, generated_benchmark
+
+    hard = generated_benchmark("arith_hard")
+    assert not any(could_be_level(r.problem, lv) for r in hard for lv in (1, 2))

@@ -35,7 +35,7 @@ def test_two_steps_of_each_objective(tmp_path, objective):
                     "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "response_length/mean",
                     "response_length/clip_ratio", "frac_reward_zero_std", "timing_s/rollout", "timing_s/reward",
                     "timing_s/old_log_prob", "timing_s/update", "timing_s/sync", "perf/tokens_per_s",
-                    "s2t/quadrant/low_p_low_h/share"):
+                    "s2t/quadrant/low_p_low_h/share", "s2t/would_mask/masked_frac", "s2t/would_mask/num_masked"):
             assert key in m, key
         assert torch.isfinite(torch.tensor(m["actor/pg_loss"]))
     assert any(m["frac_reward_zero_std"] < 1.0 for m in history)  # the toy reward varies within groups
@@ -43,6 +43,7 @@ def test_two_steps_of_each_objective(tmp_path, objective):
         for key in ("actor/s2t/masked_frac", "actor/s2t/num_candidates", "actor/s2t/num_masked",
                     "actor/s2t/entropy_threshold"):
             assert key in history[0] or key == "actor/s2t/entropy_threshold", key  # τ_h is absent when NaN everywhere
+
     if objective == "entropy20":
         # 2 prompts × G=4 × ≤8 tokens: about a fifth of the response tokens keep gradient
         assert 0.15 < history[0]["actor/top_entropy/kept_frac"] <= 0.35
@@ -54,6 +55,18 @@ def test_two_steps_of_each_objective(tmp_path, objective):
     assert [r["step"] for r in rows] == [1, 2]
     ckpt = latest_checkpoint(tmp_path / "toy" / "checkpoints")
     assert ckpt is not None and ckpt.name == "step_000002"  # the final checkpoint is always written
+
+
+def test_would_mask_diagnostic_is_s2t_own_mask_with_one_mini_batch(tmp_path):
+    # one mini-batch per step (ppo_mini_batch_size = train_batch_size = 2): the S2T mask STAPO applies and the
+    # diagnostic every objective logs (s2t/would_mask/*, at the old policy on the whole batch) see the same policy,
+    # the same tokens and the same candidate set, so their counts agree exactly
+    trainer = make_trainer(str(tmp_path), ["algorithm.objective=stapo", "trainer.save_every=0", "trainer.total_steps=1",
+                                           "actor.ppo_mini_batch_size=2"])
+    (m,) = trainer.train()
+    assert m["s2t/would_mask/num_candidates"] == m["actor/s2t/num_candidates"]
+    assert m["s2t/would_mask/num_masked"] == m["actor/s2t/num_masked"]
+    assert m["s2t/would_mask/masked_frac"] == pytest.approx(m["actor/s2t/masked_frac"])
 
 
 def test_checkpoint_is_loadable_by_transformers(tmp_path):

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Literal, Optional
 
 from stapo.config import ConfigError, LoggingConfig, merge_config
 from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
+from stapo.synthetic import GENERATED_BENCHMARKS
 from stapo.evaluation.errors import EvalError
 
 __all__ = [
@@ -143,6 +144,9 @@ class EvalEngineConfig:
 class EvalGraderConfig:
     num_workers: int = 2
     timeout_s: float = 5.0
+    # an answer math-verify finds equivalent but still an unevaluated expression ("9 + 5" for 14) is incorrect
+    # (stapo.grader.is_unevaluated_expression; the math_verify_value training reward); for the synthetic benchmarks
+    require_value: bool = False
 
 
 @dataclass
@@ -204,11 +208,12 @@ def canonical_benchmark(name: str, custom: Iterable[str] = ()) -> str:
         return str(name).strip()
     key = str(name).strip().lower()
     key = BENCHMARK_ALIASES.get(key, key)
-    if key in BENCHMARKS:
+    if key in BENCHMARKS or key in GENERATED_BENCHMARKS:
         return key
-    close = difflib.get_close_matches(key, list(BENCHMARKS) + list(BENCHMARK_ALIASES) + custom, n=1, cutoff=0.6)
+    known = [*BENCHMARKS, *GENERATED_BENCHMARKS, *custom]
+    close = difflib.get_close_matches(key, known + list(BENCHMARK_ALIASES), n=1, cutoff=0.6)
     hint = f" (did you mean {BENCHMARK_ALIASES.get(close[0], close[0])!r}?)" if close else ""
-    raise EvalError(f"unknown benchmark {name!r}{hint}; known: {', '.join([*BENCHMARKS, *custom])}")
+    raise EvalError(f"unknown benchmark {name!r}{hint}; known: {', '.join(known)}")
 
 
 # --- loading ------------------------------------------------------------------------------------------
@@ -284,13 +289,14 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     for cname in custom:
         need(bool(cname) and all(c.isalnum() or c in "._-" for c in cname), f"data.custom_benchmarks.{cname}",
              "the name must be non-empty letters, digits, '.', '_' or '-' (it names files)")
-        clash = cname.lower() in BENCHMARKS or cname.lower() in BENCHMARK_ALIASES
+        clash = cname.lower() in BENCHMARKS or cname.lower() in BENCHMARK_ALIASES or cname.lower() in GENERATED_BENCHMARKS
         need(not clash, f"data.custom_benchmarks.{cname}", "the name is a built-in benchmark or alias")
         need(custom[cname].samples >= 1, f"data.custom_benchmarks.{cname}.samples", "N must be >= 1")
     names = [canonical_benchmark(b, custom) for b in cfg.data.benchmarks]
     need(len(set(names)) == len(names), "data.benchmarks", f"duplicate benchmark in {cfg.data.benchmarks}")
     cfg.data.benchmarks = names
-    samples: dict[str, int] = {name: entry.samples for name, entry in custom.items()}
+    samples: dict[str, int] = {name: g.samples for name, g in GENERATED_BENCHMARKS.items() if name in names}
+    samples.update({name: entry.samples for name, entry in custom.items()})
     for key, n in cfg.data.samples.items():
         samples[canonical_benchmark(key, custom)] = int(n)
     for name in names:

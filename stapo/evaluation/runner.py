@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_set, resolve_data_root
+from stapo.synthetic import GENERATED_BENCHMARKS, generated_benchmark
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
@@ -169,7 +170,8 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
     """The first ``limit`` problems (all when ``None``) of each benchmark, without prompts yet.
 
     ``custom`` maps the names of user benchmarks to their :class:`stapo.data.FileSetConfig` (``data.custom_benchmarks``);
-    they are read from their own files (bad rows raise, as for the built-in benchmarks).
+    they are read from their own files (bad rows raise, as for the built-in benchmarks). The generated benchmarks
+    (:data:`stapo.synthetic.GENERATED_BENCHMARKS`: ``arith_test``, ``arith_hard``) need no data root.
 
     Returns:
         ``{benchmark: [Problem]}`` in the order of ``benchmarks``.
@@ -177,20 +179,20 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
     Raises:
         EvalError: unknown benchmark name, missing data root or file, or a bad row (the message names it).
     """
-    try:
-        data_root = resolve_data_root(root)
-    except DataError as e:
-        raise EvalError(str(e)) from None
     custom = dict(custom or {})
+    data_root = None
     out: dict[str, list[Problem]] = {}
     for name in benchmarks:
-        if name not in BENCHMARKS and name not in custom:
-            raise EvalError(f"unknown benchmark {name!r}; known: {', '.join([*BENCHMARKS, *custom])}")
+        if name not in BENCHMARKS and name not in custom and name not in GENERATED_BENCHMARKS:
+            raise EvalError(f"unknown benchmark {name!r}; known: {', '.join([*BENCHMARKS, *GENERATED_BENCHMARKS, *custom])}")
         try:
-            if name in custom:
+            if name in GENERATED_BENCHMARKS:  # the synthetic task's held-out split, generated (stapo/synthetic.py)
+                records = generated_benchmark(name)
+            elif name in custom:
                 records = load_file_set(name, custom[name], key=f"data.custom_benchmarks.{name}",
                                         on_bad_row="raise").records
             else:
+                data_root = data_root or resolve_data_root(root)
                 records = load_benchmark(name, data_root).records
         except DataError as e:
             raise EvalError(str(e)) from None
@@ -704,8 +706,8 @@ def run_evaluation(
                 if grader is None:
                     from stapo.grader import MathGrader
 
-                    grader = owned_grader = MathGrader(num_workers=cfg.grader.num_workers,
-                                                       timeout_s=cfg.grader.timeout_s)
+                    grader = owned_grader = MathGrader(num_workers=cfg.grader.num_workers, timeout_s=cfg.grader.timeout_s,
+                                                       require_value=cfg.grader.require_value)
                 if cfg.verifier.enabled:
                     from stapo.evaluation.verifier import build_verifier
 

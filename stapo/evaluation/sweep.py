@@ -301,7 +301,8 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
                 if grader is None:
                     from stapo.grader import MathGrader
 
-                    grader = owned = MathGrader(num_workers=cfg.grader.num_workers, timeout_s=cfg.grader.timeout_s)
+                    grader = owned = MathGrader(num_workers=cfg.grader.num_workers, timeout_s=cfg.grader.timeout_s,
+                                                require_value=cfg.grader.require_value)
                 print(f"evaluate.py: evaluating {ckpt.name} (step {step}) into {sub.output.dir}", file=sys.stderr,
                       flush=True)
                 model = model_factory(ckpt) if model_factory is not None else None

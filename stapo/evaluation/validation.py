@@ -64,6 +64,8 @@ class ValidationHook:
         data_root: benchmark data root; default the trainer's ``cfg.data.root``.
         samples_per_call, seed: see :func:`stapo.evaluation.runner.evaluate_problems`.
         grader_workers, grader_timeout_s: the math-verify grader pool (created on first use, reused).
+        grader_require_value: grade unevaluated expressions as incorrect (``MathGrader(require_value=True)``);
+            :func:`make_validation_hook_from_config` sets it when the training reward is ``math_verify_value``.
         subdir: output folder under the trainer's run directory.
         prefix: metric-name prefix: the sections are ``<prefix>-core`` and ``<prefix>-aux``.
 
@@ -78,7 +80,7 @@ class ValidationHook:
                  samples: int | Mapping[str, int] = 4, settings: Sequence[Any] | None = None,
                  max_new_tokens: int | None = None, data_root: str | None = None, samples_per_call: int = 256,
                  seed: int = 0, grader_workers: int = 1, grader_timeout_s: float = 5.0, subdir: str = "validation",
-                 prefix: str = "val") -> None:
+                 prefix: str = "val", grader_require_value: bool = False) -> None:
         self.benchmarks = [canonical_benchmark(b) for b in benchmarks]
         if isinstance(samples, Mapping):
             canon = {canonical_benchmark(k): int(v) for k, v in samples.items()}
@@ -100,6 +102,7 @@ class ValidationHook:
         self.seed = int(seed)
         self.grader_workers = int(grader_workers)
         self.grader_timeout_s = float(grader_timeout_s)
+        self.grader_require_value = bool(grader_require_value)
         self.subdir = subdir
         self.prefix = prefix
         self._grader = None
@@ -135,7 +138,8 @@ class ValidationHook:
         if self._grader is None:
             from stapo.grader import MathGrader
 
-            self._grader = MathGrader(num_workers=self.grader_workers, timeout_s=self.grader_timeout_s)
+            self._grader = MathGrader(num_workers=self.grader_workers, timeout_s=self.grader_timeout_s,
+                                      require_value=self.grader_require_value)
         limit = int(trainer.cfg.rollout.response_length)
         max_new = min(int(self.max_new_tokens), limit) if self.max_new_tokens else limit
         out_dir = Path(trainer.run_dir) / self.subdir / f"step_{int(step):06d}"
@@ -202,13 +206,16 @@ def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
 
     Reads ``cfg.validation`` when the schema has it (fields ``benchmarks``, ``limit``, ``samples``,
     ``temperature``, ``top_p``, ``max_new_tokens``, ``seed``); otherwise uses the :class:`ValidationHook`
-    defaults (MATH500, first 32 problems, N = 4, T = 1.0, top-p = 1.0).
+    defaults (MATH500, first 32 problems, N = 4, T = 1.0, top-p = 1.0). Validation grades with the training
+    reward's answer rule: ``algorithm.reward: math_verify_value`` → ``grader_require_value=True``.
     """
     if not getattr(cfg.trainer, "val_every", 0) and not getattr(cfg.trainer, "val_before_train", False):
         return None
     vc = getattr(cfg, "validation", None)
+    require_value = getattr(getattr(cfg, "algorithm", None), "reward", None) == "math_verify_value"
     if vc is None:
-        return ValidationHook()
+        return ValidationHook(grader_require_value=require_value)
     return ValidationHook(benchmarks=list(vc.benchmarks), limit=vc.limit, samples=int(vc.samples),
                           settings=[(float(vc.temperature), float(vc.top_p))], max_new_tokens=vc.max_new_tokens,
-                          seed=int(vc.seed), data_root=getattr(getattr(cfg, "data", None), "root", None))
+                          seed=int(vc.seed), data_root=getattr(getattr(cfg, "data", None), "root", None),
+                          grader_require_value=require_value)

@@ -75,7 +75,7 @@ def compute_score(
     if not isinstance(ground_truth, str):
         raise TypeError(f"ground_truth must be str, got {type(ground_truth).__name__}")
     fn = _reward(reward)
-    if getattr(fn, "name", "") == "math_verify":  # the grader's process pool is shared: one call at a time
+    if getattr(fn, "name", "").startswith("math_verify"):  # the grader's process pool is shared: one call at a time
         with _LOCK:
             batch = fn([solution_str], [ground_truth])
     else:

@@ -22,7 +22,7 @@ import numpy as np
 
 from stapo.checkpoint_files import latest_checkpoint
 from stapo.study.config import RunSpec, StudyConfig
-from stapo.study.keys import COST_KEYS, LABELS, METRICS
+from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
 from stapo.tracking import read_jsonl_rows
 
@@ -84,7 +84,8 @@ def _number(v: Any) -> float:
 
 
 def _final_eval(run_dir: Path) -> dict[str, float]:
-    """``setting → average avg@N`` of the run's final evaluation (its results.json, written when it finished)."""
+    """``setting → average avg@N`` of the run's final evaluation (its results.json, written when it finished), and
+    with several benchmarks also ``setting/benchmark → avg@N`` of each."""
     path = run_dir / "final_eval" / "results.json"
     if not path.is_file():
         return {}
@@ -92,7 +93,13 @@ def _final_eval(run_dir: Path) -> dict[str, float]:
         res = json.loads(path.read_text())
     except ValueError:
         return {}
-    return {s: _number(m.get("average", {}).get("avg@N")) for s, m in res.get("metrics", {}).items()}
+    out: dict[str, float] = {}
+    for setting, m in res.get("metrics", {}).items():
+        out[setting] = _number(m.get("average", {}).get("avg@N"))
+        benches = m.get("benchmarks", {})
+        if len(benches) > 1:
+            out.update({f"{setting}/{b}": _number(v.get("avg@N")) for b, v in benches.items()})
+    return out
 
 
 def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] | None = None
@@ -145,8 +152,9 @@ def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] |
                 vals = np.full((len(done), t_max + 1), np.nan)  # [S, T + 1], the value at the last step
                 for i, seed in enumerate(done):
                     vals[i, -1] = evals[seed][setting]
+                source = setting if "/" in setting else f"{setting}/average"
                 series.setdefault(f"final_eval[{setting}]", {})[method] = Series(
-                    f"final_eval[{setting}]", [f"results.json:{setting}/average/avg@N"], done, steps, vals)
+                    f"final_eval[{setting}]", [f"results.json:{source}/avg@N"], done, steps, vals)
     return series, rows
 
 
@@ -206,6 +214,34 @@ def _curve_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[
                 out.append({"metric": sname, "method": method, "step": int(step), "n_seeds": int(band.n[j]),
                             "mean": float(band.mean[j]), "ci_low": float(band.low[j]),
                             "ci_high": float(band.high[j])})
+    return out
+
+
+def _quadrant_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> list[dict[str, Any]]:
+    """The token taxonomy (docs/method.md#token-analysis) per method: each quadrant's token share, mean logit-gradient
+    norm and mean first-order entropy change among the Â > 0 tokens, at the first step (the initial policy's
+    rollouts) and over each run's last ``report.window`` steps, averaged over seeds (a run's window mean first;
+    NaN entries, i.e. empty quadrants, are skipped). Empty when no run logs ``s2t/quadrant/*``."""
+    out: list[dict[str, Any]] = []
+    window = cfg.report.window
+    for method in cfg.methods:
+        runs = [rows[s.name] for s in specs if s.method == method and rows[s.name]]
+        if not runs or not any(quadrant_key(q, "share") in r for q in QUADRANTS for run in runs for r in run):
+            continue
+        last = max(r["step"] for run in runs for r in run)
+        for phase, pick in (("step 1", lambda run: run[:1]),
+                            (f"last {window} steps", lambda run: run[-window:])):
+            for q in QUADRANTS:
+                row: dict[str, Any] = {"method": method, "phase": phase, "quadrant": q, "n_seeds": len(runs),
+                                       "last_step": last}
+                for stat in QUADRANT_STATS:
+                    per_seed = []  # a run's mean over the phase's steps (empty quadrants, NaN, left out)
+                    for run in runs:
+                        vals = [v for v in (_number(r.get(quadrant_key(q, stat))) for r in pick(run)) if v == v]
+                        if vals:
+                            per_seed.append(sum(vals) / len(vals))
+                    row[stat] = float(np.mean(per_seed)) if per_seed else math.nan
+                out.append(row)
     return out
 
 
@@ -399,6 +435,19 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
     absent = [f"{name} ({', '.join(m for m in cfg.methods if m not in series.get(name, {}))})"
               for name in (r.metrics or METRICS) if "*" not in METRICS[name][0]
               and any(m not in series.get(name, {}) for m in cfg.methods)]
+    quadrants = _quadrant_rows(cfg, specs, rows)
+    if quadrants:
+        _write_csv(out / "quadrants.csv", quadrants, ["method", "phase", "quadrant", "n_seeds", "last_step",
+                                                      *QUADRANT_STATS])
+        lines += ["", "## Token taxonomy", "",
+                  "Response tokens with Â > 0, split by p < τ_p (low_p) and H below the median H of those tokens "
+                  "(low_h); low_p_low_h is the quadrant S2T silences. share: the quadrant's fraction of those tokens; "
+                  "‖∇‖: mean logit-gradient norm |Â|·sqrt(1 − 2p + Σπ²)/T; ΔH: mean first-order entropy change per "
+                  "unit step (docs/metrics.md, s2t/quadrant/*). At step 1 (the initial policy's rollouts) and over "
+                  f"each run's last {r.window} steps, mean over seeds. Data: `quadrants.csv`.", "",
+                  "| method | phase | quadrant | share | ‖∇‖ | ΔH |", "|---|---|---|---|---|---|"]
+        lines += [f"| {q['method']} | {q['phase']} | {q['quadrant']} | {_fmt(q['share'])} | {_fmt(q['grad_norm'])} "
+                  f"| {_fmt(q['entropy_change'])} |" for q in quadrants]
     notes = _pairing_notes(cfg, specs)
     if absent or notes:
         lines += ["", "Notes:", ""]

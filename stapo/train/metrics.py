@@ -156,6 +156,13 @@ def step_metrics(v: MetricRows, cfg, extra: dict[str, float]) -> dict[str, float
     q = quadrant_summary(v.old_logprobs, v.old_entropy, adv_tok, mask, grad_norm=gnorm, entropy_change=dh,
                          prob_threshold=alg.s2t.prob_threshold)
     m.update({f"s2t/{k}": val for k, val in q.items()})
+    # what S2T would silence on this batch at the old policy, for every objective (STAPO's own mask with one
+    # mini-batch per step gives the same numbers under actor/s2t/*): the paper's C1 (rarity) for the baselines too
+    s2t = alg.s2t
+    would = s2t_mask(v.old_logprobs, v.old_entropy, v.advantages, mask, prob_threshold=s2t.prob_threshold,
+                     entropy_quantile=s2t.entropy_quantile, quantile_scope=s2t.quantile_scope)
+    for stat in ("num_candidates", "num_masked", "masked_frac"):
+        m[f"s2t/would_mask/{stat}"] = float(would.stats[stat])
     return m
 
 

@@ -34,7 +34,7 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
     dc = cfg.data
     if dc.train_set == "synthetic":
         records = load_train_set("synthetic", n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
-                                 levels=tuple(dc.synthetic.levels))
+                                 levels=tuple(dc.synthetic.levels), split=dc.synthetic.split)
     elif dc.train_set == "file":
         name = Path(dc.train_file.path).stem if dc.train_file.path else "file"
         records = load_file_set(name, dc.train_file, key="data.train_file")
