@@ -101,6 +101,9 @@ def test_summarize_benchmark_hand_case():
     s = summarize_benchmark([p1, p2], 4)
     assert (s["N"], s["problems"], s["samples"]) == (4, 2, 8)
     assert s["avg@N"] == pytest.approx(0.375)      # (1/4 + 2/4) / 2
+    # se: per-problem accuracies 0.25, 0.5 (mean 0.375); sd (ddof 1) = sqrt(2 · 0.125² / 1) = 0.1768; / sqrt(2) = 0.125
+    assert s["avg@N_se"] == pytest.approx(0.125)
+    assert math.isnan(summarize_benchmark([p1], 4)["avg@N_se"])  # one problem: undefined
     assert s["pass@1"] == pytest.approx(0.375)     # equals avg@N
     assert s["pass@N"] == pytest.approx(1.0)       # both problems have >= 1 correct sample
     # maj: p1 "2" (2 votes) beats "1" (1 vote) -> wrong; p2 "9" vs "8" tie, "9" first -> right: 1/2

@@ -199,7 +199,8 @@ def summarize_benchmark(problems: Sequence[Sequence[Mapping[str, Any]]], n: int)
 
     Returns:
         Plain dict: ``N``, ``problems`` (P), ``samples`` (P·N), ``avg@N``, ``pass@1``, ``pass@N``, ``maj@N``
-        (fractions; ``nan`` when P = 0), ``maj_ties`` (problems whose vote was tied), ``grader`` (count per
+        (fractions; ``nan`` when P = 0), ``avg@N_se`` (the standard error of avg@N over problems: the sample
+        standard deviation of the per-problem accuracies c_i / N divided by √P; ``nan`` when P < 2), ``maj_ties`` (problems whose vote was tied), ``grader`` (count per
         status, summing to P·N), ``verifier_accepted`` (samples the LLM verifier turned correct),
         ``no_answer_rate``, ``mean_response_tokens`` (tokens, EOS included) and ``truncation_rate`` (fraction of
         samples that hit the generation limit).
@@ -228,11 +229,15 @@ def summarize_benchmark(problems: Sequence[Sequence[Mapping[str, Any]]], n: int)
             truncated += s["finish_reason"] == "length"
     p = len(counts)
     total = p * n
+    # standard error of avg@N over problems: sd of the per-problem accuracies c_i / N (ddof 1) / sqrt(P)
+    accs = [c / n for _, c in counts]
+    se = (math.sqrt(sum((a - sum(accs) / p) ** 2 for a in accs) / (p - 1)) / math.sqrt(p)) if p > 1 else math.nan
     return {
         "N": n,
         "problems": p,
         "samples": total,
         "avg@N": avg_at_n([[j < c for j in range(n)] for _, c in counts]) if p else math.nan,
+        "avg@N_se": se,
         "pass@1": mean_pass_at_k(counts, 1),
         "pass@N": mean_pass_at_k(counts, n),
         "maj@N": maj_correct / p if p else math.nan,
