@@ -629,3 +629,12 @@ def test_a_run_folder_resolves_to_its_latest_intact_checkpoint(tmp_path):
     (run / "checkpoints" / "step_000002" / "model.safetensors").write_bytes(b"w" * 40)  # truncated after the save
     src = resolve_model_source(str(run))
     assert (src.kind, src.step, src.label) == ("checkpoint", 1, "run@step_000001")
+
+
+def test_model_dtype_auto_follows_the_training_rule(shared_data_root, tmp_path, monkeypatch):
+    # model.dtype=auto resolves at load like training's compute_dtype: bf16 where the CPU has it natively, else fp32
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr("stapo.perf.native_bf16", lambda native=native: native)
+        assert tiny_cfg(shared_data_root, tmp_path / "o", "model.dtype=auto").model.dtype == expected
+    assert tiny_cfg(shared_data_root, tmp_path / "o", "model.dtype=float32").model.dtype == "float32"

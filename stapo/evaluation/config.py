@@ -79,7 +79,9 @@ class EvalModelConfig:
     # checkpoint), a hub id, "embedded:smollm2", or "tiny" (a random tiny model, tests only).
     path: str = "embedded:smollm2"
     label: Optional[str] = None  # row name in tables; default derived from the path
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "auto": bfloat16 where the device computes it natively (AVX512-BF16 / AMX CPUs, bf16 GPUs), else float32 — the
+    # rule of the training configs' model.compute_dtype (stapo.precision.resolve_compute_dtype); resolved at load
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     cache_dir: Optional[str] = None  # where the embedded model is converted to
     # Which checkpoints of a train.py run (model.path: the run folder, its checkpoints/ or one of them) to evaluate,
@@ -284,6 +286,13 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     except ConfigError as e:
         raise EvalError(str(e)) from None
     cfg.model.checkpoints = checkpoint_selection(cfg.model.checkpoints)
+    if cfg.model.dtype == "auto":  # the training rule: bf16 where native (results/benchmarks/train_step.md)
+        import torch
+
+        from stapo.precision import resolve_compute_dtype
+
+        cuda = cfg.engine.device != "cpu" and torch.cuda.is_available()
+        cfg.model.dtype = resolve_compute_dtype("auto", "cuda" if cuda else "cpu")
     need(len(cfg.data.benchmarks) > 0, "data.benchmarks", "at least one benchmark is needed")
     custom = cfg.data.custom_benchmarks
     for cname in custom:
