@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its training step (resumable: finished checkpoints are skipped)")
     p.add_argument("--checkpoints", nargs="+", help="model.checkpoints: all, latest, or training steps (10 20 ...)")
     p.add_argument("--benchmarks", nargs="+", help="data.benchmarks, space- or comma-separated "
-                   "(aime24 aime25 amc23 math500 minerva olympiad)")
+                   "(aime24 aime25 amc23 math500 minerva olympiad; the synthetic task's held-out arith_test "
+                   "arith_hard; data.custom_benchmarks names)")
     p.add_argument("--settings", nargs="+", help="keep only these decoding settings by name (t1.0_p1.0 t0.7_p0.9)")
     p.add_argument("--limit", type=int, help="data.limit: first K problems of each benchmark")
     p.add_argument("--max-new-tokens", type=int, help="generation.max_new_tokens")

@@ -34,15 +34,24 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     path = Path(args.run_dir) / "metrics.jsonl"
+
+    def fail(msg: str) -> None:  # one line, exit 2 (the other tools' code for bad input)
+        print(f"summarize_run: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if (Path(args.run_dir) / "eval_manifest.json").is_file():  # an evaluate.py folder (a checkpoint sweep's too)
+        sweep = Path(args.run_dir) / "sweep.md"
+        fail(f"{args.run_dir} is an evaluate.py output folder, not a train.py run"
+             + (f": its checkpoints' results are in {sweep}" if sweep.is_file() else ": see its results.md"))
     if not path.is_file():
-        raise SystemExit(f"summarize_run: {path} not found (is {args.run_dir} a train.py run directory?)")
+        fail(f"{path} not found (is {args.run_dir} a train.py run directory?)")
     try:
         # a torn last line (a run killed mid-write) is left out; keys logged before the one vocabulary renamed
         rows = [rename_legacy(r) for r in read_jsonl_rows(path)[0]]
     except CorruptJsonlError as e:
-        raise SystemExit(f"summarize_run: {e}") from None
+        fail(str(e))
     if not rows:
-        raise SystemExit(f"summarize_run: {path} has no rows")
+        fail(f"{path} has no rows")
     summary = (f"python scripts/summarize_run.py {args.run_dir} --window {args.window}"
                + (f" --wall-s {args.wall_s:.0f}" if args.wall_s else ""))
     text = markdown_report(rows, Path(args.run_dir).name, summary, window=args.window, wall_s=args.wall_s,

@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -485,18 +485,31 @@ def _list_value_error(schema: DictConfig, layer: DictConfig, source: str, prefix
     return None
 
 
-def merge_config(schema_cls: type, path: str | Path | None, overrides: list[str] | None) -> Any:
+def merge_config(schema_cls: type, path: str | Path | None, overrides: list[str] | None,
+                 file_layer_hook: Callable[[Path, DictConfig], None] | None = None) -> Any:
     """The ``schema_cls`` dataclass built from its defaults, a YAML file (with ``defaults`` parents) and dotted
-    overrides, in that order; shared by the train and evaluation configs.
+    overrides, in that order; shared by the train, evaluation and study configs.
+
+    Args:
+        file_layer_hook: called as ``hook(file, layer)`` on each file's layer (parents first) before the merge, to
+            edit it in place — e.g. the study config makes its relative paths absolute against the file that set them.
 
     Raises:
-        ConfigError: missing/unparsable file, unknown key (with the closest valid key), wrong type.
+        ConfigError: missing/unparsable file, an override that is not ``key=value`` or not valid YAML, unknown key
+            (with the closest valid key), wrong type.
     """
     schema = OmegaConf.structured(schema_cls)
     layers: list[tuple[str, DictConfig]] = _read_yaml(Path(path)) if path is not None else []
+    if file_layer_hook is not None:
+        for source, layer in layers:
+            file_layer_hook(Path(source), layer)
     for ov in overrides or []:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} is not of the form key=value")
+        try:
+            OmegaConf.from_dotlist([ov])
+        except Exception as e:  # noqa: BLE001 - YAML syntax errors of the value ("[0,"), OmegaConf's own
+            raise ConfigError(f"override {ov!r}: the value is not valid YAML ({_yaml_error(e)})") from None
     if overrides:
         layers.append(("command-line override", OmegaConf.from_dotlist(list(overrides))))
     cfg = schema
@@ -579,6 +592,13 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
     need(cfg.data.synthetic.split in ("all", "train"), "data.synthetic.split",
          f"{cfg.data.synthetic.split!r} must be 'all' or 'train' (the test split is for evaluation: arith_test)")
+    if cfg.trainer.val_every or cfg.trainer.val_before_train:
+        from stapo.synthetic import GENERATED_BENCHMARKS
+
+        held_out = [b for b in cfg.validation.benchmarks if str(b).strip().lower() in GENERATED_BENCHMARKS]
+        need(not (held_out and cfg.data.train_set == "synthetic" and cfg.data.synthetic.split == "all"),
+             "validation.benchmarks", f"{', '.join(held_out)} is drawn from the synthetic task's held-out split, "
+             "which data.synthetic.split=all trains on: set data.synthetic.split=train")
     need(cfg.validation.samples >= 1, "validation.samples", "must be ≥ 1")
     need(cfg.validation.limit is None or cfg.validation.limit >= 1, "validation.limit", "must be ≥ 1 or null")
     need(cfg.validation.temperature > 0, "validation.temperature", "must be > 0")

@@ -638,3 +638,30 @@ def test_model_dtype_auto_follows_the_training_rule(shared_data_root, tmp_path, 
         monkeypatch.setattr("stapo.perf.native_bf16", lambda native=native: native)
         assert tiny_cfg(shared_data_root, tmp_path / "o", "model.dtype=auto").model.dtype == expected
     assert tiny_cfg(shared_data_root, tmp_path / "o", "model.dtype=float32").model.dtype == "float32"
+
+
+def test_the_synthetic_split_a_checkpoint_was_trained_on(tmp_path):
+    """A checkpoint of a run with data.synthetic.split=all (the default, and runs from before the key) saw
+    arith_test's problems: run_evaluation warns in one line when such a checkpoint is evaluated on a generated
+    benchmark (ModelSource.synthetic_split() == "all"); split=train, other training sets and non-checkpoints do not."""
+    from stapo.evaluation.model_source import ModelSource
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for split, expected in (({}, "all"), ({"split": "train"}, "train")):
+        (run / "config.json").write_text(json.dumps({"data": {"train_set": "synthetic", "synthetic": split}}))
+        src = ModelSource(spec=str(run), kind="checkpoint", path=str(run), label="r", run_dir=str(run), step=2)
+        assert src.synthetic_split() == expected
+    (run / "config.json").write_text(json.dumps({"data": {"train_set": "dapo_math_17k"}}))
+    assert ModelSource(spec="x", kind="checkpoint", path="x", label="r", run_dir=str(run), step=2).synthetic_split() is None
+    assert ModelSource(spec="x", kind="hf", path="x", label="r").synthetic_split() is None
+
+
+def test_validation_on_held_out_benchmarks_needs_the_train_split():
+    from stapo.config import ConfigError, load_config
+
+    base = REPO / "configs" / "tiny_test.yaml"
+    with pytest.raises(ConfigError, match=r"validation.benchmarks.*arith_test.*set data.synthetic.split=train"):
+        load_config(base, ["trainer.val_every=1", "validation.benchmarks=[arith_test]"])
+    cfg = load_config(base, ["trainer.val_every=1", "validation.benchmarks=[arith_test]", "data.synthetic.split=train"])
+    assert cfg.validation.benchmarks == ["arith_test"]

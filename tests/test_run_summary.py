@@ -250,3 +250,16 @@ def test_update_bar_shows_the_logged_mini_batch_loss_and_rollout_counts_response
     assert len(seen["losses"]) == 2  # one per mini-batch
     # the bar shows 4 decimals; actor/pg_loss is the mean of the mini-batch losses
     assert math.isclose(sum(seen["losses"]) / 2, metrics["actor/pg_loss"], abs_tol=1e-4)
+
+
+def test_summarize_run_script_refuses_what_is_not_a_run_in_one_line(tmp_path):
+    script = [sys.executable, str(REPO / "scripts" / "summarize_run.py")]
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "eval_manifest.json").write_text("{}")
+    (sweep / "sweep.md").write_text("# sweep\n")
+    for folder, expected in ((sweep, f"{sweep} is an evaluate.py output folder, not a train.py run: its "
+                                     f"checkpoints' results are in {sweep / 'sweep.md'}"),
+                             (tmp_path / "none", "metrics.jsonl not found")):
+        out = subprocess.run([*script, str(folder)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and expected in out.stderr and out.stderr.count("\n") == 1, out.stderr

@@ -258,9 +258,24 @@ def test_final_eval_state_and_report(tmp_path):
             # two benchmarks: a final value per benchmark beside the average (arith_test 2·acc − 0.25, arith_hard 0.25)
             benches = {"arith_test": {"avg@N": 2 * acc - 0.25}, "arith_hard": {"avg@N": 0.25}}
             (by[name].run_dir / "final_eval" / "results.json").write_text(json.dumps(
-                {"label": name, "complete": False,
+                {"label": name, "complete": False, "model": {"step": 2},
                  "metrics": {"t1.0_p1.0": {"average": {"avg@N": acc}, "benchmarks": benches}}}))
     assert [study_runner.eval_status(by[n]).action for n in by] == ["done", "done", "run", "wait"]
+    # an evaluation of an earlier final step (total_steps raised since) is not done, and the report leaves it out
+    stale = tmp_path / "stale"
+    _write_run(stale, [_row(1, 0.0)], [1])
+    (stale / "final_eval").mkdir()
+    (stale / "final_eval" / "results.json").write_text(json.dumps({"model": {"step": 1}, "metrics": {}}))
+    import dataclasses
+
+    stale_spec = dataclasses.replace(by["stapo_seed1"], run_dir=stale, total_steps=1)
+    assert study_runner.eval_status(stale_spec).action == "done"
+    stale_spec = dataclasses.replace(stale_spec, total_steps=3)
+    assert study_runner.eval_status(stale_spec).action == "wait"  # not finished at 3 steps: evaluated later
+    said = []
+    study_runner._retire_stale_eval(stale_spec, "[x]", said.append)  # moved aside (kept), not deleted
+    assert not (stale / "final_eval").exists() and (stale / "final_eval.step_000001" / "results.json").is_file()
+    assert "is of step 1, not 3" in said[0]
     cmd = study_runner.eval_command(cfg, by["stapo_seed1"])
     assert cmd[cmd.index("--model") + 1] == str(by["stapo_seed1"].run_dir / "checkpoints" / "step_000002")
     write_report(cfg, specs)
@@ -588,3 +603,57 @@ def test_quadrant_table_by_hand(tmp_path):
     assert float(first["grad_norm"]) == 2.0 and last["grad_norm"] == ""  # NaN is written as an empty cell
     assert rows[("stapo", "step 1", "high_p_high_h")]["share"] == ""
     assert "## Token taxonomy" in report and "| stapo | last 2 steps | low_p_low_h | 0.45 |" in report
+
+
+def test_sigint_to_the_runner_alone_reaches_the_run(tmp_path):
+    # `kill -INT <runner pid>` (no terminal: pytest's stdin is not one) must reach the child, which then stops as
+    # train.py does on Ctrl-C; a child that already has it from the terminal would not get it twice
+    import threading
+
+    assert study_runner._terminal_sends_sigint() is False
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    child = ("import signal, sys, time, pathlib\n"
+             f"def stop(*a):\n    pathlib.Path({str(got)!r}).write_text('SIGINT')\n    sys.exit(130)\n"
+             "signal.signal(signal.SIGINT, stop)\n"
+             f"pathlib.Path({str(ready)!r}).write_text('1')\n"
+             "time.sleep(600)\n")
+
+    def interrupt_when_ready():
+        while not ready.exists():
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)  # to the runner (this process) only
+
+    threading.Thread(target=interrupt_when_ready, daemon=True).start()
+    rc, _, interrupted = study_runner._run([sys.executable, "-c", child], tmp_path / "log", verbose=False)
+    assert (rc, interrupted, got.read_text()) == (130, True, "SIGINT")
+
+
+def test_a_study_inheriting_from_another_folder_keeps_the_parents_paths(tmp_path):
+    # the parent (configs/study/tiny_test.yaml) says base: ../tiny_test.yaml, relative to itself; a child in another
+    # folder that starts from it must not re-resolve that against its own folder
+    child = tmp_path / "elsewhere" / "mine.yaml"
+    child.parent.mkdir()
+    child.write_text(f"defaults: [{TINY}]\nname: mine\n")
+    cfg = load_study_config(child, [f"output_dir={tmp_path / 'out'}"])
+    assert cfg.base == str((REPO / "configs" / "tiny_test.yaml").resolve())
+    # a path the child sets itself is relative to the child
+    (tmp_path / "elsewhere" / "b.yaml").write_text((REPO / "configs" / "tiny_test.yaml").read_text())
+    child.write_text(f"defaults: [{TINY}]\nname: mine\nbase: b.yaml\n")
+    assert load_study_config(child).base == str(tmp_path / "elsewhere" / "b.yaml")
+
+
+def test_a_malformed_override_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^override 'seeds=\[0,': the value is not valid YAML"):
+        load_study_config(TINY, ["seeds=[0,"])
+
+
+def test_an_empty_token_taxonomy_is_a_note_not_a_table(tmp_path):
+    # every quadrant share NaN (no Â > 0 token in any step, e.g. all rewards −1): one sentence instead of n/a rows
+    cfg, specs = _study(tmp_path, "report.bootstrap_samples=200")
+    by = {s.name: s for s in specs}
+    nan = float("nan")
+    shares = {f"s2t/quadrant/{q}/share": nan for q in ("high_p_high_h", "high_p_low_h", "low_p_high_h", "low_p_low_h")}
+    _write_run(by["stapo_seed0"].run_dir, [_row(1, -1.0, **shares), _row(2, -1.0, **shares)], [1, 2])
+    report = write_report(cfg, specs).read_text()
+    assert "No response token had Â > 0" in report and "| method | phase | quadrant |" not in report
+    assert not (Path(cfg.output_dir) / "quadrants.csv").exists()

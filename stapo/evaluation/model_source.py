@@ -62,6 +62,21 @@ class ModelSource:
             return None
         return {"style": data.get("prompt_style"), "system_prompt": data.get("system_prompt")}
 
+    def synthetic_split(self) -> str | None:
+        """The ``data.synthetic.split`` a train.py checkpoint was trained on (``"all"`` for runs that predate the key),
+        or ``None`` when this is not a checkpoint of a run on the synthetic task (or its config.json is unreadable).
+        ``"all"`` includes the held-out problems of the generated benchmarks (``arith_test``, ``arith_hard``)."""
+        if self.kind != "checkpoint" or self.run_dir is None:
+            return None
+        try:
+            data = json.loads((Path(self.run_dir) / "config.json").read_text()).get("data", {})
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(data, dict) or data.get("train_set") != "synthetic":
+            return None
+        synthetic = data.get("synthetic") if isinstance(data.get("synthetic"), dict) else {}
+        return str(synthetic.get("split", "all"))
+
     def train_run(self) -> dict[str, Any] | None:
         """What the training run of a train.py checkpoint was, from its run's ``config.json``: the identity an
         evaluation logs under (docs/evaluation.md#evaluation-on-the-training-step-axis).

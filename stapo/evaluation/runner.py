@@ -47,6 +47,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -663,6 +664,11 @@ def run_evaluation(
     validate_eval_config(cfg)
     _preflight(check_device, cfg.engine.device, "engine.device")  # before anything loads (stapo/preflight.py)
     source = resolve_model_source(cfg.model.path)
+    held_out = [b for b in cfg.data.benchmarks if b in GENERATED_BENCHMARKS]
+    if held_out and source.synthetic_split() == "all":  # not an error: the user may mean it, but it is not held out
+        print(f"evaluate.py: warning: {source.run_dir} was trained with data.synthetic.split=all, which includes the "
+              f"held-out problems {', '.join(held_out)} are drawn from: its accuracy there is not held-out accuracy "
+              f"(train with data.synthetic.split=train)", file=sys.stderr, flush=True)
     problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit, cfg.data.custom_benchmarks)
     totals = {b: len(p) for b, p in problems.items()}
     prompt = resolve_prompt(cfg.prompt, source)

@@ -120,6 +120,22 @@ def _resolve(study_file: Path, path: str) -> str:
     return str(p if p.is_absolute() else (study_file.parent / p).resolve())
 
 
+def _absolute_paths(study_file: Path, layer) -> None:
+    """Make the paths one study file sets (``base``, ``methods.<m>.config``, ``final_eval.config``) absolute against
+    that file's folder, before the files are merged: a study that starts from another in another folder
+    (``defaults: [../other/study.yaml]``) keeps the parent's paths pointing where the parent meant."""
+    if isinstance(layer.get("base"), str):
+        layer["base"] = _resolve(study_file, layer["base"])
+    methods = layer.get("methods")
+    if hasattr(methods, "items"):
+        for m in methods.values():
+            if hasattr(m, "get") and isinstance(m.get("config"), str):
+                m["config"] = _resolve(study_file, m["config"])
+    fe = layer.get("final_eval")
+    if hasattr(fe, "get") and isinstance(fe.get("config"), str):
+        fe["config"] = _resolve(study_file, fe["config"])
+
+
 def load_study_config(path: str | Path, overrides: list[str] | None = None) -> StudyConfig:
     """Load and check a study config; paths become absolute (relative ones are relative to the study file).
 
@@ -132,7 +148,7 @@ def load_study_config(path: str | Path, overrides: list[str] | None = None) -> S
             ``final_eval.enabled``).
     """
     src = Path(path).resolve()
-    cfg: StudyConfig = merge_config(StudyConfig, src, overrides)
+    cfg: StudyConfig = merge_config(StudyConfig, src, overrides, file_layer_hook=_absolute_paths)
     cfg.source = str(src)
 
     def need(cond: bool, key: str, msg: str) -> None:

@@ -83,15 +83,20 @@ def _number(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None else math.nan
 
 
-def _final_eval(run_dir: Path) -> dict[str, float]:
+def _final_eval(spec: RunSpec) -> dict[str, float]:
     """``setting → average avg@N`` of the run's final evaluation (its results.json, written when it finished), and
-    with several benchmarks also ``setting/benchmark → avg@N`` of each."""
-    path = run_dir / "final_eval" / "results.json"
+    with several benchmarks also ``setting/benchmark → avg@N`` of each. Empty when there is none, or when it
+    evaluated another checkpoint than the run's final one (``model.step`` ≠ ``trainer.total_steps``: the study's
+    steps were raised since; the runner evaluates the final checkpoint again)."""
+    path = spec.run_dir / "final_eval" / "results.json"
     if not path.is_file():
         return {}
     try:
         res = json.loads(path.read_text())
     except ValueError:
+        return {}
+    step = (res.get("model") or {}).get("step") if isinstance(res.get("model"), dict) else None
+    if step != spec.total_steps:
         return {}
     out: dict[str, float] = {}
     for setting, m in res.get("metrics", {}).items():
@@ -146,7 +151,7 @@ def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] |
                                 used.append(key)
                 series.setdefault(sname, {})[method] = Series(sname, used, seeds, steps, vals)
         if cfg.final_eval.enabled:
-            evals = {s.seed: _final_eval(s.run_dir) for s in specs if s.method == method}
+            evals = {s.seed: _final_eval(s) for s in specs if s.method == method}
             for setting in sorted({k for e in evals.values() for k in e}):
                 done = [seed for seed, e in evals.items() if setting in e]
                 vals = np.full((len(done), t_max + 1), np.nan)  # [S, T + 1], the value at the last step
@@ -436,6 +441,12 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
               for name in (r.metrics or METRICS) if "*" not in METRICS[name][0]
               and any(m not in series.get(name, {}) for m in cfg.methods)]
     quadrants = _quadrant_rows(cfg, specs, rows)
+    if quadrants and all(q["share"] != q["share"] for q in quadrants):  # every share NaN: no Â > 0 token anywhere
+        lines += ["", "## Token taxonomy", "", "No response token had Â > 0 in the steps read (every group's rewards "
+                  "were equal or below their mean), so the quadrant table is empty and is not shown."]
+        quadrants = []
+    if not quadrants:
+        (out / "quadrants.csv").unlink(missing_ok=True)  # no stale table from an earlier report
     if quadrants:
         _write_csv(out / "quadrants.csv", quadrants, ["method", "phase", "quadrant", "n_seeds", "last_step",
                                                       *QUADRANT_STATS])

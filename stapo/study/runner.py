@@ -150,16 +150,48 @@ def run_status(spec: RunSpec) -> RunStatus:
 
 
 def eval_status(spec: RunSpec) -> EvalStatus:
-    """The final evaluation's state: its output folder is ``<run_dir>/final_eval``."""
+    """The final evaluation's state: its output folder is ``<run_dir>/final_eval``. It is ``done`` only when its
+    results.json evaluated the run's final checkpoint (``model.step`` = ``trainer.total_steps``); an evaluation of
+    an earlier final step (the study's ``total_steps`` was raised since) is run again (evaluate.py refuses or
+    resumes by its own manifest: a changed model or protocol starts a fresh folder, see :func:`eval_command`)."""
     out = spec.run_dir / EVAL_DIR
     results = out / "results.json"
     if results.is_file():  # evaluate.py writes it once every generation is graded (its "complete" field means
         try:                # the full protocol: all six benchmarks, no limit — not that the run finished)
-            if "metrics" in json.loads(results.read_text()):
+            res = json.loads(results.read_text())
+            if "metrics" in res and _evaluated_step(res) == spec.total_steps:
                 return EvalStatus(spec, "done", out)
         except ValueError:
             pass
     return EvalStatus(spec, "run" if run_status(spec).action == "skip" else "wait", out)
+
+
+def _retire_stale_eval(spec: RunSpec, tag: str, say: Callable[[str], None]) -> None:
+    """Move a final evaluation of an earlier checkpoint (its manifest names another step) aside to
+    ``final_eval.step_<N>`` (kept, never deleted), so that evaluate.py starts the final checkpoint's in a fresh folder
+    instead of refusing the folder of another model."""
+    out = spec.run_dir / EVAL_DIR
+    step = None
+    for name in ("results.json", "eval_manifest.json"):
+        try:
+            step = _evaluated_step(json.loads((out / name).read_text()))
+        except (OSError, ValueError):
+            continue
+        break
+    if step is None or step == spec.total_steps:
+        return
+    dest = spec.run_dir / f"{EVAL_DIR}.step_{step:06d}"
+    k = 1
+    while dest.exists():
+        dest, k = spec.run_dir / f"{EVAL_DIR}.step_{step:06d}.{k}", k + 1
+    out.rename(dest)
+    say(f"{tag}: the final evaluation in {out} is of step {step}, not {spec.total_steps}: moved to {dest}")
+
+
+def _evaluated_step(results: dict) -> int | None:
+    """The training step of the checkpoint a results.json evaluated (``model.step``), ``None`` when it names none."""
+    step = (results.get("model") or {}).get("step") if isinstance(results.get("model"), dict) else None
+    return int(step) if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def train_command(status: RunStatus) -> list[str]:
@@ -257,12 +289,23 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
+def _terminal_sends_sigint() -> bool:
+    """Whether a SIGINT the runner got came from its terminal's Ctrl-C, which reaches the whole foreground process
+    group (the child too): the runner is that group (stdin a terminal whose foreground group is ours). Otherwise
+    (``kill -INT <runner pid>``, no terminal, a background job) only the runner has it."""
+    try:
+        fd = sys.stdin.fileno()
+        return os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _run(cmd: list[str], log: Path, verbose: bool) -> tuple[int, float, bool]:
     """Run ``cmd`` (its output appended to ``log``, or the console when ``verbose``); returns (exit code, wall
     seconds, interrupted). Ctrl-C reaches the child through the terminal's process group (train.py finishes its
-    step and checkpoints; a second Ctrl-C stops it at once): the runner waits for it. SIGTERM to the runner is
-    passed on to the child. The child stays in the runner's process group and gets SIGTERM when the runner dies
-    (:func:`_die_with_parent`)."""
+    step and checkpoints; a second Ctrl-C stops it at once): the runner waits for it. A SIGINT sent to the runner
+    alone (``kill -INT <pid>``, :func:`_terminal_sends_sigint` false) and SIGTERM are passed on to the child. The
+    child stays in the runner's process group and gets SIGTERM when the runner dies (:func:`_die_with_parent`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with log.open("a") as f:
@@ -276,10 +319,11 @@ def _run(cmd: list[str], log: Path, verbose: bool) -> tuple[int, float, bool]:
             try:
                 rc = proc.wait()
                 break
-            except KeyboardInterrupt as e:  # Ctrl-C (the child has it too) or SIGTERM (Terminated: pass it on)
+            except KeyboardInterrupt as e:  # Ctrl-C (the child has it too), SIGINT to us alone, or SIGTERM
                 interrupted = True
-                if getattr(e, "signum", signal.SIGINT) == signal.SIGTERM and proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
+                signum = getattr(e, "signum", signal.SIGINT)
+                if proc.poll() is None and (signum == signal.SIGTERM or not _terminal_sends_sigint()):
+                    proc.send_signal(signum)  # pass it on: the child checkpoints its step and exits
     return rc, time.monotonic() - t0, interrupted or rc in (130, 143)
 
 
@@ -336,14 +380,15 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
             if ev.action != "run":
                 say(f"{tag}: final evaluation {'done (reused)' if ev.action == 'done' else 'skipped: the run is not finished'}")
                 continue
+            _retire_stale_eval(spec, tag, say)
             say(f"{tag}: final evaluation (log: {log})")
             cmd, action = eval_command(cfg, spec), "eval"
         rc, wall, interrupted = _run(cmd, log, verbose)
         _record(out, {"run": spec.name, "kind": kind, "action": action, "rc": rc, "wall_s": round(wall, 3),
                       "threads": _threads(cfg), "end": datetime.now(timezone.utc).isoformat(timespec="seconds")})
         if interrupted:
-            say(f"{tag}: interrupted ({exit_text(rc)}) after {wall / 60:.1f} min; rerun the same command to resume the "
-                f"study")
+            what = "finished, then the study stopped" if rc == 0 else f"interrupted ({exit_text(rc)})"
+            say(f"{tag}: {what} after {wall / 60:.1f} min; rerun the same command to resume the study")
             return 143 if rc == 143 else 130
         if rc != 0:
             failed.append(spec.name)
