@@ -588,7 +588,9 @@ def test_quadrant_table_by_hand(tmp_path):
     by = {s.name: s for s in specs}
     key = "s2t/quadrant/low_p_low_h/"
     nan = float("nan")
-    _write_run(by["stapo_seed0"].run_dir, [_row(1, 0.0, **{key + "share": 0.1, key + "grad_norm": 2.0}),
+    # (seed 0 starts with a step-0 validation row, which has no token statistics: "step 1" is its first training row)
+    _write_run(by["stapo_seed0"].run_dir, [{"step": 0, "val-core/average/acc/mean@4": 0.1},
+                                           _row(1, 0.0, **{key + "share": 0.1, key + "grad_norm": 2.0}),
                                            _row(2, 0.0, **{key + "share": 0.2}), _row(3, 0.0, **{key + "share": 0.4})],
                [1, 2, 3])
     _write_run(by["stapo_seed1"].run_dir, [_row(1, 0.0, **{key + "share": 0.3}), _row(2, 0.0, **{key + "share": nan}),

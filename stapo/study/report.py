@@ -230,7 +230,9 @@ def _quadrant_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]
     out: list[dict[str, Any]] = []
     window = cfg.report.window
     for method in cfg.methods:
-        runs = [rows[s.name] for s in specs if s.method == method and rows[s.name]]
+        # training rows only: a step-0 row (the validation of trainer.val_before_train) has no token statistics
+        runs = [[r for r in rows[s.name] if r.get("step", 0) >= 1] for s in specs if s.method == method]
+        runs = [run for run in runs if run]
         if not runs or not any(quadrant_key(q, "share") in r for q in QUADRANTS for run in runs for r in run):
             continue
         last = max(r["step"] for run in runs for r in run)
