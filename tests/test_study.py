@@ -659,3 +659,51 @@ def test_an_empty_token_taxonomy_is_a_note_not_a_table(tmp_path):
     report = write_report(cfg, specs).read_text()
     assert "No response token had Â > 0" in report and "| method | phase | quadrant |" not in report
     assert not (Path(cfg.output_dir) / "quadrants.csv").exists()
+
+
+def test_an_exported_study_is_reported_and_its_finished_runs_are_not_retrained(tmp_path):
+    # a finished run (checkpoint of step 2, finished.json written by the runner) and its final evaluation; the
+    # export keeps the small files only; copied back without checkpoints the run is still "finished" and its
+    # evaluation "done", so nothing is retrained or re-evaluated
+    cfg, specs = _study(tmp_path, "final_eval.enabled=true", "final_eval.config=../eval/tiny_test.yaml")
+    spec = specs[0]
+    _write_run(spec.run_dir, [_row(1, 0.0), _row(2, 1.0)], [2])
+    (spec.run_dir / study_runner.FINISHED).write_text(json.dumps({"steps": 2}))
+    (spec.run_dir / "final_eval" / "generations").mkdir(parents=True)
+    (spec.run_dir / "final_eval" / "generations" / "x.jsonl").write_text("{}\n")
+    (spec.run_dir / "final_eval" / "results.json").write_text(json.dumps({"model": {"step": 2}, "metrics": {}}))
+    (spec.run_dir / "wandb").mkdir()
+    (spec.run_dir / "wandb" / "big").write_text("x")
+    dest = tmp_path / "exported"
+    written = {p.relative_to(dest).as_posix() for p in study_runner.export_study(cfg, dest)}
+    run = f"runs/{spec.name}"
+    assert written == {f"{run}/metrics.jsonl", f"{run}/finished.json", f"{run}/final_eval/results.json"}
+    cfg2, specs2 = _study(tmp_path, "final_eval.enabled=true", "final_eval.config=../eval/tiny_test.yaml",
+                          f"output_dir={dest}")
+    st = run_status(specs2[0])
+    assert st.action == "skip" and "checkpoints not kept" in st.reason
+    assert study_runner.eval_status(specs2[0]).action == "done"
+    # without the marker (or with a smaller step) the same folder would be restarted: the marker is what counts
+    (dest / run / "finished.json").write_text(json.dumps({"steps": 1}))
+    assert run_status(specs2[0]).action == "restart"
+
+
+def test_eval_after_each_run_interleaves_the_grid(tmp_path, monkeypatch):
+    cfg, specs = _study(tmp_path, "final_eval.enabled=true", "final_eval.config=../eval/tiny_test.yaml",
+                        "runner.eval_after_each_run=true")
+    calls = []
+
+    def fake_run(cmd, log, verbose):
+        calls.append(("eval" if "evaluate.py" in cmd[1] else "train", Path(log).name))
+        return 0, 0.0, False
+
+    monkeypatch.setattr(study_runner, "_run", fake_run)
+    # every run finished already except the first: its training runs, then its evaluation, then the others' evals
+    for s in specs[1:]:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 0.0)], [1, 2])
+    monkeypatch.setattr(study_runner, "eval_status", lambda spec: study_runner.EvalStatus(spec, "run", spec.run_dir))
+    run_grid(cfg, specs, say=lambda line: None)
+    assert [k for k, _ in calls] == ["train", "eval", "eval", "eval", "eval"]
+    # the runs skipped as finished got their finished.json (their folders can now be exported without checkpoints)
+    assert all(json.loads((s.run_dir / study_runner.FINISHED).read_text()) == {"steps": 2} for s in specs[1:])
+    assert calls[1][1] == f"{specs[0].name}.eval.log"

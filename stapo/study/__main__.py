@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="list what would run, resume or be skipped, and exit")
     mode.add_argument("--report-only", action="store_true", help="write the report from the runs as they are")
+    mode.add_argument("--export", metavar="DIR", help="copy the runs' small files (metrics, configs, finished markers, "
+                      "validation and final-evaluation results; no checkpoints, W&B files, rollouts or generations) "
+                      "to DIR, keeping the layout, and exit (read-only, like --report-only)")
     p.add_argument("--verbose", action="store_true", help="show the runs' own output here (default: only in "
                    "<output_dir>/logs/<run>.log)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config, e.g. seeds=[0]")
@@ -44,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         print(describe_plan(cfg, specs))
+        return 0
+    if args.export:
+        from stapo.study.runner import export_study
+
+        written = export_study(cfg, Path(args.export))
+        print(f"exported {len(written)} files to {args.export}")
         return 0
     rc = 0
     try:

@@ -77,6 +77,10 @@ class RunnerConfig:
     # A failed run (exit code other than an interrupt's): true stops the grid, false (default) goes on with the
     # next run and exits 1 at the end.
     stop_on_error: bool = False
+    # With final_eval: evaluate each run right after its training (true) instead of after the whole grid (false):
+    # the final checkpoint is then needed only until its evaluation, so a grid spread over several machines or
+    # sessions can keep just the exported small files of its finished runs (python -m stapo.study --export DIR).
+    eval_after_each_run: bool = False
 
 
 @dataclass

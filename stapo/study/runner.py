@@ -49,12 +49,17 @@ from stapo.study.config import RunSpec, StudyConfig
 from stapo.tracking import CorruptJsonlError, read_jsonl_rows
 
 __all__ = ["REPO", "RunStatus", "EvalStatus", "run_status", "eval_status", "train_command", "eval_command",
-           "describe_plan", "run_grid", "lock_holder", "exit_text", "ATTEMPTS"]
+           "describe_plan", "run_grid", "lock_holder", "exit_text", "ATTEMPTS", "FINISHED",
+           "export_study"]
 
 #: The repository root: train.py and evaluate.py live there.
 REPO = Path(__file__).resolve().parents[2]
 ATTEMPTS = "attempts.jsonl"
 EVAL_DIR = "final_eval"
+#: Written into a run folder when its training exited 0 at ``total_steps``: the run counts as finished from it (and
+#: its metrics) alone, so a folder kept without its checkpoints (an exported study, :func:`export_study`) is not
+#: retrained.
+FINISHED = "finished.json"
 _STEP = re.compile(r"^step_(\d+)$")
 
 Action = Literal["skip", "resume", "restart", "new", "busy"]
@@ -106,6 +111,15 @@ def _last_logged_step(run_dir: Path) -> tuple[int, str]:
     return max((r["step"] for r in rows), default=0), note
 
 
+def _finished_step(run_dir: Path) -> int:
+    """The ``steps`` of the run folder's :data:`FINISHED` marker (0 when there is none or it is unreadable)."""
+    try:
+        steps = json.loads((run_dir / FINISHED).read_text()).get("steps", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return int(steps) if isinstance(steps, int) and not isinstance(steps, bool) else 0
+
+
 def lock_holder(folder: Path) -> Holder | None:
     """Who holds ``folder``'s run lock (:mod:`stapo.runlock`; a live process other than this one), else None.
     Nothing is created or taken. A holder that has not written its identity yet reads as pid 0, program ``?``."""
@@ -133,6 +147,9 @@ def run_status(spec: RunSpec) -> RunStatus:
                          f"{holder.started}); the runner waits for it to exit, then decides", holder)
     if ckpt_step >= total and logged >= total:
         return RunStatus(spec, "skip", ckpt_step, logged, f"finished (step {ckpt_step}/{total})")
+    if _finished_step(spec.run_dir) >= total and logged >= total:
+        return RunStatus(spec, "skip", ckpt_step, logged, f"finished (step {total}/{total}; {FINISHED}, "
+                                                          f"checkpoints not kept)")
     if ckpt_step >= total:  # the training state is complete, rows after `logged` are lost (a torn last line)
         lost = f"step {total}" if logged == total - 1 else f"steps {logged + 1}-{total}"
         return RunStatus(spec, "skip", ckpt_step, logged,
@@ -208,6 +225,34 @@ def eval_command(cfg: StudyConfig, spec: RunSpec) -> list[str]:
     return [sys.executable, str(REPO / "evaluate.py"), "--config", cfg.final_eval.config, "--model", str(ckpt),
             "--label", spec.name, "--output", str(spec.run_dir / EVAL_DIR), *cfg.final_eval.overrides,
             f"logging.group={cfg.name}"]
+
+
+#: What :func:`export_study` leaves out of a run folder: the large or rebuildable parts.
+EXPORT_EXCLUDE = ("checkpoints", "wandb", "rollouts", "generations", "run.lock", "*.tmp")
+
+
+def export_study(cfg: StudyConfig, dest: Path) -> list[Path]:
+    """Copy the study's small files — each run's metrics.jsonl, config.json, run_info.json, :data:`FINISHED`,
+    tables.jsonl, validation and final-evaluation results (without their generations), and the study's
+    attempts.jsonl — to ``dest`` (e.g. a folder under results/ to commit), keeping the layout, so that
+    ``output_dir=<dest>`` reports them again (``--report-only``) and a runner copied back over them skips the
+    finished runs and evaluations. Checkpoints, W&B files, saved rollouts and generations (:data:`EXPORT_EXCLUDE`)
+    are left out. Returns the files written."""
+    import fnmatch as _fnmatch
+
+    src, dest = Path(cfg.output_dir), Path(dest)
+    written: list[Path] = []
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if not path.is_file() or any(_fnmatch.fnmatch(part, pat) for part in rel.parts for pat in EXPORT_EXCLUDE):
+            continue
+        if rel.parts[0] not in ("runs", ATTEMPTS) or (rel.parts[0] == "runs" and len(rel.parts) < 3):
+            continue
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, out)
+        written.append(out)
+    return written
 
 
 def describe_plan(cfg: StudyConfig, specs: list[RunSpec]) -> str:
@@ -354,7 +399,9 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
     out = Path(cfg.output_dir)
     failed: list[str] = []
     todo: list[tuple[str, RunSpec]] = [("train", s) for s in specs]
-    if cfg.final_eval.enabled:
+    if cfg.final_eval.enabled and cfg.runner.eval_after_each_run:  # each run's evaluation right after its training
+        todo = [(kind, s) for s in specs for kind in ("train", "eval")]
+    elif cfg.final_eval.enabled:
         todo += [("eval", s) for s in specs]
     for i, (kind, spec) in enumerate(todo, start=1):
         tag = f"[{i}/{len(todo)}] {spec.name}"
@@ -365,6 +412,8 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
                 _wait_for(spec.run_dir, st.holder, tag, say)
                 st = run_status(spec)
             if st.action == "skip":
+                if st.logged_step >= spec.total_steps and _finished_step(spec.run_dir) < spec.total_steps:
+                    (spec.run_dir / FINISHED).write_text(json.dumps({"steps": spec.total_steps}) + "\n")
                 say(f"{tag}: {st.reason}: skipped")
                 continue
             if st.action == "restart":
@@ -398,6 +447,8 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
             if cfg.runner.stop_on_error:
                 break
         else:
+            if kind == "train" and _last_logged_step(spec.run_dir)[0] >= spec.total_steps:
+                (spec.run_dir / FINISHED).write_text(json.dumps({"steps": spec.total_steps}) + "\n")
             say(f"{tag}: done in {wall / 60:.1f} min")
     if failed:
         say(f"study {cfg.name}: {len(failed)} failed: {', '.join(failed)}; rerun the same command to retry them "
