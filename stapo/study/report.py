@@ -22,6 +22,7 @@ import numpy as np
 
 from stapo.checkpoint_files import latest_checkpoint
 from stapo.study.config import RunSpec, StudyConfig
+from stapo.study.runner import evaluated_step
 from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
 from stapo.tracking import read_jsonl_rows
@@ -95,8 +96,7 @@ def _final_eval(spec: RunSpec) -> dict[str, float]:
         res = json.loads(path.read_text())
     except ValueError:
         return {}
-    step = (res.get("model") or {}).get("step") if isinstance(res.get("model"), dict) else None
-    if step != spec.total_steps:
+    if evaluated_step(res) != spec.total_steps:
         return {}
     out: dict[str, float] = {}
     for setting, m in res.get("metrics", {}).items():

@@ -29,6 +29,7 @@ SIGTERM (train.py then finishes its step, checkpoints it and exits).
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import json
 import os
 import re
@@ -120,6 +121,12 @@ def _finished_step(run_dir: Path) -> int:
     return int(steps) if isinstance(steps, int) and not isinstance(steps, bool) else 0
 
 
+def _mark_finished(spec: RunSpec) -> None:
+    """Write the run folder's :data:`FINISHED` marker for ``trainer.total_steps`` (unless it already says so)."""
+    if _finished_step(spec.run_dir) < spec.total_steps:
+        (spec.run_dir / FINISHED).write_text(json.dumps({"steps": spec.total_steps}) + "\n")
+
+
 def lock_holder(folder: Path) -> Holder | None:
     """Who holds ``folder``'s run lock (:mod:`stapo.runlock`; a live process other than this one), else None.
     Nothing is created or taken. A holder that has not written its identity yet reads as pid 0, program ``?``."""
@@ -176,7 +183,7 @@ def eval_status(spec: RunSpec) -> EvalStatus:
     if results.is_file():  # evaluate.py writes it once every generation is graded (its "complete" field means
         try:                # the full protocol: all six benchmarks, no limit — not that the run finished)
             res = json.loads(results.read_text())
-            if "metrics" in res and _evaluated_step(res) == spec.total_steps:
+            if "metrics" in res and evaluated_step(res) == spec.total_steps:
                 return EvalStatus(spec, "done", out)
         except ValueError:
             pass
@@ -191,7 +198,7 @@ def _retire_stale_eval(spec: RunSpec, tag: str, say: Callable[[str], None]) -> N
     step = None
     for name in ("results.json", "eval_manifest.json"):
         try:
-            step = _evaluated_step(json.loads((out / name).read_text()))
+            step = evaluated_step(json.loads((out / name).read_text()))
         except (OSError, ValueError):
             continue
         break
@@ -205,7 +212,7 @@ def _retire_stale_eval(spec: RunSpec, tag: str, say: Callable[[str], None]) -> N
     say(f"{tag}: the final evaluation in {out} is of step {step}, not {spec.total_steps}: moved to {dest}")
 
 
-def _evaluated_step(results: dict) -> int | None:
+def evaluated_step(results: dict) -> int | None:
     """The training step of the checkpoint a results.json evaluated (``model.step``), ``None`` when it names none."""
     step = (results.get("model") or {}).get("step") if isinstance(results.get("model"), dict) else None
     return int(step) if isinstance(step, int) and not isinstance(step, bool) else None
@@ -238,13 +245,11 @@ def export_study(cfg: StudyConfig, dest: Path) -> list[Path]:
     ``output_dir=<dest>`` reports them again (``--report-only``) and a runner copied back over them skips the
     finished runs and evaluations. Checkpoints, W&B files, saved rollouts and generations (:data:`EXPORT_EXCLUDE`)
     are left out. Returns the files written."""
-    import fnmatch as _fnmatch
-
     src, dest = Path(cfg.output_dir), Path(dest)
     written: list[Path] = []
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if not path.is_file() or any(_fnmatch.fnmatch(part, pat) for part in rel.parts for pat in EXPORT_EXCLUDE):
+        if not path.is_file() or any(fnmatch.fnmatch(part, pat) for part in rel.parts for pat in EXPORT_EXCLUDE):
             continue
         if rel.parts[0] not in ("runs", ATTEMPTS) or (rel.parts[0] == "runs" and len(rel.parts) < 3):
             continue
@@ -412,8 +417,8 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
                 _wait_for(spec.run_dir, st.holder, tag, say)
                 st = run_status(spec)
             if st.action == "skip":
-                if st.logged_step >= spec.total_steps and _finished_step(spec.run_dir) < spec.total_steps:
-                    (spec.run_dir / FINISHED).write_text(json.dumps({"steps": spec.total_steps}) + "\n")
+                if st.logged_step >= spec.total_steps:
+                    _mark_finished(spec)
                 say(f"{tag}: {st.reason}: skipped")
                 continue
             if st.action == "restart":
@@ -448,7 +453,7 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
                 break
         else:
             if kind == "train" and _last_logged_step(spec.run_dir)[0] >= spec.total_steps:
-                (spec.run_dir / FINISHED).write_text(json.dumps({"steps": spec.total_steps}) + "\n")
+                _mark_finished(spec)
             say(f"{tag}: done in {wall / 60:.1f} min")
     if failed:
         say(f"study {cfg.name}: {len(failed)} failed: {', '.join(failed)}; rerun the same command to retry them "
