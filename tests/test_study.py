@@ -383,6 +383,22 @@ def test_report_keeps_the_step0_validation_point(tmp_path):
     assert float(final[("reward", "stapo")]["final_mean"]) == pytest.approx(0.5)
 
 
+def test_report_final_window_counts_training_steps_not_validation_points(tmp_path):
+    """The final window of a sparse metric is the last W *training* steps: validation at steps 2 and 4 of a
+    4-step study with W = 2 → window 2 < t ≤ 4 → step 4 only (counting logged points would average 2 and 4)."""
+    cfg, specs = _study(tmp_path, "seeds=[0]", "report.window=2")
+    val = "val-core/average/acc/mean@4"
+    for s in specs:  # validation 0.2 at step 2 and 0.6 at step 4; rewards 0, 0, 1, 1
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 0.0, **{val: 0.2}), _row(3, 1.0), _row(4, 1.0, **{val: 0.6})],
+                   [4])
+    write_report(cfg, specs)
+    final = {(r["metric"], r["method"]): r for r in csv.DictReader((Path(cfg.output_dir) / "final.csv").open())}
+    v = final[(f"val_accuracy[{val}]", "stapo")]
+    assert v["window_steps"] == "4-4" and float(v["final_mean"]) == pytest.approx(0.6)  # not (0.2 + 0.6) / 2
+    r = final[("reward", "stapo")]  # per-step metric: steps 3–4 → (1 + 1) / 2
+    assert r["window_steps"] == "3-4" and float(r["final_mean"]) == pytest.approx(1.0)
+
+
 def test_exit_text_names_the_signal():
     # defect #12: a negative return code is a signal
     assert study_runner.exit_text(2) == "exit 2"

@@ -53,8 +53,24 @@ def test_window_steps_dense_and_sparse():
     sparse = np.full((2, 6), nan)
     sparse[0, [1, 3]] = 1.0  # run 0 validated at steps 2 and 4
     sparse[1, 5] = 1.0  # run 1 at step 6
-    assert window_steps(steps, sparse, 2).tolist() == [4, 6]
+    # the window is W training steps, not W logged points: 6 − 2 < t ≤ 6 → step 4 is out, step 6 in
+    assert window_steps(steps, sparse, 2).tolist() == [6]
+    assert window_steps(steps, sparse, 3).tolist() == [4, 6]  # 3 < t ≤ 6
     assert window_steps(steps, np.full((1, 6), nan), 2).size == 0
+
+
+def test_window_steps_sparse_metric_uses_the_study_last_step():
+    # validation logged every 20 steps of a 60-step study, W = 10: only step 60 (was 20, 40, 60 when counting points)
+    steps = np.arange(1, 61)
+    val = np.full((2, 60), nan)
+    val[:, [19, 39, 59]] = 0.5
+    assert window_steps(steps, val, 10, last_step=60).tolist() == [60]
+    # validation at steps 2 and 4 only, the study ran to step 6: W = 3 → 3 < t ≤ 6 → [4];
+    # W = 1 → nothing in 5 < t ≤ 6 → the last logged step alone, [4] (a sparse metric always has a final value)
+    short = np.full((1, 6), nan)
+    short[0, [1, 3]] = 1.0
+    assert window_steps(np.arange(1, 7), short, 3, last_step=6).tolist() == [4]
+    assert window_steps(np.arange(1, 7), short, 1, last_step=6).tolist() == [4]
 
 
 def test_bootstrap_all_differences_equal_collapses():

@@ -176,11 +176,15 @@ def _final_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[
     """One row per (series, method): the final value over seeds and the paired difference to the reference."""
     r = cfg.report
     out = []
+    # the study's last training step: the final window is the last W training steps before it (a sparse metric
+    # such as validation is not averaged back to the start of training)
+    last_step = max((int(s.steps[(s.steps >= 1) & ~np.isnan(s.values).all(axis=0)].max(initial=0))
+                     for by_method in series.values() for s in by_method.values()), default=0)
     for sname, by_method in series.items():
         all_vals = np.concatenate([s.values for s in by_method.values()], axis=0)  # [Σ S, T]
         steps = next(iter(by_method.values())).steps
         trained = steps >= 1  # the step-0 validation (the initial policy) is on the curve, never a final value
-        win = window_steps(steps[trained], all_vals[:, trained], r.window)
+        win = window_steps(steps[trained], all_vals[:, trained], r.window, last_step)
         cols = np.isin(steps, win)  # [T] the window's columns
         ref = by_method.get(cfg.reference)
         for method, s in by_method.items():

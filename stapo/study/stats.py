@@ -3,7 +3,7 @@
 - :func:`t_band`: the mean over seeds and the half-width of its Student-t confidence interval,
   ``mean ± t_{(1+c)/2, n−1} · s / √n`` (s: sample standard deviation, ddof = 1), step by step.
 - :func:`moving_average`: the trailing moving average of one run's curve (the report's optional smoothing).
-- :func:`window_steps`: the last W steps at which a metric was logged (the "final value" window).
+- :func:`window_steps`: the logged steps within the last W training steps (the "final value" window).
 - :func:`paired_bootstrap`: the mean paired difference between two methods over (seed, step) pairs and its
   two-stage (hierarchical) percentile bootstrap interval: seeds resampled, then steps within each resampled seed.
 
@@ -110,27 +110,37 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-def window_steps(steps: np.ndarray, values: np.ndarray, window: int) -> np.ndarray:
-    """The last ``window`` steps at which any run logged the metric (the final-value window).
+def window_steps(steps: np.ndarray, values: np.ndarray, window: int, last_step: int | None = None) -> np.ndarray:
+    """The steps of the final-value window: those within the last ``window`` training steps at which any run
+    logged the metric; for a metric with no point there, its last logged step alone.
 
-    For a metric logged every step this is ``T−W+1 … T``; for one logged every ``val_every`` steps, the last W
-    validation steps.
+    The window is measured in training steps, not in logged points, so a sparse metric is not averaged back to
+    the start of training: validation logged every 20 steps of a 60-step run with W = 10 has the window
+    ``{60}``, not ``{20, 40, 60}``. Worked example: steps 1…6, a per-step metric, W = 3 → ``[4, 5, 6]``;
+    validation at steps 2 and 4 only with ``last_step`` = 6: W = 3 → the window is 3 < t ≤ 6 → ``[4]``;
+    W = 1 → nothing in 5 < t ≤ 6 → the last logged step, ``[4]``.
 
     Args:
         steps: [T] int, the step axis (increasing).
         values: [S, T] float, runs × steps, NaN = not logged.
-        window: W ≥ 1.
+        window: W ≥ 1, in training steps.
+        last_step: the study's last training step (the window is ``last_step − W < t ≤ last_step``); default:
+            the metric's own last logged step.
 
     Returns:
-        The window's steps, increasing (fewer than W when fewer were logged; empty when none).
+        The window's steps, increasing (empty only when the metric was never logged).
 
     Raises:
         ValueError: ``window`` < 1.
     """
     if window < 1:
         raise ValueError(f"final window must be >= 1, got {window}")
-    logged = ~np.isnan(np.asarray(values, dtype=np.float64)).all(axis=0)  # [T]
-    return np.asarray(steps)[logged][-window:]
+    logged_steps = np.asarray(steps)[~np.isnan(np.asarray(values, dtype=np.float64)).all(axis=0)]  # [T']
+    if logged_steps.size == 0:
+        return logged_steps
+    last = int(logged_steps[-1]) if last_step is None else int(last_step)
+    inside = logged_steps[(logged_steps > last - window) & (logged_steps <= last)]  # [≤ W]
+    return inside if inside.size else logged_steps[-1:]
 
 
 @dataclass(frozen=True)
