@@ -616,11 +616,36 @@ def test_quadrant_table_by_hand(tmp_path):
     rows = {(r["method"], r["phase"], r["quadrant"]): r
             for r in csv.DictReader((Path(cfg.output_dir) / "quadrants.csv").open())}
     assert {m for m, _, _ in rows} == {"stapo"}
-    first, last = rows[("stapo", "step 1", "low_p_low_h")], rows[("stapo", "last 2 steps", "low_p_low_h")]
+    first, last = rows[("stapo", "step 1 (base model)", "low_p_low_h")], rows[("stapo", "last 2 steps", "low_p_low_h")]
     assert float(first["share"]) == pytest.approx(0.2) and float(last["share"]) == pytest.approx(0.45)
     assert float(first["grad_norm"]) == 2.0 and last["grad_norm"] == ""  # NaN is written as an empty cell
-    assert rows[("stapo", "step 1", "high_p_high_h")]["share"] == ""
+    assert rows[("stapo", "step 1 (base model)", "high_p_high_h")]["share"] == ""
+    assert first["tokens"] == ""  # no counts logged: the plain mean of the steps, no sample size
     assert "## Token taxonomy" in report and "| stapo | last 2 steps | low_p_low_h | 0.45 |" in report
+
+
+def test_quadrant_table_pools_steps_by_token_count(tmp_path):
+    # one seed, 2 steps, the low_p_low_h quadrant with the counts logged:
+    #   step 1: 100 tokens, 1 in the quadrant, ‖∇‖ 2.0, ΔH 0.5 ; step 2: 50 tokens, 3 in it, ‖∇‖ 1.0, ΔH −0.1
+    #   pooled over both steps (report.window=2): share 4 / 150 = 0.026667 ; ‖∇‖ (1·2 + 3·1) / 4 = 1.25 (the plain
+    #   mean of the steps would be 1.5) ; ΔH (0.5 − 0.3) / 4 = 0.05 ; tokens 4. Step 1 alone: share 0.01, tokens 1.
+    cfg, specs = _study(tmp_path, "seeds=[0]", "report.window=2", "report.bootstrap_samples=200")
+    by = {s.name: s for s in specs}
+    k = "s2t/quadrant/low_p_low_h/"
+    steps = [_row(1, 0.0, **{"s2t/quadrant/num_tokens": 100.0, k + "count": 1.0, k + "share": 0.01,
+                             k + "grad_norm": 2.0, k + "entropy_change": 0.5}),
+             _row(2, 0.0, **{"s2t/quadrant/num_tokens": 50.0, k + "count": 3.0, k + "share": 0.06,
+                             k + "grad_norm": 1.0, k + "entropy_change": -0.1})]
+    _write_run(by["stapo_seed0"].run_dir, steps, [2])
+    write_report(cfg, specs)
+    rows = {(r["method"], r["phase"], r["quadrant"]): r
+            for r in csv.DictReader((Path(cfg.output_dir) / "quadrants.csv").open())}
+    last = rows[("stapo", "last 2 steps", "low_p_low_h")]
+    assert float(last["share"]) == pytest.approx(4 / 150) and float(last["grad_norm"]) == pytest.approx(1.25)
+    assert float(last["entropy_change"]) == pytest.approx(0.05) and float(last["tokens"]) == 4.0
+    assert rows[("stapo", "first 2 steps", "low_p_low_h")]["grad_norm"] == last["grad_norm"]
+    first = rows[("stapo", "step 1 (base model)", "low_p_low_h")]
+    assert float(first["share"]) == pytest.approx(0.01) and float(first["tokens"]) == 1.0
 
 
 def test_sigint_to_the_runner_alone_reaches_the_run(tmp_path):

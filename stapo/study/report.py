@@ -226,11 +226,41 @@ def _curve_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[
     return out
 
 
+def _pooled_quadrant_stat(run: list[dict[str, Any]], q: str, stat: str) -> tuple[float, float]:
+    """One run's value of a quadrant statistic over some steps, pooled over tokens, and the tokens behind it.
+
+    With the per-step counts logged (``s2t/quadrant/<q>/count``, ``s2t/quadrant/num_tokens``) the steps are
+    pooled by token: share = Σ_t count_q(t) / Σ_t num_tokens(t); a mean statistic (grad_norm, entropy_change) =
+    Σ_t count_q(t)·value_q(t) / Σ_t count_q(t), so a step with 3 tokens in the quadrant weighs 3, not as much as a
+    step with 300. Worked example: counts 1 and 3 with grad_norm 2.0 and 1.0 → (2 + 3) / 4 = 1.25 (the unweighted
+    mean of the steps would be 1.5). Without counts (older logs): the plain mean of the steps' values.
+    NaN values (an empty quadrant at a step) are left out.
+
+    Returns:
+        ``(value, tokens)``: NaN when no step has a value; tokens = Σ count_q (NaN without counts).
+    """
+    key, ckey, nkey = quadrant_key(q, stat), quadrant_key(q, "count"), "s2t/quadrant/num_tokens"
+    if all(_number(r.get(ckey)) == _number(r.get(ckey)) for r in run) and \
+            all(_number(r.get(nkey)) == _number(r.get(nkey)) for r in run):
+        counts = [_number(r.get(ckey)) for r in run]
+        tokens = float(sum(counts))
+        if stat == "share":
+            total = sum(_number(r.get(nkey)) for r in run)
+            return (tokens / total if total > 0 else math.nan), tokens
+        pairs = [(c, v) for c, v in zip(counts, (_number(r.get(key)) for r in run)) if c > 0 and v == v]
+        weight = sum(c for c, _ in pairs)
+        return (sum(c * v for c, v in pairs) / weight if weight > 0 else math.nan), tokens
+    vals = [v for v in (_number(r.get(key)) for r in run) if v == v]
+    return (sum(vals) / len(vals) if vals else math.nan), math.nan
+
+
 def _quadrant_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> list[dict[str, Any]]:
     """The token taxonomy (docs/method.md#token-analysis) per method: each quadrant's token share, mean logit-gradient
-    norm and mean first-order entropy change among the Â > 0 tokens, at the first step (the initial policy's
-    rollouts) and over each run's last ``report.window`` steps, averaged over seeds (a run's window mean first;
-    NaN entries, i.e. empty quadrants, are skipped). Empty when no run logs ``s2t/quadrant/*``."""
+    norm and mean first-order entropy change among the Â > 0 tokens, at step 1 (the base model's rollouts), over the
+    first ``report.window`` steps and over each run's last ``report.window`` steps. A run's steps are pooled by token
+    (:func:`_pooled_quadrant_stat`), then averaged over seeds (seeds without a token in the quadrant are left out);
+    ``tokens`` is the quadrant's token count summed over seeds and steps (the sample behind the means). Empty when no
+    run logs ``s2t/quadrant/*``."""
     out: list[dict[str, Any]] = []
     window = cfg.report.window
     for method in cfg.methods:
@@ -240,18 +270,21 @@ def _quadrant_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]
         if not runs or not any(quadrant_key(q, "share") in r for q in QUADRANTS for run in runs for r in run):
             continue
         last = max(r["step"] for run in runs for r in run)
-        for phase, pick in (("step 1", lambda run: run[:1]),
+        for phase, pick in (("step 1 (base model)", lambda run: run[:1]),
+                            (f"first {window} steps", lambda run: run[:window]),
                             (f"last {window} steps", lambda run: run[-window:])):
             for q in QUADRANTS:
                 row: dict[str, Any] = {"method": method, "phase": phase, "quadrant": q, "n_seeds": len(runs),
                                        "last_step": last}
+                tokens = math.nan
                 for stat in QUADRANT_STATS:
-                    per_seed = []  # a run's mean over the phase's steps (empty quadrants, NaN, left out)
-                    for run in runs:
-                        vals = [v for v in (_number(r.get(quadrant_key(q, stat))) for r in pick(run)) if v == v]
-                        if vals:
-                            per_seed.append(sum(vals) / len(vals))
-                    row[stat] = float(np.mean(per_seed)) if per_seed else math.nan
+                    pooled = [_pooled_quadrant_stat(pick(run), q, stat) for run in runs]  # [(value, tokens)] per seed
+                    vals = [v for v, _ in pooled if v == v]
+                    row[stat] = float(np.mean(vals)) if vals else math.nan
+                    if stat == "share":
+                        counted = [t for _, t in pooled if t == t]
+                        tokens = float(sum(counted)) if counted else math.nan
+                row["tokens"] = tokens
                 out.append(row)
     return out
 
@@ -426,7 +459,9 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
     if plotted:
         lines += ["![curves](curves.png)", ""]
     lines += ["## Final values", "",
-              f"Final value of a run = the mean of its last {r.window} logged steps of the metric; over seeds: mean "
+              f"Final value of a run = the mean of the metric over the steps it logged within the last {r.window} "
+              "training steps (a sparse metric such as validation: its points there, or its last point if none; "
+              "the window column); over seeds: mean "
               f"± the {conf} t-interval half-width (n/a with one seed). Δ = method − {cfg.reference}, paired by "
               f"(seed, step) over those steps: mean over seeds of the per-seed mean difference, with a {conf} "
               f"two-stage percentile bootstrap interval ({r.bootstrap_samples} replicates, RNG seed "
@@ -455,16 +490,17 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
         (out / "quadrants.csv").unlink(missing_ok=True)  # no stale table from an earlier report
     if quadrants:
         _write_csv(out / "quadrants.csv", quadrants, ["method", "phase", "quadrant", "n_seeds", "last_step",
-                                                      *QUADRANT_STATS])
+                                                      *QUADRANT_STATS, "tokens"])
         lines += ["", "## Token taxonomy", "",
                   "Response tokens with Â > 0, split by p < τ_p (low_p) and H below the median H of those tokens "
                   "(low_h); low_p_low_h is the quadrant S2T silences. share: the quadrant's fraction of those tokens; "
                   "‖∇‖: mean logit-gradient norm |Â|·sqrt(1 − 2p + Σπ²)/T; ΔH: mean first-order entropy change per "
-                  "unit step (docs/metrics.md, s2t/quadrant/*). At step 1 (the initial policy's rollouts) and over "
-                  f"each run's last {r.window} steps, mean over seeds. Data: `quadrants.csv`.", "",
-                  "| method | phase | quadrant | share | ‖∇‖ | ΔH |", "|---|---|---|---|---|---|"]
+                  "unit step (docs/metrics.md, s2t/quadrant/*). At step 1 (the base model's rollouts), over the first "
+                  f"and over each run's last {r.window} steps: a run's steps pooled by token, then the mean over "
+                  "seeds; tokens: the quadrant's tokens summed over seeds and steps. Data: `quadrants.csv`.", "",
+                  "| method | phase | quadrant | share | ‖∇‖ | ΔH | tokens |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {q['method']} | {q['phase']} | {q['quadrant']} | {_fmt(q['share'])} | {_fmt(q['grad_norm'])} "
-                  f"| {_fmt(q['entropy_change'])} |" for q in quadrants]
+                  f"| {_fmt(q['entropy_change'])} | {_fmt(q['tokens'], 6)} |" for q in quadrants]
     notes = _pairing_notes(cfg, specs)
     if absent or notes:
         lines += ["", "Notes:", ""]
