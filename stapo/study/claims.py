@@ -42,7 +42,7 @@ import numpy as np
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.keys import QUADRANTS
 from stapo.study.report import Series, _number, _pooled_quadrant_stat, collect
-from stapo.study.stats import moving_average, t_band
+from stapo.study.stats import moving_average, t_band, window_steps
 
 __all__ = ["ROLES", "SubClaim", "Claim", "evaluate_claims", "write_claims", "main"]
 
@@ -112,24 +112,30 @@ def _by_seed(series: dict[str, dict[str, Series]], name: str, method: str) -> di
     return {} if s is None else {seed: s.values[i] for i, seed in enumerate(s.seeds)}
 
 
+def _trained(row: np.ndarray) -> np.ndarray:
+    """The training steps (≥ 1) at which a [T + 1] curve has a value, increasing."""
+    return np.flatnonzero(~np.isnan(row[1:])) + 1
+
+
 def _final(row: np.ndarray, window: int) -> float:
-    """Mean of a per-step curve over its last ``window`` logged training steps (steps ≥ 1). [T + 1] → float."""
-    logged = np.flatnonzero(~np.isnan(row[1:])) + 1
-    return float(np.mean(row[logged[-window:]])) if logged.size else math.nan
+    """Mean of a curve over the report's final window (:func:`stapo.study.stats.window_steps`). [T + 1] → float."""
+    steps = _trained(row)
+    win = window_steps(steps, row[None, steps], window)
+    return float(np.mean(row[win])) if win.size else math.nan
 
 
 def _initial(row: np.ndarray) -> float:
     """The curve's value at its first training step (step 1: the base model's rollouts)."""
-    logged = np.flatnonzero(~np.isnan(row[1:])) + 1
-    return float(row[logged[0]]) if logged.size else math.nan
+    steps = _trained(row)
+    return float(row[steps[0]]) if steps.size else math.nan
 
 
 def _late_rise(row: np.ndarray, window: int, smooth: int) -> float:
     """Final value minus the lowest point of the smoothed curve before the final window (> 0: a late rise)."""
-    logged = np.flatnonzero(~np.isnan(row[1:])) + 1
-    if logged.size <= window:
+    steps = _trained(row)
+    if steps.size <= window:
         return math.nan
-    sm = moving_average(row[logged], smooth)  # [T'] over the logged steps
+    sm = moving_average(row[steps], smooth)  # [T'] over the logged steps
     return _final(row, window) - float(np.nanmin(sm[:-window]))
 
 
@@ -280,7 +286,8 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
                              list(ratio["fullmask"].values()), [f"seed {s}" for s in ratio["fullmask"]]))
     for role in ("stapo", "random", "high_entropy"):
         if has[role]:
-            f = [_final(v, 10 ** 9) for v in _by_seed(series, "masked_frac", roles[role]).values()]
+            f = [float(np.mean(v[_trained(v)])) for v in _by_seed(series, "masked_frac", roles[role]).values()
+                 if _trained(v).size]
             info[f"masked fraction over all steps: {roles[role]}"] = float(np.nanmean(f)) if f else math.nan
     claims.append(Claim("C5", "low-entropy masking (STAPO) > random masking at a matched rate > high-entropy masking; "
                               "JustRL-FullMask collapses entropy", subs, info))
