@@ -216,6 +216,39 @@ def test_report_values_by_hand(tmp_path):
     assert "not logged: accuracy (stapo, grpo)" in md
 
 
+def test_report_runs_table_names_each_runs_machine_and_compute_dtype(tmp_path):
+    cfg, specs = _study(tmp_path, "report.window=1")
+    by = {s.name: s for s in specs}
+    for s in specs:
+        # step times 10 s and 20 s → mean 15.0 s/step
+        _write_run(s.run_dir, [_row(1, 0.0, step_s=10.0), _row(2, 1.0, step_s=20.0)], [1, 2])
+    def hw(name, machine, dtype):
+        d = by[name].run_dir
+        (d / "run_info.json").write_text(json.dumps({"launches": [
+            {"machine": "Old box, torch 2.0, 2 threads"}, {"machine": f"{machine}, torch 2.13.0+cpu, 2 threads"}]}))
+        (d / "config.json").write_text(json.dumps({"model": {"compute_dtype": dtype}}))
+    hw("stapo_seed0", "Intel Xeon, 2 cores, flags amx_bf16", "bfloat16")
+    hw("grpo_seed0", "AMD EPYC, 2 cores, flags avx2 fma", "float32")
+    (by["stapo_seed1"].run_dir / "run_info.json").write_text("{damaged")  # → "?" for its machine, no crash
+    md = (Path(write_report(cfg, specs))).read_text()
+    # the last launch's machine, without the package versions
+    assert "| stapo_seed0 | 2 | 2 | 15.0 | bfloat16 | Intel Xeon, 2 cores, flags amx_bf16 |" in md
+    assert "| grpo_seed0 | 2 | 2 | 15.0 | float32 | AMD EPYC, 2 cores, flags avx2 fma |" in md
+    assert "| stapo_seed1 | 2 | 2 | 15.0 | ? | ? |" in md
+    assert "trained on more than one machine or compute dtype" in md
+
+
+def test_report_one_machine_has_no_mixed_hardware_note(tmp_path):
+    cfg, specs = _study(tmp_path, "report.window=1")
+    for s in specs:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])
+        (s.run_dir / "run_info.json").write_text(json.dumps({"launches": [{"machine": "box, torch 2"}]}))
+        (s.run_dir / "config.json").write_text(json.dumps({"model": {"compute_dtype": "float32"}}))
+    md = Path(write_report(cfg, specs)).read_text()
+    assert "| stapo_seed0 | 2 | 2 | 3600.0 | float32 | box |" in md
+    assert "more than one machine" not in md
+
+
 def test_report_one_seed_has_no_band(tmp_path):
     cfg, specs = _study(tmp_path, "seeds=[0]", "report.window=1")
     for s in specs:

@@ -396,6 +396,24 @@ def _pairing_notes(cfg: StudyConfig, specs: list[RunSpec]) -> list[str]:
     return notes
 
 
+def _hardware(run_dir: Path) -> tuple[str, str]:
+    """(machine, compute dtype) a run trained on: the last launch's ``run_info.json`` machine line (without the
+    package versions) and ``config.json``'s resolved ``model.compute_dtype``; ``"?"`` where a file is missing
+    or damaged. Runs of one study may come from different machines (sessions resume the grid wherever they run),
+    and ``compute_dtype: auto`` trains in bf16 where the CPU has native bf16 and in fp32 elsewhere."""
+    machine, dtype = "?", "?"
+    try:
+        launches = json.loads((run_dir / "run_info.json").read_text())["launches"]
+        machine = str(launches[-1]["machine"]).split(", torch")[0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        pass
+    try:
+        dtype = str(json.loads((run_dir / "config.json").read_text())["model"]["compute_dtype"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return machine, dtype
+
+
 def _checkpoint_step(run_dir: Path) -> int:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     try:
@@ -437,10 +455,20 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
              f"- **Cost**: {cost['runs']} runs, {cost['steps']} steps, {cost['tokens']:.0f} response tokens; "
              f"Σ step time {cost['step_h']:.2f} h × {cost['threads']} threads = {cost['cpu_h']:.2f} CPU-hours; "
              f"runner wall time (recorded attempts) {cost['wall_h']:.2f} h = {cost['wall_cpu_h']:.2f} CPU-hours", ""]
-    lines += ["## Runs", "", "| run | steps logged | of |", "|---|---|---|"]
+    lines += ["## Runs", "", "| run | steps logged | of | mean s/step | compute dtype | machine |",
+              "|---|---|---|---|---|---|"]
+    hardware = {s.name: _hardware(s.run_dir) for s in specs}
     for s in specs:
         last = rows[s.name][-1]["step"] if rows[s.name] else 0
-        lines.append(f"| {s.name} | {last} | {s.total_steps} |")
+        times = [_number(x[COST_KEYS["step_time"]]) for x in rows[s.name] if COST_KEYS["step_time"] in x]
+        per_step = f"{sum(times) / len(times):.1f}" if times else "n/a"
+        machine, dtype = hardware[s.name]
+        lines.append(f"| {s.name} | {last} | {s.total_steps} | {per_step} | {dtype} | {machine} |")
+    mixed = {h for n, h in hardware.items() if rows[n]}
+    if len({d for _, d in mixed}) > 1 or len({m for m, _ in mixed}) > 1:
+        lines += ["", "The runs were trained on more than one machine or compute dtype (above): the seeds of a "
+                      "method, and the methods compared at one seed, may differ in numerics as well as in the "
+                      "method, and the s/step (and CPU-hours) are not comparable across machines."]
     short = [s for s in specs if not rows[s.name] or rows[s.name][-1]["step"] < s.total_steps]
     lost = [s for s in short if _checkpoint_step(s.run_dir) >= s.total_steps]  # trained; rows lost (a torn line)
     missing = [s.name for s in short if s.name not in {x.name for x in lost}]
