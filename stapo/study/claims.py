@@ -41,7 +41,7 @@ import numpy as np
 
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.keys import QUADRANTS
-from stapo.study.report import Series, _number, _pooled_quadrant_stat, collect
+from stapo.study.report import Series, as_number, collect, pooled_quadrant_stat
 from stapo.study.stats import moving_average, t_band, window_steps
 
 __all__ = ["ROLES", "SubClaim", "Claim", "evaluate_claims", "write_claims", "main"]
@@ -163,7 +163,7 @@ def _pooled_fraction(rows: dict[str, list], specs: list[RunSpec], method: str, n
         if s.method != method:
             continue
         for r in rows.get(s.name, []):
-            a, b = _number(r.get(num)), _number(r.get(den))
+            a, b = as_number(r.get(num)), as_number(r.get(den))
             if r.get("step", 0) >= 1 and a == a and b == b:
                 n, d = n + a, d + b
     return n / d if d > 0 else math.nan
@@ -199,7 +199,7 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
     for s in specs:
         run = [r for r in rows.get(s.name, []) if r.get("step", 0) >= 1][:w]
         if run:
-            per_run[s.name] = {f"{q}/{stat}": _pooled_quadrant_stat(run, q, stat)[0]
+            per_run[s.name] = {f"{q}/{stat}": pooled_quadrant_stat(run, q, stat)[0]
                                for q in QUADRANTS for stat in ("grad_norm", "entropy_change")}
     subs, info = [], {}
     if per_run:

@@ -27,7 +27,7 @@ from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRAN
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
 from stapo.tracking import read_jsonl_rows
 
-__all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "collect", "write_report"]
+__all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "as_number", "collect", "pooled_quadrant_stat", "write_report"]
 
 
 
@@ -80,7 +80,9 @@ def _is_validation(key: str) -> bool:
     return key.startswith("val-")
 
 
-def _number(v: Any) -> float:
+def as_number(v: Any) -> float:
+    """A metrics.jsonl value as a float: ints and floats as they are, anything else (missing, ``None``, a bool, a
+    string) as NaN, so a step that did not log a key drops out of NaN-aware means instead of raising."""
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None else math.nan
 
 
@@ -100,10 +102,10 @@ def _final_eval(spec: RunSpec) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for setting, m in res.get("metrics", {}).items():
-        out[setting] = _number(m.get("average", {}).get("avg@N"))
+        out[setting] = as_number(m.get("average", {}).get("avg@N"))
         benches = m.get("benchmarks", {})
         if len(benches) > 1:
-            out.update({f"{setting}/{b}": _number(v.get("avg@N")) for b, v in benches.items()})
+            out.update({f"{setting}/{b}": as_number(v.get("avg@N")) for b, v in benches.items()})
     return out
 
 
@@ -143,10 +145,10 @@ def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] |
                 used: list[str] = []
                 for i, s in enumerate(runs):
                     for r in rows[s.name]:
-                        key = next((k for k in keys if _number(r.get(k)) == _number(r.get(k))), None)
+                        key = next((k for k in keys if as_number(r.get(k)) == as_number(r.get(k))), None)
                         first = 0 if key is not None and _is_validation(key) else 1  # step 0: validation only
                         if key is not None and first <= r["step"] <= t_max:
-                            vals[i, r["step"]] = _number(r[key])
+                            vals[i, r["step"]] = as_number(r[key])
                             if key not in used:
                                 used.append(key)
                 series.setdefault(sname, {})[method] = Series(sname, used, seeds, steps, vals)
@@ -226,7 +228,7 @@ def _curve_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[
     return out
 
 
-def _pooled_quadrant_stat(run: list[dict[str, Any]], q: str, stat: str) -> tuple[float, float]:
+def pooled_quadrant_stat(run: list[dict[str, Any]], q: str, stat: str) -> tuple[float, float]:
     """One run's value of a quadrant statistic over some steps, pooled over tokens, and the tokens behind it.
 
     With the per-step counts logged (``s2t/quadrant/<q>/count``, ``s2t/quadrant/num_tokens``) the steps are
@@ -240,17 +242,17 @@ def _pooled_quadrant_stat(run: list[dict[str, Any]], q: str, stat: str) -> tuple
         ``(value, tokens)``: NaN when no step has a value; tokens = Σ count_q (NaN without counts).
     """
     key, ckey, nkey = quadrant_key(q, stat), quadrant_key(q, "count"), "s2t/quadrant/num_tokens"
-    if all(_number(r.get(ckey)) == _number(r.get(ckey)) for r in run) and \
-            all(_number(r.get(nkey)) == _number(r.get(nkey)) for r in run):
-        counts = [_number(r.get(ckey)) for r in run]
+    if all(as_number(r.get(ckey)) == as_number(r.get(ckey)) for r in run) and \
+            all(as_number(r.get(nkey)) == as_number(r.get(nkey)) for r in run):
+        counts = [as_number(r.get(ckey)) for r in run]
         tokens = float(sum(counts))
         if stat == "share":
-            total = sum(_number(r.get(nkey)) for r in run)
+            total = sum(as_number(r.get(nkey)) for r in run)
             return (tokens / total if total > 0 else math.nan), tokens
-        pairs = [(c, v) for c, v in zip(counts, (_number(r.get(key)) for r in run)) if c > 0 and v == v]
+        pairs = [(c, v) for c, v in zip(counts, (as_number(r.get(key)) for r in run)) if c > 0 and v == v]
         weight = sum(c for c, _ in pairs)
         return (sum(c * v for c, v in pairs) / weight if weight > 0 else math.nan), tokens
-    vals = [v for v in (_number(r.get(key)) for r in run) if v == v]
+    vals = [v for v in (as_number(r.get(key)) for r in run) if v == v]
     return (sum(vals) / len(vals) if vals else math.nan), math.nan
 
 
@@ -258,7 +260,7 @@ def _quadrant_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]
     """The token taxonomy (docs/method.md#token-analysis) per method: each quadrant's token share, mean logit-gradient
     norm and mean first-order entropy change among the Â > 0 tokens, at step 1 (the base model's rollouts), over the
     first ``report.window`` steps and over each run's last ``report.window`` steps. A run's steps are pooled by token
-    (:func:`_pooled_quadrant_stat`), then averaged over seeds (seeds without a token in the quadrant are left out);
+    (:func:`pooled_quadrant_stat`), then averaged over seeds (seeds without a token in the quadrant are left out);
     ``tokens`` is the quadrant's token count summed over seeds and steps (the sample behind the means). Empty when no
     run logs ``s2t/quadrant/*``."""
     out: list[dict[str, Any]] = []
@@ -278,7 +280,7 @@ def _quadrant_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]
                                        "last_step": last}
                 tokens = math.nan
                 for stat in QUADRANT_STATS:
-                    pooled = [_pooled_quadrant_stat(pick(run), q, stat) for run in runs]  # [(value, tokens)] per seed
+                    pooled = [pooled_quadrant_stat(pick(run), q, stat) for run in runs]  # [(value, tokens)] per seed
                     vals = [v for v, _ in pooled if v == v]
                     row[stat] = float(np.mean(vals)) if vals else math.nan
                     if stat == "share":
@@ -358,9 +360,9 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
 def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> dict[str, float]:
     """Steps, response tokens and compute of the runs' metrics (and the runner's recorded attempts)."""
     steps = sum(r[-1]["step"] for r in rows.values() if r)
-    tokens = sum(_number(x.get(COST_KEYS["response_tokens"])) for r in rows.values() for x in r
+    tokens = sum(as_number(x.get(COST_KEYS["response_tokens"])) for r in rows.values() for x in r
                  if COST_KEYS["response_tokens"] in x)
-    step_s = sum(_number(x.get(COST_KEYS["step_time"])) for r in rows.values() for x in r
+    step_s = sum(as_number(x.get(COST_KEYS["step_time"])) for r in rows.values() for x in r
                  if COST_KEYS["step_time"] in x)
     threads = cfg.runner.threads or os.cpu_count() or 1
     wall_s, wall_cpu_s = 0.0, 0.0
@@ -460,7 +462,7 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
     hardware = {s.name: _hardware(s.run_dir) for s in specs}
     for s in specs:
         last = rows[s.name][-1]["step"] if rows[s.name] else 0
-        times = [_number(x[COST_KEYS["step_time"]]) for x in rows[s.name] if COST_KEYS["step_time"] in x]
+        times = [as_number(x[COST_KEYS["step_time"]]) for x in rows[s.name] if COST_KEYS["step_time"] in x]
         per_step = f"{sum(times) / len(times):.1f}" if times else "n/a"
         machine, dtype = hardware[s.name]
         lines.append(f"| {s.name} | {last} | {s.total_steps} | {per_step} | {dtype} | {machine} |")
