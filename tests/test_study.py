@@ -21,6 +21,7 @@ import pytest
 
 from stapo.checkpoint_files import latest_checkpoint
 from stapo.config import ConfigError
+from stapo.tracking import CorruptJsonlError
 from stapo.study import describe_plan, load_study_config, run_grid, run_specs, run_status, write_report
 from stapo.study import runner as study_runner
 
@@ -315,6 +316,17 @@ def test_final_eval_state_and_report(tmp_path):
     final = {(r["metric"], r["method"]): r for r in csv.DictReader((Path(cfg.output_dir) / "final.csv").open())}
     r = final[("final_eval[t1.0_p1.0]", "stapo")]  # seed 0 only: 0.5; paired with grpo seed 0: 0.5 − 0.25
     assert (r["n_seeds"], float(r["final_mean"]), float(r["diff_mean"]), r["n_pairs"]) == ("1", 0.5, 0.25, "1")
+    # one pair: the report shows no interval (a bootstrap of one value would print [0.25, 0.25])
+    assert "| final evaluation avg@N (t1.0_p1.0) | stapo | 1 | 0.5 | n/a | 0.25 | n/a | 1 |" in \
+        (Path(cfg.output_dir) / "report.md").read_text()
+    # a damaged results.json stops the report with one line naming it (never a silently smaller final table)
+    bad = by["grpo_seed0"].run_dir / "final_eval" / "results.json"
+    good = bad.read_text()
+    bad.write_text('{"metrics": {trunc')
+    with pytest.raises(CorruptJsonlError, match="damaged final evaluation") as err:
+        write_report(cfg, specs)
+    assert str(bad) in str(err.value) and "\n" not in str(err.value)
+    bad.write_text(good)
     r = final[("final_eval[t1.0_p1.0/arith_test]", "stapo")]  # 2·0.5 − 0.25 = 0.75 vs grpo 2·0.25 − 0.25 = 0.25
     assert (float(r["final_mean"]), float(r["diff_mean"])) == (0.75, 0.5)
     assert float(final[("final_eval[t1.0_p1.0/arith_hard]", "grpo")]["final_mean"]) == 0.25

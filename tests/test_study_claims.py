@@ -29,6 +29,9 @@ def test_subclaim_rule_by_hand():
     assert one.result == "inconclusive" and math.isnan(one.low)  # one seed: no interval, no verdict
     nan = SubClaim("d", ">", 0.0, [float("nan"), 0.3, 0.3], list("abc"))  # NaN left out; s = 0 → [0.3, 0.3]
     assert nan.labels == ["b", "c"] and nan.result == "reproduced"
+    assert nan.note == "all replicates equal: the interval has zero width"  # said beside the result
+    assert SubClaim("d", ">", 0.0, [0.1, 0.2], list("ab")).note == ""
+    assert SubClaim("d", ">", 0.0, [float("nan")], ["a"]).result == "not tested"  # no replicate has a value
 
 
 def test_claim_verdict_aggregates_its_subclaims():
@@ -39,6 +42,12 @@ def test_claim_verdict_aggregates_its_subclaims():
     assert Claim("C", "", [yes, maybe]).verdict == "inconclusive"
     assert Claim("C", "", [yes, maybe, no]).verdict == "not reproduced"
     assert Claim("C", "", []).verdict == "not tested"
+    # an untested sub-claim (a role without finished runs) keeps a claim from "reproduced", not from "not reproduced"
+    assert Claim("C", "", [yes, yes], untested=["x: no finished run of justrl"]).verdict == "inconclusive"
+    assert Claim("C", "", [yes, no], untested=["x"]).verdict == "not reproduced"
+    assert Claim("C", "", [], untested=["x"]).verdict == "not tested"
+    empty = SubClaim("e", ">", 0.0, [], [])
+    assert Claim("C", "", [yes, empty]).verdict == "inconclusive" and Claim("C", "", [empty]).verdict == "not tested"
 
 
 def _write(run_dir: Path, rows: list[dict], acc: float | None = None) -> None:
@@ -84,18 +93,25 @@ def test_claims_on_hand_written_runs(tmp_path):
         _write(by[f"grpo_seed{seed}"].run_dir,
                [_row(1, 1.0, **quad), _row(2, 0.5, **empty), _row(3, 0.1 + e), _row(4, 0.2 + e)],
                acc=0.1 + 0.2 * seed)
-    claims = {c.id: c for c in evaluate_claims(cfg, specs, roles=ROLES)}
+    claims_list, runs = evaluate_claims(cfg, specs, roles=ROLES)
+    claims = {c.id: c for c in claims_list}
+    assert runs == {"finished": [s.name for s in specs], "unfinished": [], "total": 6}
 
     c1 = claims["C1"]
     assert [s.values for s in c1.subclaims] == [[0.0, 0.0, 0.0]] and c1.verdict == "reproduced"
-    assert c1.info["STAPO pooled masked fraction (Σ masked / Σ tokens)"] == pytest.approx(1 / 120)
+    assert c1.info["STAPO pooled masked fraction (Σ masked / Σ response tokens over all steps and seeds)"] == \
+        pytest.approx(1 / 120)
 
-    c2 = {s.name: s for s in claims["C2"].subclaims}  # 6 runs, each 2.0 − 1.0 = 1.0 (s = 0: the interval [1, 1])
+    # C2: one replicate per seed, the mean over its 2 runs: each run 2.0 − 1.0 = 1.0 → 1.0 per seed (s = 0)
+    c2 = {s.name: s for s in claims["C2"].subclaims}
     d = c2["‖∇‖ low_p_low_h − high_p_high_h"]
-    assert d.values == [1.0] * 6 and d.result == "reproduced"
-    assert c2["‖∇‖ low_p_low_h − the largest other quadrant's"].values == [1.0] * 6  # vs 1.0 and 0.5; low_p_high_h empty
-    dh = c2["ΔH of low_p_low_h tokens"]  # 0.01, 0.02, 0.03 per seed, twice: mean 0.02 > 0, interval above 0
-    assert dh.mean == pytest.approx(0.02) and dh.result == "reproduced"
+    assert d.values == [1.0] * 3 and d.labels == ["seed 0", "seed 1", "seed 2"] and d.result == "reproduced"
+    assert c2["‖∇‖ low_p_low_h − the largest other quadrant's"].values == [1.0] * 3  # vs 1.0 and 0.5; low_p_high_h empty
+    # ΔH per seed 0.01, 0.02, 0.03 (both runs of a seed alike): mean 0.02, s = 0.01,
+    # half = 4.3027 · 0.01 / √3 = 0.02484 → [−0.0048, 0.0448] contains 0 → inconclusive (3 replicates, not 6 runs)
+    dh = c2["ΔH of low_p_low_h tokens"]
+    assert dh.mean == pytest.approx(0.02) and dh.low == pytest.approx(0.02 - 0.02484, abs=1e-4)
+    assert dh.result == "inconclusive"
 
     c3 = {s.name: s for s in claims["C3"].subclaims}
     g = c3["GRPO final / initial entropy (collapse)"]
@@ -103,7 +119,9 @@ def test_claims_on_hand_written_runs(tmp_path):
     st = c3["STAPO final / initial entropy (no collapse)"]
     assert st.values == pytest.approx([0.8, 0.85, 0.9]) and st.result == "reproduced"
     assert c3["STAPO − GRPO final entropy"].values == pytest.approx([0.65] * 3)
-    assert claims["C3"].verdict == "reproduced"  # the JustRL / 20-Entropy sub-claims are absent (roles)
+    # the JustRL / 20-Entropy late rises are untested (no runs of those roles): inconclusive, and said so
+    assert claims["C3"].verdict == "inconclusive"
+    assert claims["C3"].untested == ["absent's late rise: no finished run of absent"] * 2
 
     c4 = {s.name: s for s in claims["C4"].subclaims}
     assert list(c4) == ["t1.0_p1.0/arith_test: STAPO − grpo avg@N"]
@@ -122,8 +140,103 @@ def test_claims_cli_writes_md_and_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "| C1: S2T silences" in text and (out / "claims.md").is_file()
     data = json.loads((out / "claims.json").read_text())
-    assert [c["id"] for c in data] == ["C1", "C2", "C3", "C4", "C5"]
+    assert [c["id"] for c in data["claims"]] == ["C1", "C2", "C3", "C4", "C5"] and data["partial"] is False
     assert write_claims(cfg, run_specs(cfg)) == out / "claims.md"
     # a bad config is one line, exit 2
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+EVAL = ["final_eval.enabled=true", "final_eval.config=../eval/tiny_test.yaml"]
+
+
+def _tiny(tmp_path, *extra):
+    cfg = load_study_config(TINY, [f"output_dir={tmp_path / 'study'}", "seeds=[0,1]", *EVAL,
+                                   "overrides=[trainer.total_steps=4,trainer.save_every=1]", *extra])
+    return cfg, run_specs(cfg), {s.name: s for s in run_specs(cfg)}
+
+
+def test_claims_read_finished_runs_only_and_say_partial(tmp_path, capsys):
+    cfg, specs, by = _tiny(tmp_path)
+    # grpo: seed 0 finished (steps 1–4), seed 1 stopped at step 2 while its entropy was still high
+    #   seed 0: 1, 0.5, 0.1, 0.1 → final (steps 3–4) 0.1 → ratio 0.1 ; seed 1: 1, 0.9 (unfinished, left out)
+    # stapo: both seeds 1, 1, 0.9, 0.9 → ratio 0.9
+    _write(by["grpo_seed0"].run_dir, [_row(1, 1.0), _row(2, 0.5), _row(3, 0.1), _row(4, 0.1)])
+    _write(by["grpo_seed1"].run_dir, [_row(1, 1.0), _row(2, 0.9)])
+    for seed in (0, 1):
+        _write(by[f"stapo_seed{seed}"].run_dir, [_row(1, 1.0), _row(2, 1.0), _row(3, 0.9), _row(4, 0.9)])
+    claims, runs = evaluate_claims(cfg, specs, roles=ROLES)
+    assert runs["unfinished"] == ["grpo_seed1"] and len(runs["finished"]) == 3
+    c3 = {s.name: s for s in {c.id: c for c in claims}["C3"].subclaims}
+    g = c3["GRPO final / initial entropy (collapse)"]
+    assert g.values == pytest.approx([0.1]) and g.labels == ["seed 0"]  # seed 1's 0.9 (its steps 1–2) never enters
+    assert c3["STAPO − GRPO final entropy"].values == pytest.approx([0.8])  # seed 0 only: 0.9 − 0.1
+    md = write_claims(cfg, specs, roles=ROLES).read_text()
+    assert md.startswith("# The paper's claims on study tiny_test — PARTIAL")
+    assert "**PARTIAL: 3 of 4 runs finished**" in md and "Not finished (left out): grpo_seed1." in md
+    assert json.loads((cfg.output_dir and (tmp_path / "study" / "claims.json")).read_text())["partial"] is True
+
+
+def test_claims_refuse_a_wrong_output_dir_a_misspelled_benchmark_and_a_bad_role(tmp_path, capsys):
+    cfg, specs, by = _tiny(tmp_path)
+    base = ["--config", str(TINY), f"output_dir={tmp_path / 'study'}", "seeds=[0,1]", *EVAL,
+            "overrides=[trainer.total_steps=4,trainer.save_every=1]"]
+    # no runs at all (a typo'd output_dir): one line, exit 2, nothing written
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no runs with logged steps under" in err
+    assert not (tmp_path / "study" / "claims.md").exists()
+    for s in specs:
+        _write(s.run_dir, [_row(1, 1.0), _row(2, 1.0), _row(3, 1.0), _row(4, 1.0)], acc=0.5)
+    # the final evaluations have arith_test and arith_hard; "arith_tset" is refused with the list
+    assert main([*base[:2], "--benchmark", "arith_tset", *base[2:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'arith_tset'" in err and "(they have: arith_hard, arith_test)" in err
+    assert main([*base[:2], "--role", "grpo=GRPO", *base[2:]]) == 2  # not a method of the study
+    assert "'GRPO' is not a method of the study (methods: stapo, grpo)" in capsys.readouterr().err
+    assert main([*base[:2], "--role", "ppo=grpo", *base[2:]]) == 2  # not one of the paper's methods
+    assert "PAPER one of stapo, grpo, justrl" in capsys.readouterr().err
+    # a role mapped to another method is used: justrl → grpo makes C3's late-rise sub-claim tested on grpo's runs
+    assert main([*base[:2], "--role", "justrl=grpo", *base[2:]]) == 0
+    c3 = next(c for c in json.loads((tmp_path / "study" / "claims.json").read_text())["claims"] if c["id"] == "C3")
+    assert any(s["name"].startswith("grpo: final entropy − the smoothed minimum") for s in c3["subclaims"])
+
+
+def test_claims_stop_on_a_damaged_final_evaluation(tmp_path, capsys):
+    cfg, specs, by = _tiny(tmp_path)
+    for s in specs:
+        _write(s.run_dir, [_row(1, 1.0), _row(2, 1.0), _row(3, 1.0), _row(4, 1.0)], acc=0.5)
+    bad = by["stapo_seed1"].run_dir / "final_eval" / "results.json"
+    bad.write_text('{"metrics": {trunc')
+    assert main(["--config", str(TINY), f"output_dir={tmp_path / 'study'}", "seeds=[0,1]", *EVAL,
+                 "overrides=[trainer.total_steps=4,trainer.save_every=1]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bad}: damaged final evaluation" in err  # never a silently smaller table
+
+
+def test_claims_on_runs_shorter_than_the_window_test_no_ratio(tmp_path):
+    # 2 steps with window 2: the final window is steps 1–2 and contains the initial step: no ratio is tested
+    cfg, specs, by = _tiny(tmp_path, "report.window=2", "overrides=[trainer.total_steps=2,trainer.save_every=1]")
+    for s in specs:
+        _write(s.run_dir, [_row(1, 1.0), _row(2, 1.0)])
+    claims, _ = evaluate_claims(cfg, specs, roles=ROLES)
+    c3 = {c.id: c for c in claims}["C3"]
+    assert c3.subclaims == [] and c3.verdict == "not tested"
+    assert c3.untested == ["every sub-claim: runs too short: 2 steps ≤ the window 2"]
+
+
+def test_c5_matched_rate_pools_each_masks_own_keys(tmp_path):
+    # random masking logs actor/s2t_random/*; STAPO actor/s2t/*. Pooled: Σ masked / Σ response tokens per method.
+    cfg, specs, by = _tiny(tmp_path)
+    roles = {**ROLES, "random": "grpo"}  # grpo's runs stand in for random masking here
+    for seed in (0, 1):
+        # stapo: masked 1, 0, 0, 1 of 10 tokens per step → 2 / 40 per seed → pooled 4 / 80 = 0.05
+        _write(by[f"stapo_seed{seed}"].run_dir, [_row(i, 1.0, masked=m) for i, m in zip(range(1, 5), (1, 0, 0, 1))],
+               acc=0.5)
+        # "random": 3 masked of 20 tokens at step 1, 0 of 20 after → 3 / 80 per seed → pooled 6 / 160 = 0.0375
+        rows = [{"step": i, "actor/entropy": 1.0, "actor/s2t_random/num_masked": 3.0 if i == 1 else 0.0,
+                 "actor/s2t_random/num_response_tokens": 20.0} for i in range(1, 5)]
+        _write(by[f"grpo_seed{seed}"].run_dir, rows, acc=0.5)
+    c5 = {c.id: c for c in evaluate_claims(cfg, specs, roles=roles)[0]}["C5"]
+    assert c5.info["pooled masked fraction (Σ masked / Σ response tokens): stapo"] == pytest.approx(0.05)
+    assert c5.info["pooled masked fraction (Σ masked / Σ response tokens): grpo"] == pytest.approx(0.0375)

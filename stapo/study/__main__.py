@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stapo.study: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(describe_plan(cfg, specs))
+        try:
+            print(describe_plan(cfg, specs))
+        except CorruptJsonlError as e:  # a damaged metrics line (file and line): the runner would stop on it too
+            print(f"stapo.study: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.export:
         from stapo.study.runner import export_study
@@ -58,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     try:
         if args.report_only:  # read-only: no lock, nothing written under runs/ (allowed beside a working runner)
+            if not any((s.run_dir / "metrics.jsonl").is_file() for s in specs):
+                print(f"stapo.study: no runs with metrics under {Path(cfg.output_dir) / 'runs'} (is output_dir "
+                      f"right? nothing was written)", file=sys.stderr)
+                return 2
             report = write_report(cfg, specs)
         else:
             with RunLock(cfg.output_dir, "stapo.study"):

@@ -44,7 +44,7 @@ from stapo.study.keys import QUADRANTS
 from stapo.study.report import Series, as_number, collect, pooled_quadrant_stat
 from stapo.study.stats import moving_average, t_band, window_steps
 
-__all__ = ["ROLES", "SubClaim", "Claim", "evaluate_claims", "write_claims", "main"]
+__all__ = ["ROLES", "SubClaim", "Claim", "ClaimsError", "evaluate_claims", "write_claims", "main"]
 
 #: The paper's methods → the study's method names (configs/study/cpu_reproduction.yaml).
 ROLES: dict[str, str] = {"stapo": "stapo", "grpo": "grpo", "justrl": "justrl", "entropy20": "entropy20",
@@ -61,9 +61,10 @@ class SubClaim:
 
     Attributes:
         name: what is measured, in words; side: ">" or "<" (the paper's direction); threshold: the bound.
-        values: the replicates' values (NaN left out); labels: their seeds or runs.
+        values: the replicates' values (NaN left out); labels: their seeds.
         mean, low, high: the mean and 95 % t-interval over the replicates (NaN with fewer than 2 for the bounds).
-        result: "reproduced" | "not reproduced" | "inconclusive".
+        result: "reproduced" | "not reproduced" | "inconclusive" | "not tested" (no replicate has a value).
+        note: a caveat shown beside the result (e.g. all replicates equal: a zero-width interval).
     """
 
     name: str
@@ -75,35 +76,50 @@ class SubClaim:
     low: float = math.nan
     high: float = math.nan
     result: str = "inconclusive"
+    note: str = ""
 
     def __post_init__(self) -> None:
         keep = [(v, lab) for v, lab in zip(self.values, self.labels) if v == v]
         self.values, self.labels = [v for v, _ in keep], [lab for _, lab in keep]
-        if self.values:
-            band = t_band(np.array(self.values))
-            self.mean, self.low, self.high = float(band.mean[0]), float(band.low[0]), float(band.high[0])
+        if not self.values:
+            self.result = "not tested"
+            return
+        band = t_band(np.array(self.values))
+        self.mean, self.low, self.high = float(band.mean[0]), float(band.low[0]), float(band.high[0])
         above, below = self.low > self.threshold, self.high < self.threshold  # False when NaN (one replicate)
         claimed, opposite = (above, below) if self.side == ">" else (below, above)
         self.result = "reproduced" if claimed else "not reproduced" if opposite else "inconclusive"
+        if len(self.values) > 1 and max(self.values) == min(self.values):
+            self.note = "all replicates equal: the interval has zero width"
+
+
+class ClaimsError(ValueError):
+    """The claims cannot be evaluated as asked (no runs, an unknown benchmark or role). One-line message."""
 
 
 @dataclass
 class Claim:
-    """A claim's verdict from its sub-claims, and the numbers shown beside them (``info``)."""
+    """A claim's verdict from its sub-claims, and the numbers shown beside them (``info``).
+
+    ``untested``: the sub-claims that could not be tested, each with its reason (a role without finished runs, runs
+    too short for the windows); a claim with an untested sub-claim is at best inconclusive."""
 
     id: str
     statement: str
     subclaims: list[SubClaim]
     info: dict[str, Any] = field(default_factory=dict)
+    untested: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
         results = [s.result for s in self.subclaims]
-        if not results:
+        missing = bool(self.untested) or "not tested" in results
+        tested = [r for r in results if r != "not tested"]
+        if not tested:
             return "not tested"
-        if all(r == "reproduced" for r in results):
-            return "reproduced"
-        return "not reproduced" if "not reproduced" in results else "inconclusive"
+        if "not reproduced" in tested:
+            return "not reproduced"
+        return "reproduced" if all(r == "reproduced" for r in tested) and not missing else "inconclusive"
 
 
 def _by_seed(series: dict[str, dict[str, Series]], name: str, method: str) -> dict[int, np.ndarray]:
@@ -145,11 +161,21 @@ def _paired(a: dict[int, float], b: dict[int, float]) -> tuple[list[float], list
 
 
 def _settings(series: dict[str, dict[str, Series]], benchmark: str) -> list[str]:
-    """The final evaluation's series of ``benchmark`` (one per decoding setting), e.g. ``t1.0_p1.0/arith_test``."""
-    out = sorted(n[len("final_eval["):-1] for n in series if n.startswith("final_eval[") and n.endswith(f"/{benchmark}]"))
-    if not out:  # a single-benchmark evaluation: the setting's average is the benchmark
-        out = sorted(n[len("final_eval["):-1] for n in series if n.startswith("final_eval[") and "/" not in n)
-    return out
+    """The final evaluation's series of ``benchmark`` (one per decoding setting), e.g. ``t1.0_p1.0/arith_test``.
+
+    Raises:
+        ClaimsError: the final evaluations are per benchmark and none is ``benchmark`` (the message lists them).
+    """
+    names = [n[len("final_eval["):-1] for n in series if n.startswith("final_eval[")]
+    per_bench = [n for n in names if "/" in n]
+    if per_bench:
+        out = sorted(n for n in per_bench if n.endswith(f"/{benchmark}"))
+        if not out:
+            have = sorted({n.split("/", 1)[1] for n in per_bench})
+            raise ClaimsError(f"--benchmark {benchmark!r}: the final evaluations have no such benchmark "
+                              f"(they have: {', '.join(have)})")
+        return out
+    return sorted(names)  # a single-benchmark evaluation: the setting's average is the benchmark
 
 
 def _final_eval(series, setting: str, method: str) -> dict[int, float]:
@@ -157,104 +183,175 @@ def _final_eval(series, setting: str, method: str) -> dict[int, float]:
 
 
 def _pooled_fraction(rows: dict[str, list], specs: list[RunSpec], method: str, num: str, den: str) -> float:
-    """Σ num / Σ den over every training step of every run of ``method`` (NaN when nothing is logged)."""
+    """Σ num / Σ den over every training step of every run of ``method`` (NaN when nothing is logged). ``num`` and
+    ``den`` may be patterns with one ``*`` (e.g. ``actor/*/num_masked``): then each step's key pair of one mask is
+    used (the first logged prefix)."""
     n = d = 0.0
     for s in specs:
         if s.method != method:
             continue
         for r in rows.get(s.name, []):
-            a, b = as_number(r.get(num)), as_number(r.get(den))
-            if r.get("step", 0) >= 1 and a == a and b == b:
-                n, d = n + a, d + b
+            if r.get("step", 0) < 1:
+                continue
+            pairs = [(num, den)]
+            if "*" in num:
+                head, tail = num.split("*")
+                pairs = [(k, den.replace("*", k[len(head):len(k) - len(tail)])) for k in r
+                         if k.startswith(head) and k.endswith(tail) and len(k) > len(head) + len(tail)][:1]
+            for kn, kd in pairs:
+                a, b = as_number(r.get(kn)), as_number(r.get(kd))
+                if a == a and b == b:
+                    n, d = n + a, d + b
     return n / d if d > 0 else math.nan
 
 
+def _finished(specs: list[RunSpec], rows: dict[str, list]) -> list[RunSpec]:
+    """The runs whose metrics reach their last step (``trainer.total_steps``): the claims read these only, so that a
+    run still training never enters a final window or a final evaluation."""
+    return [s for s in specs if rows.get(s.name) and rows[s.name][-1].get("step", 0) >= s.total_steps]
+
+
 def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "arith_test",
-                    roles: dict[str, str] | None = None) -> list[Claim]:
-    """C1–C5 on the study's runs as they are (nothing is written). ``benchmark``: the held-out benchmark of C4/C5.
-    A claim whose methods are absent from the study has no sub-claims ("not tested")."""
+                    roles: dict[str, str] | None = None) -> tuple[list[Claim], dict[str, Any]]:
+    """C1–C5 on the study's finished runs (nothing is written). ``benchmark``: the held-out benchmark of C4/C5;
+    ``roles``: the paper's methods → the study's method names (default :data:`ROLES`).
+
+    Only runs whose metrics reach ``trainer.total_steps`` are read (a run still training is listed, not used). A
+    sub-claim whose methods have no finished run is listed as untested in its claim.
+
+    Returns:
+        ``(claims, runs)``: runs = ``{"finished": [names], "unfinished": [names], "total": n}``.
+
+    Raises:
+        ClaimsError: no run of the study has logged a step, or ``benchmark`` is not among the final evaluations'.
+        stapo.tracking.CorruptJsonlError: a damaged metrics line or results.json (one line naming the file).
+    """
     roles = dict(ROLES if roles is None else roles)
-    series, rows = collect(cfg, specs)
+    _, all_rows = collect(cfg, specs)  # a torn last line is noted once, here
+    if not any(all_rows.values()):
+        raise ClaimsError(f"no runs with logged steps under {Path(cfg.output_dir) / 'runs'} (is output_dir right? "
+                          f"the study has {len(specs)} runs: {', '.join(s.name for s in specs[:3])}, …)")
+    done = _finished(specs, all_rows)
+    runs = {"finished": [s.name for s in done], "unfinished": [s.name for s in specs if s not in done],
+            "total": len(specs)}
+    series, rows = collect(cfg, done, say=lambda _msg: None) if done else ({}, {})
     w, smooth = cfg.report.window, cfg.report.smooth
-    has = {role: any(s.method == m and rows.get(s.name) for s in specs) for role, m in roles.items()}
+    has = {role: any(s.method == m and rows.get(s.name) for s in done) for role, m in roles.items()}
+    lacks = lambda *rs: "no finished run of " + ", ".join(roles[r] for r in rs if not has[r])  # noqa: E731
     claims: list[Claim] = []
+    # windows: the final window (last W steps) must not reach step 1, the initial value of the ratios
+    short = bool(done) and min(s.total_steps for s in done) <= w
+    too_short = f"runs too short: {min((s.total_steps for s in done), default=0)} steps ≤ the window {w}"
 
     # C1: rarity
-    subs, info = [], {}
+    subs, info, untested = [], {}, []
     if has["stapo"]:
         mf = _by_seed(series, "masked_frac", roles["stapo"])
         subs.append(SubClaim("median over steps of STAPO's masked fraction", "<", RARE,
                              [float(np.nanmedian(v[1:])) if (~np.isnan(v[1:])).any() else math.nan
                               for v in mf.values()], [f"seed {s}" for s in mf]))
-        info["STAPO pooled masked fraction (Σ masked / Σ tokens)"] = _pooled_fraction(
-            rows, specs, roles["stapo"], "actor/s2t/num_masked", "actor/s2t/num_response_tokens")
+        info["STAPO pooled masked fraction (Σ masked / Σ response tokens over all steps and seeds)"] = \
+            _pooled_fraction(rows, done, roles["stapo"], "actor/s2t/num_masked", "actor/s2t/num_response_tokens")
         for role, m in roles.items():
             if has[role]:
                 info[f"S2T would-mask pooled fraction: {m}"] = _pooled_fraction(
-                    rows, specs, m, "s2t/would_mask/num_masked", "response_length/total_tokens")
-    claims.append(Claim("C1", "S2T silences a tiny fraction of response tokens (mostly < 0.01 %)", subs, info))
+                    rows, done, m, "s2t/would_mask/num_masked", "response_length/total_tokens")
+    else:
+        untested.append(f"STAPO's masked fraction: {lacks('stapo')}")
+    claims.append(Claim("C1", "S2T silences a tiny fraction of response tokens (mostly < 0.01 %)", subs, info,
+                        untested))
 
-    # C2: token taxonomy over the first W steps of every run
-    per_run: dict[str, dict[str, tuple[float, float]]] = {}
-    for s in specs:
+    # C2: token taxonomy over the first W steps; one replicate per seed = the mean over that seed's runs (runs of
+    # one seed share their prompts and step-1 rollouts, so they are not independent)
+    per_run: dict[str, dict[str, float]] = {}
+    for s in done:
         run = [r for r in rows.get(s.name, []) if r.get("step", 0) >= 1][:w]
         if run:
             per_run[s.name] = {f"{q}/{stat}": pooled_quadrant_stat(run, q, stat)[0]
                                for q in QUADRANTS for stat in ("grad_norm", "entropy_change")}
+    seeds = list(dict.fromkeys(s.seed for s in done if s.name in per_run))
     subs, info = [], {}
+
+    def seed_means(fn) -> list[float]:
+        out = []
+        for seed in seeds:
+            vals = [fn(per_run[s.name]) for s in done if s.seed == seed and s.name in per_run]
+            vals = [v for v in vals if v == v]
+            out.append(float(np.mean(vals)) if vals else math.nan)
+        return out
+
+    def largest_other(run: dict[str, float]) -> float:
+        others = [run[f"{q}/grad_norm"] for q in QUADRANTS if q != "low_p_low_h" and run[f"{q}/grad_norm"] == run[f"{q}/grad_norm"]]
+        return max(others) if others else math.nan
+
     if per_run:
-        names = list(per_run)
-        g = {q: [per_run[n][f"{q}/grad_norm"] for n in names] for q in QUADRANTS}
-        ll = np.array(g["low_p_low_h"])
+        labels = [f"seed {sd}" for sd in seeds]
         subs.append(SubClaim("‖∇‖ low_p_low_h − high_p_high_h", ">", 0.0,
-                             list(ll - np.array(g["high_p_high_h"])), names))
-        others = np.array([g[q] for q in QUADRANTS if q != "low_p_low_h"])  # [3, runs]
-        best_other = np.where(np.isnan(others).all(axis=0), np.nan,
-                              np.where(np.isnan(others), -np.inf, others).max(axis=0))  # [runs]
-        subs.append(SubClaim("‖∇‖ low_p_low_h − the largest other quadrant's", ">", 0.0, list(ll - best_other), names))
+                             seed_means(lambda r: r["low_p_low_h/grad_norm"] - r["high_p_high_h/grad_norm"]), labels))
+        subs.append(SubClaim("‖∇‖ low_p_low_h − the largest other quadrant's", ">", 0.0,
+                             seed_means(lambda r: r["low_p_low_h/grad_norm"] - largest_other(r)), labels))
         subs.append(SubClaim("ΔH of low_p_low_h tokens", ">", 0.0,
-                             [per_run[n]["low_p_low_h/entropy_change"] for n in names], names))
+                             seed_means(lambda r: r["low_p_low_h/entropy_change"]), labels))
         with np.errstate(all="ignore"):
-            ratio = ll / np.array(g["high_p_high_h"])  # [runs]
+            ratio = np.array([r["low_p_low_h/grad_norm"] / r["high_p_high_h/grad_norm"] for r in per_run.values()])
         ratio = ratio[~np.isnan(ratio)]
         info["‖∇‖ ratio low_p_low_h / high_p_high_h (mean over runs)"] = float(ratio.mean()) if ratio.size else math.nan
-        info["runs with low_p_low_h tokens in the first steps"] = int((~np.isnan(ll)).sum())
+        info["runs with low_p_low_h tokens in the first steps"] = \
+            f"{sum(r['low_p_low_h/grad_norm'] == r['low_p_low_h/grad_norm'] for r in per_run.values())} of {len(per_run)}"
         for q in QUADRANTS:
-            vals = [v for v in g[q] if v == v]
+            vals = [r[f"{q}/grad_norm"] for r in per_run.values() if r[f"{q}/grad_norm"] == r[f"{q}/grad_norm"]]
             info[f"‖∇‖ {q} (mean over runs)"] = float(np.mean(vals)) if vals else math.nan
+        info["per run: ‖∇‖ low_p_low_h − high_p_high_h"] = ", ".join(
+            f"{n} {_fmt(r['low_p_low_h/grad_norm'] - r['high_p_high_h/grad_norm'])}" for n, r in per_run.items())
     claims.append(Claim("C2", f"among Â > 0 tokens (first {w} steps), the low-p/low-H quadrant has the largest "
-                              "logit-gradient norm and raises entropy", subs, info))
+                              "logit-gradient norm and raises entropy", subs, info,
+                        [] if per_run else ["the quadrant statistics: no finished run logged them"]))
 
     # C3: entropy dynamics
     ent = {role: _by_seed(series, "entropy", m) for role, m in roles.items()}
     ratio = {role: {s: _final(v, w) / _initial(v) for s, v in e.items()} for role, e in ent.items()}
     final = {role: {s: _final(v, w) for s, v in e.items()} for role, e in ent.items()}
-    subs, info = [], {}
-    if has["grpo"]:
-        subs.append(SubClaim("GRPO final / initial entropy (collapse)", "<", COLLAPSE,
-                             list(ratio["grpo"].values()), [f"seed {s}" for s in ratio["grpo"]]))
-    for role in ("justrl", "entropy20"):
-        if has[role]:
-            e = ent[role]
-            subs.append(SubClaim(f"{roles[role]}: final entropy − the smoothed minimum before the final window "
-                                 "(late rise)", ">", 0.0, [_late_rise(v, w, smooth) for v in e.values()],
-                                 [f"seed {s}" for s in e]))
-    if has["stapo"]:
-        subs.append(SubClaim("STAPO final / initial entropy (no collapse)", ">", COLLAPSE,
-                             list(ratio["stapo"].values()), [f"seed {s}" for s in ratio["stapo"]]))
+    subs, info, untested = [], {}, []
+    if short:
+        untested.append(f"every sub-claim: {too_short}")
+    else:
         if has["grpo"]:
+            subs.append(SubClaim("GRPO final / initial entropy (collapse)", "<", COLLAPSE,
+                                 list(ratio["grpo"].values()), [f"seed {s}" for s in ratio["grpo"]]))
+        else:
+            untested.append(f"GRPO's collapse: {lacks('grpo')}")
+        for role in ("justrl", "entropy20"):
+            if has[role]:
+                e = ent[role]
+                subs.append(SubClaim(f"{roles[role]}: final entropy − the smoothed minimum before the final window "
+                                     "(late rise)", ">", 0.0, [_late_rise(v, w, smooth) for v in e.values()],
+                                     [f"seed {s}" for s in e]))
+            else:
+                untested.append(f"{roles[role]}'s late rise: {lacks(role)}")
+        if has["stapo"]:
+            subs.append(SubClaim("STAPO final / initial entropy (no collapse)", ">", COLLAPSE,
+                                 list(ratio["stapo"].values()), [f"seed {s}" for s in ratio["stapo"]]))
+        else:
+            untested.append(f"STAPO's stability: {lacks('stapo')}")
+        if has["stapo"] and has["grpo"]:
             subs.append(SubClaim("STAPO − GRPO final entropy", ">", 0.0, *_paired(final["stapo"], final["grpo"])))
+        else:
+            untested.append(f"STAPO − GRPO final entropy: {lacks('stapo', 'grpo')}")
     for role, m in roles.items():
-        if has[role] and role in ("stapo", *BASELINES, "fullmask"):
+        if has[role] and role in ("stapo", *BASELINES, "fullmask") and not short:
             vals = [v for v in ratio[role].values() if v == v]
             info[f"final / initial entropy: {m}"] = float(np.mean(vals)) if vals else math.nan
     claims.append(Claim("C3", "GRPO's entropy collapses, JustRL's and 20-Entropy's rise late, STAPO's stays stable",
-                        subs, info))
+                        subs, info, untested))
 
     # C4: accuracy on the held-out benchmark at each decoding setting
     settings = _settings(series, benchmark)
-    subs, info = [], {}
-    if has["stapo"]:
+    subs, info, untested = [], {}, []
+    if not settings:
+        untested.append(f"every sub-claim: no finished run has a final evaluation of {benchmark}")
+    elif not has["stapo"]:
+        untested.append(f"every sub-claim: {lacks('stapo')}")
+    else:
         for setting in settings:
             mine = _final_eval(series, setting, roles["stapo"])
             for role in BASELINES:
@@ -265,11 +362,12 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
                 vals = list(_final_eval(series, setting, roles[role]).values()) if has[role] else []
                 if vals:
                     info[f"{setting}: {roles[role]} avg@N (mean over seeds)"] = float(np.mean(vals))
+        untested += [f"STAPO − {roles[r]}: {lacks(r)}" for r in BASELINES if not has[r]]
     claims.append(Claim("C4", f"STAPO ≥ the best baseline on held-out problems ({benchmark}) at both decoding "
-                              "settings", subs, info))
+                              "settings (tested: STAPO − each baseline > 0)", subs, info, untested))
 
     # C5: masking strategy
-    subs, info = [], {}
+    subs, info, untested = [], {}, []
     for setting in settings:
         acc = {role: _final_eval(series, setting, roles[role]) for role in ("stapo", "random", "high_entropy")
                if has[role]}
@@ -281,51 +379,70 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
                                  *_paired(acc["random"], acc["high_entropy"])))
         for role, a in acc.items():
             info[f"{setting}: {roles[role]} avg@N (mean over seeds)"] = float(np.mean(list(a.values())))
-    if has["fullmask"]:
+    if not settings:
+        untested.append(f"the accuracy orderings: no finished run has a final evaluation of {benchmark}")
+    else:
+        if not (has["stapo"] and has["random"]):
+            untested.append(f"STAPO − random masking: {lacks('stapo', 'random')}")
+        if not (has["random"] and has["high_entropy"]):
+            untested.append(f"random − high-entropy masking: {lacks('random', 'high_entropy')}")
+    if has["fullmask"] and not short:
         subs.append(SubClaim("JustRL-FullMask final / initial entropy (collapse)", "<", COLLAPSE,
                              list(ratio["fullmask"].values()), [f"seed {s}" for s in ratio["fullmask"]]))
+    else:
+        untested.append(f"JustRL-FullMask's collapse: {too_short if short else lacks('fullmask')}")
     for role in ("stapo", "random", "high_entropy"):
         if has[role]:
-            f = [float(np.mean(v[_trained(v)])) for v in _by_seed(series, "masked_frac", roles[role]).values()
-                 if _trained(v).size]
-            info[f"masked fraction over all steps: {roles[role]}"] = float(np.nanmean(f)) if f else math.nan
+            info[f"pooled masked fraction (Σ masked / Σ response tokens): {roles[role]}"] = _pooled_fraction(
+                rows, done, roles[role], "actor/*/num_masked", "actor/*/num_response_tokens")
     claims.append(Claim("C5", "low-entropy masking (STAPO) > random masking at a matched rate > high-entropy masking; "
-                              "JustRL-FullMask collapses entropy", subs, info))
-    return claims
+                              "JustRL-FullMask collapses entropy", subs, info, untested))
+    return claims, runs
 
 
 def _fmt(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
 
-def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "arith_test") -> Path:
-    """Write ``claims.md`` and ``claims.json`` to the study's output folder; returns the .md path."""
-    claims = evaluate_claims(cfg, specs, benchmark=benchmark)
+def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "arith_test",
+                 roles: dict[str, str] | None = None) -> Path:
+    """Write ``claims.md`` and ``claims.json`` to the study's output folder; returns the .md path. While some runs
+    are unfinished both say PARTIAL and name them. Raises as :func:`evaluate_claims`."""
+    claims, runs = evaluate_claims(cfg, specs, benchmark=benchmark, roles=roles)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# The paper's claims on study {cfg.name}", "",
-             "Each sub-claim: one value per replicate (seed, or run for C2), the mean and its 95 % Student-t interval "
-             "over the replicates; **reproduced** when the whole interval is on the paper's side of the threshold, "
-             "**not reproduced** when it is wholly on the other side, **inconclusive** otherwise (one replicate has "
-             "no interval). A claim is reproduced when all its sub-claims are, not reproduced when any is not. "
-             "Rules: `stapo/study/claims.py`; docs/study.md#claims.", "",
-             "| claim | verdict |", "|---|---|"]
+    partial = bool(runs["unfinished"])
+    lines = [f"# The paper's claims on study {cfg.name}" + (" — PARTIAL" if partial else ""), ""]
+    if partial:
+        lines += [f"**PARTIAL: {len(runs['finished'])} of {runs['total']} runs finished**; the claims read the "
+                  f"finished ones only. Not finished (left out): {', '.join(runs['unfinished'])}.", ""]
+    else:
+        lines += [f"All {runs['total']} runs finished.", ""]
+    lines += ["Each sub-claim: one value per replicate (a seed; for C2 the mean over that seed's runs), the mean and "
+              "its 95 % Student-t interval over the replicates; **reproduced** when the whole interval is on the "
+              "paper's side of the threshold, **not reproduced** when it is wholly on the other side, "
+              "**inconclusive** otherwise (one replicate has no interval). A claim is reproduced when all its "
+              "sub-claims are tested and reproduced, not reproduced when any is not reproduced, inconclusive "
+              "otherwise. Rules: `stapo/study/claims.py`; docs/study.md#claims.", "",
+              "| claim | verdict |", "|---|---|"]
     lines += [f"| {c.id}: {c.statement} | **{c.verdict}** |" for c in claims]
     for c in claims:
         lines += ["", f"## {c.id}: {c.statement} — {c.verdict}", ""]
         if c.subclaims:
             lines += ["| sub-claim | claimed | n | mean | 95 % CI | values | result |", "|---|---|---|---|---|---|---|"]
             for s in c.subclaims:
-                vals = ", ".join(f"{_fmt(v)}" for v in s.values)
+                vals = ", ".join(f"{lab}: {_fmt(v)}" for v, lab in zip(s.values, s.labels))
+                note = f" ({s.note})" if s.note else ""
                 lines.append(f"| {s.name} | {s.side} {_fmt(s.threshold)} | {len(s.values)} | {_fmt(s.mean)} | "
-                             f"[{_fmt(s.low)}, {_fmt(s.high)}] | {vals} | {s.result} |")
-        else:
-            lines.append("Not tested: the study has none of the methods it needs.")
+                             f"[{_fmt(s.low)}, {_fmt(s.high)}] | {vals} | {s.result}{note} |")
+        if c.untested:
+            lines += [""] + [f"- Not tested: {u}." for u in c.untested]
         if c.info:
             lines += [""] + [f"- {k}: {_fmt(v) if isinstance(v, float) else v}" for k, v in c.info.items()]
     (out / "claims.md").write_text("\n".join(lines) + "\n")
-    payload = [{"id": c.id, "statement": c.statement, "verdict": c.verdict, "info": c.info,
-                "subclaims": [asdict(s) for s in c.subclaims]} for c in claims]
+    payload = {"study": cfg.name, "partial": partial, "runs": runs, "benchmark": benchmark,
+               "claims": [{"id": c.id, "statement": c.statement, "verdict": c.verdict, "info": c.info,
+                           "untested": c.untested, "subclaims": [asdict(s) for s in c.subclaims]} for c in claims]}
     (out / "claims.json").write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
     return out / "claims.md"
 
@@ -340,12 +457,24 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="study YAML (configs/study/)")
     p.add_argument("--benchmark", default="arith_test", help="the held-out benchmark of C4 and C5")
+    p.add_argument("--role", action="append", default=[], metavar="PAPER=METHOD",
+                   help=f"map one of the paper's methods ({', '.join(ROLES)}) to a method of the study (repeatable; "
+                        "default: the names of configs/study/cpu_reproduction.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config")
     args = p.parse_args(argv)
     try:
         cfg = load_study_config(args.config, args.overrides)
-        path = write_claims(cfg, run_specs(cfg), benchmark=args.benchmark)
-    except (ConfigError, CorruptJsonlError) as e:
+        roles = dict(ROLES)
+        for item in args.role:
+            paper, _, method = item.partition("=")
+            if paper not in ROLES or not method:
+                raise ClaimsError(f"--role {item!r}: expected PAPER=METHOD with PAPER one of {', '.join(ROLES)}")
+            if method not in cfg.methods:
+                raise ClaimsError(f"--role {item!r}: {method!r} is not a method of the study "
+                                  f"(methods: {', '.join(cfg.methods)})")
+            roles[paper] = method
+        path = write_claims(cfg, run_specs(cfg), benchmark=args.benchmark, roles=roles)
+    except (ConfigError, CorruptJsonlError, ClaimsError) as e:
         print(f"stapo.study.claims: {e}", file=sys.stderr)
         return 2
     print(path.read_text().split("\n## ")[0].rstrip())

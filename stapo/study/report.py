@@ -25,7 +25,7 @@ from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.runner import evaluated_step
 from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
-from stapo.tracking import read_jsonl_rows
+from stapo.tracking import CorruptJsonlError, read_jsonl_rows
 
 __all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "as_number", "collect", "pooled_quadrant_stat", "write_report"]
 
@@ -90,14 +90,23 @@ def _final_eval(spec: RunSpec) -> dict[str, float]:
     """``setting → average avg@N`` of the run's final evaluation (its results.json, written when it finished), and
     with several benchmarks also ``setting/benchmark → avg@N`` of each. Empty when there is none, or when it
     evaluated another checkpoint than the run's final one (``model.step`` ≠ ``trainer.total_steps``: the study's
-    steps were raised since; the runner evaluates the final checkpoint again)."""
+    steps were raised since; the runner evaluates the final checkpoint again).
+
+    Raises:
+        stapo.tracking.CorruptJsonlError: results.json is not JSON (a damaged file: one line naming it), never
+            dropped silently (its run would vanish from the final table and the claims).
+    """
     path = spec.run_dir / "final_eval" / "results.json"
     if not path.is_file():
         return {}
     try:
         res = json.loads(path.read_text())
-    except ValueError:
-        return {}
+        if not isinstance(res, dict) or not isinstance(res.get("metrics", {}), dict):
+            raise ValueError("not an object with a 'metrics' object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptJsonlError(f"{path}: damaged final evaluation ({str(e).splitlines()[0]}); restore it (e.g. from "
+                                f"an export), or delete it and rerun the study to evaluate the final checkpoint "
+                                f"again") from None
     if evaluated_step(res) != spec.total_steps:
         return {}
     out: dict[str, float] = {}
@@ -495,7 +504,10 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
               f"± the {conf} t-interval half-width (n/a with one seed). Δ = method − {cfg.reference}, paired by "
               f"(seed, step) over those steps: mean over seeds of the per-seed mean difference, with a {conf} "
               f"two-stage percentile bootstrap interval ({r.bootstrap_samples} replicates, RNG seed "
-              f"{r.bootstrap_seed}: seeds resampled, then steps within each seed; docs/study.md). Data: `final.csv`.",
+              f"{r.bootstrap_seed}: seeds resampled, then steps within each seed; docs/study.md); with one pair there "
+              "is no interval (n/a). With a handful of seeds a bootstrap over seeds spans little more than their "
+              "range: read it as descriptive, not as a test (`python -m stapo.study.claims` tests with the "
+              "t-interval over seeds). Data: `final.csv`.",
               "", f"| metric | method | seeds | final | ± | Δ vs {cfg.reference} | {conf} CI of Δ | pairs |",
               "|---|---|---|---|---|---|---|---|"]
     for row in finals:
@@ -504,6 +516,8 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
             diff, ci = "—", "—"
         elif not row["n_pairs"]:  # the reference does not log it, or shares no seed with this method
             diff, ci = "no pairs", "—"
+        elif row["n_pairs"] == 1:  # one seed, one step (e.g. a final evaluation of one seed): no interval
+            diff, ci = _fmt(row["diff_mean"]), "n/a"
         else:
             diff, ci = _fmt(row["diff_mean"]), f"[{_fmt(row['diff_ci_low'])}, {_fmt(row['diff_ci_high'])}]"
         lines.append(f"| {_label(row['metric'])} | {row['method']} | {row['n_seeds']} | {_fmt(row['final_mean'])} "

@@ -17,6 +17,10 @@ A run whose final checkpoint exists but whose ``metrics.jsonl`` lacks the rows o
 is finished (``skip``): the training state is complete, and the lost rows cannot be recomputed without retraining,
 so the plan line and the report name them instead of resuming a run that has nothing left to train.
 
+A damaged line of a run's ``metrics.jsonl`` that is not its torn last line (:class:`stapo.tracking.CorruptJsonlError`)
+decides nothing: the runner (and ``--dry-run``) stops before running anything, in one line naming the file and the
+line — the report's policy. Such a run is never restarted (its folder deleted), resumed or skipped over it.
+
 The same for the optional final evaluation (``final_eval``): done when ``<run>/final_eval/results.json`` exists
 (evaluate.py writes it at the end), else ``evaluate.py`` (which resumes its own generations). Every attempt is appended to
 ``<output_dir>/attempts.jsonl`` (run, kind, action, exit code, wall seconds, threads) for the report's cost line.
@@ -51,7 +55,7 @@ from stapo.tracking import CorruptJsonlError, read_jsonl_rows
 
 __all__ = ["REPO", "RunStatus", "EvalStatus", "run_status", "eval_status", "train_command", "eval_command",
            "describe_plan", "run_grid", "lock_holder", "exit_text", "ATTEMPTS", "FINISHED",
-           "export_study"]
+           "export_study", "check_metrics"]
 
 #: The repository root: train.py and evaluate.py live there.
 REPO = Path(__file__).resolve().parents[2]
@@ -99,15 +103,27 @@ class EvalStatus:
     output: Path
 
 
+_MOVE_AWAY = "delete that line (or move the file away) and rerun"  # stapo.tracking.CorruptJsonlError's advice
+_KEEP_FILE = ("delete or repair that line and rerun (keep the file: a run without its metrics.jsonl and checkpoints "
+              "would start afresh)")
+
+
 def _last_logged_step(run_dir: Path) -> tuple[int, str]:
-    """The last step of ``metrics.jsonl`` (0: none) and a note on a torn last line or a damaged line."""
+    """The last step of ``metrics.jsonl`` (0: none) and a note on a torn last line.
+
+    Raises:
+        CorruptJsonlError: a damaged line that is not the torn last one (one line naming the file and the line).
+            It is never read as "nothing logged": that would restart a finished run whose checkpoints are gone
+            (its folder deleted) and misstate its logged and lost steps.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return 0, ""
     try:
         rows, torn = read_jsonl_rows(path)
-    except CorruptJsonlError as e:
-        return 0, f"; {e}"
+    except CorruptJsonlError as e:  # the report's one line, with the runner's advice (moving the file away would
+        raise CorruptJsonlError(  # make a run without its checkpoints start afresh)
+            f"{str(e).replace(_MOVE_AWAY, _KEEP_FILE)}; nothing was run") from None
     note = f"; {path} ends in a torn line of {torn} bytes (an interrupted write)" if torn else ""
     return max((r["step"] for r in rows), default=0), note
 
@@ -142,7 +158,11 @@ def lock_holder(folder: Path) -> Holder | None:
 
 
 def run_status(spec: RunSpec) -> RunStatus:
-    """Decide what to do with a run from its folder (nothing is changed on disk; module docstring)."""
+    """Decide what to do with a run from its folder (nothing is changed on disk; module docstring).
+
+    Raises:
+        CorruptJsonlError: the run's ``metrics.jsonl`` has a damaged line that is not its torn last line.
+    """
     ckpt = latest_checkpoint(spec.run_dir / "checkpoints")
     ckpt_step = int(_STEP.match(ckpt.name).group(1)) if ckpt is not None else 0
     logged, note = _last_logged_step(spec.run_dir)
@@ -157,10 +177,11 @@ def run_status(spec: RunSpec) -> RunStatus:
     if _finished_step(spec.run_dir) >= total and logged >= total:
         return RunStatus(spec, "skip", ckpt_step, logged, f"finished (step {total}/{total}; {FINISHED}, "
                                                           f"checkpoints not kept)")
-    if ckpt_step >= total:  # the training state is complete, rows after `logged` are lost (a torn last line)
+    done_step = max(ckpt_step, _finished_step(spec.run_dir))  # a final checkpoint, or finished.json (exported runs)
+    if done_step >= total:  # the training is complete, rows after `logged` are lost (a torn last line): never retrain
         lost = f"step {total}" if logged == total - 1 else f"steps {logged + 1}-{total}"
         return RunStatus(spec, "skip", ckpt_step, logged,
-                         f"finished (step {ckpt_step}/{total}), but metrics.jsonl holds rows only to step {logged}: "
+                         f"finished (step {done_step}/{total}), but metrics.jsonl holds rows only to step {logged}: "
                          f"the metrics row of {lost} is lost (the training state is complete; the row cannot be "
                          f"recomputed without retraining)" + note)
     if ckpt is not None:
@@ -260,8 +281,23 @@ def export_study(cfg: StudyConfig, dest: Path) -> list[Path]:
     return written
 
 
+def check_metrics(specs: list[RunSpec]) -> None:
+    """Read every run's ``metrics.jsonl`` (nothing is changed on disk).
+
+    Raises:
+        CorruptJsonlError: one has a damaged line that is not its torn last line (the first such run, in grid
+            order; one line naming the file and the line). :func:`run_grid` calls it before running anything.
+    """
+    for spec in specs:
+        _last_logged_step(spec.run_dir)
+
+
 def describe_plan(cfg: StudyConfig, specs: list[RunSpec]) -> str:
-    """The ``--dry-run`` listing: one line per run (and final evaluation) with its action and command."""
+    """The ``--dry-run`` listing: one line per run (and final evaluation) with its action and command.
+
+    Raises:
+        CorruptJsonlError: a run's ``metrics.jsonl`` has a damaged line that is not its torn last line.
+    """
     lines = [f"study {cfg.name}: {len(specs)} runs ({len(cfg.methods)} methods, seeds "
              f"{', '.join(map(str, dict.fromkeys(s.seed for s in specs)))}) in {cfg.output_dir}"]
     study = lock_holder(Path(cfg.output_dir)) if Path(cfg.output_dir).is_dir() else None
@@ -350,12 +386,32 @@ def _terminal_sends_sigint() -> bool:
         return False
 
 
+#: The signal (SIGINT / SIGTERM) the runner received during the last :func:`_run`, None when none came: the
+#: runner's exit code names it (:func:`_stop_code`), also when the run finished in the meantime.
+_received_signal: int | None = None
+
+
+def _stop_code(rc: int, signum: int | None) -> int:
+    """The runner's exit code when a run was interrupted: 128 + the signal the runner received (130 SIGINT, 143
+    SIGTERM); without one, that of the run's: exit 143 or killed by SIGTERM (rc -15) → 143, else (exit 130,
+    killed by SIGINT, rc -2) 130."""
+    if signum in (signal.SIGINT, signal.SIGTERM):
+        return 128 + int(signum)
+    return 143 if rc in (143, -signal.SIGTERM) else 130
+
+
+#: A run's exit codes that mean it was stopped by SIGINT / SIGTERM (train.py's 130 / 143, or killed by the signal).
+_STOPPED = (130, 143, -signal.SIGINT, -signal.SIGTERM)
+
+
 def _run(cmd: list[str], log: Path, verbose: bool) -> tuple[int, float, bool]:
     """Run ``cmd`` (its output appended to ``log``, or the console when ``verbose``); returns (exit code, wall
     seconds, interrupted). Ctrl-C reaches the child through the terminal's process group (train.py finishes its
     step and checkpoints; a second Ctrl-C stops it at once): the runner waits for it. A SIGINT sent to the runner
     alone (``kill -INT <pid>``, :func:`_terminal_sends_sigint` false) and SIGTERM are passed on to the child. The
     child stays in the runner's process group and gets SIGTERM when the runner dies (:func:`_die_with_parent`)."""
+    global _received_signal
+    _received_signal = None
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with log.open("a") as f:
@@ -372,9 +428,10 @@ def _run(cmd: list[str], log: Path, verbose: bool) -> tuple[int, float, bool]:
             except KeyboardInterrupt as e:  # Ctrl-C (the child has it too), SIGINT to us alone, or SIGTERM
                 interrupted = True
                 signum = getattr(e, "signum", signal.SIGINT)
+                _received_signal = int(signum)
                 if proc.poll() is None and (signum == signal.SIGTERM or not _terminal_sends_sigint()):
                     proc.send_signal(signum)  # pass it on: the child checkpoints its step and exits
-    return rc, time.monotonic() - t0, interrupted or rc in (130, 143)
+    return rc, time.monotonic() - t0, interrupted or rc in _STOPPED
 
 
 def _wait_for(folder: Path, holder: Holder | None, tag: str, say: Callable[[str], None]) -> None:
@@ -398,8 +455,14 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
     Returns:
         0 when every run (and evaluation) is finished; 1 when one failed (the others ran unless
         ``runner.stop_on_error``); 130 / 143 when interrupted (Ctrl-C / SIGTERM: the run in progress checkpoints
-        its step, the rest of the grid waits for the next call).
+        its step, the rest of the grid waits for the next call; a run that finished meanwhile counts as finished
+        and gets its :data:`FINISHED` marker, the code is still 130 / 143).
+
+    Raises:
+        CorruptJsonlError: a run's ``metrics.jsonl`` has a damaged line that is not its torn last line — checked
+            for every run before anything runs (:func:`check_metrics`), so nothing is run, deleted or skipped.
     """
+    global _received_signal
     say = say or (lambda line: print(line, flush=True))
     out = Path(cfg.output_dir)
     failed: list[str] = []
@@ -408,6 +471,7 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
         todo = [(kind, s) for s in specs for kind in ("train", "eval")]
     elif cfg.final_eval.enabled:
         todo += [("eval", s) for s in specs]
+    check_metrics(specs)
     for i, (kind, spec) in enumerate(todo, start=1):
         tag = f"[{i}/{len(todo)}] {spec.name}"
         log = out / "logs" / (f"{spec.name}.log" if kind == "train" else f"{spec.name}.eval.log")
@@ -437,13 +501,16 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
             _retire_stale_eval(spec, tag, say)
             say(f"{tag}: final evaluation (log: {log})")
             cmd, action = eval_command(cfg, spec), "eval"
+        _received_signal = None
         rc, wall, interrupted = _run(cmd, log, verbose)
         _record(out, {"run": spec.name, "kind": kind, "action": action, "rc": rc, "wall_s": round(wall, 3),
                       "threads": _threads(cfg), "end": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+        if rc == 0 and kind == "train" and _last_logged_step(spec.run_dir)[0] >= spec.total_steps:
+            _mark_finished(spec)  # also when the study is stopping: a finished run counts as finished
         if interrupted:
             what = "finished, then the study stopped" if rc == 0 else f"interrupted ({exit_text(rc)})"
             say(f"{tag}: {what} after {wall / 60:.1f} min; rerun the same command to resume the study")
-            return 143 if rc == 143 else 130
+            return _stop_code(rc, _received_signal)
         if rc != 0:
             failed.append(spec.name)
             error = _last_error(log) if rc > 0 else ""  # killed by a signal: the log's last line is not the cause
@@ -452,8 +519,6 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
             if cfg.runner.stop_on_error:
                 break
         else:
-            if kind == "train" and _last_logged_step(spec.run_dir)[0] >= spec.total_steps:
-                _mark_finished(spec)
             say(f"{tag}: done in {wall / 60:.1f} min")
     if failed:
         say(f"study {cfg.name}: {len(failed)} failed: {', '.join(failed)}; rerun the same command to retry them "
