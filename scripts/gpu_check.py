@@ -933,7 +933,10 @@ def part_mfu(part: Part, sz: SimpleNamespace) -> None:
                                           part.data["peak_memory_GiB"] if part.data["peak_memory_GiB"] else "—"]]}]
         part.check("median update step time (s)", t, 0.0, ">")
         mfu_main = next(iter(part.data["mfu"].values()))
-        part.check("MFU in (0, 1]", mfu_main, 1.0, "<=")
+        if sz.gemm_peak_ref:  # a nominal peak is a ceiling: MFU above 1 would be a FLOP-count or timing error
+            part.check("MFU in (0, 1]", mfu_main, 1.0, "<=")
+        # the CPU dry run has only the measured small bf16 GEMM, which is no ceiling: on a CPU without native bf16
+        # (AVX2 only) that GEMM is emulated and slower than the autocast step's fp32 parts, so MFU vs it exceeds 1
         part.check("MFU > 0", mfu_main, 0.0, ">")
     part.check("grad norms finite", float(all(math.isfinite(x) for x in grad_norms)), 1.0, "==")
     part.check("fraction of parameter tensors changed by the timed steps", changed / len(before), 0.9, ">=")

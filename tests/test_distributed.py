@@ -109,7 +109,8 @@ def one_rank(tmp_path_factory):
 
     trainer.reward_fn = recording
     _train_one_thread(trainer)
-    return out, calls
+    yield out, calls
+    shutil.rmtree(out, ignore_errors=True)  # a module's ~200 MB of checkpoints freed when its tests are done (pytest keeps factory folders to the end)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,8 @@ def replicate_run(tmp_path_factory):
     forwards before the backwards)."""
     out = tmp_path_factory.mktemp("replicate")
     _torchrun(out, "trainer.data_parallel=replicate", "actor.share_prompt=true", "actor.fused_forward=true")
-    return out
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,8 @@ def fsdp2_run(tmp_path_factory):
     """2 ranks, FSDP2 fully_shard on CPU/gloo, fused_forward on."""
     out = tmp_path_factory.mktemp("fsdp2")
     _torchrun(out, "trainer.data_parallel=fsdp2", "actor.fused_forward=true")
-    return out
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
 
 
 # --- tests -----------------------------------------------------------------------------------------------------

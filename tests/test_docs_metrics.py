@@ -17,6 +17,8 @@ import re
 import sys
 from pathlib import Path
 
+import shutil
+
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,7 +69,10 @@ def _train_one_step(out: Path, objective: str, toy: bool) -> set[str]:
 @pytest.fixture(scope="module")
 def stapo_step_keys(tmp_path_factory) -> set[str]:
     """The keys of one native ``stapo`` step (toy reward), shared by the tests of this module."""
-    return _train_one_step(tmp_path_factory.mktemp("stapo_step"), "stapo", toy=True)
+    out = tmp_path_factory.mktemp("stapo_step")
+    keys = _train_one_step(out, "stapo", toy=True)
+    shutil.rmtree(out, ignore_errors=True)  # only the keys are kept: free the run's checkpoint now
+    return keys
 
 
 def test_every_trainer_metric_is_documented_stapo(stapo_step_keys):

@@ -12,7 +12,9 @@ import csv
 import json
 import os
 import re
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
+def tiny_run(tmp_path_factory) -> Iterator[Path]:
     """runs/toy: 2 training steps of the tiny model (objective stapo, seed 0), checkpoints step_000001, step_000002."""
     from toy_run import make_trainer
 
@@ -40,7 +42,8 @@ def tiny_run(tmp_path_factory) -> Path:
         trainer.train()
     finally:
         trainer.close()
-    return out / "toy"
+    yield out / "toy"
+    shutil.rmtree(out, ignore_errors=True)  # a module's ~200 MB of checkpoints freed when its tests are done (pytest keeps factory folders to the end)
 
 
 def sweep_cfg(root: Path, run: Path, out: Path, *overrides: str):

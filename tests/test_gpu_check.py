@@ -68,7 +68,13 @@ def test_dry_run_writes_a_passing_summary(tmp_path):
     assert fs["strategy"] == "fsdp2" and fs["backend"] == "gloo" and fs["checkpoint_written"]
 
     mfu = parts["d_mfu"]
-    assert 0 < mfu["mfu"]["measured bf16 GEMM"] <= 1 and mfu["tokens_per_s"] > 0
+    # MFU = model FLOPs / median step time / the measured GEMM's FLOP/s. The small bf16 GEMM is no ceiling on a CPU
+    # (emulated bf16 on AVX2-only machines is slower than the step's fp32 parts: MFU 1.1–1.3 there), so no ≤ 1 here;
+    # on the GPU machine the H200's nominal peak is the first peak and its ≤ 1 check is in the script
+    assert mfu["mfu"]["measured bf16 GEMM"] == pytest.approx(
+        mfu["model_flops"] / mfu["step_s_median"] / mfu["gemm_bf16_flops_per_s"], rel=1e-9)
+    assert mfu["mfu"]["measured bf16 GEMM"] > 0 and mfu["tokens_per_s"] > 0
+    assert "MFU in (0, 1]" not in {c["name"] for c in mfu["checks"]}  # no nominal peak on the dry run
     assert mfu["hardware_flops"] > mfu["model_flops"] > 0
 
 

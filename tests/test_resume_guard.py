@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,12 +38,13 @@ def _errors(res: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
+def finished(tmp_path_factory) -> Iterator[Path]:
     """A 2-step tiny run ``<out>/r`` with checkpoints step_000001 and step_000002 (each with COMPLETE.json)."""
     out = tmp_path_factory.mktemp("finished")
     res = _train(out, "trainer.run_name=r")
     assert res.returncode == 0, res.stderr[-3000:]
-    return out
+    yield out
+    shutil.rmtree(out, ignore_errors=True)  # a module's ~200 MB of checkpoints freed when its tests are done (pytest keeps factory folders to the end)
 
 
 @pytest.fixture
