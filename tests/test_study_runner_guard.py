@@ -25,26 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from stapo.study import describe_plan, load_study_config, run_grid, run_specs, run_status
+from stapo.study import describe_plan, run_grid, run_status
 from stapo.study import runner as study_runner
 from stapo.tracking import CorruptJsonlError
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "study" / "tiny_test.yaml"  # 2 methods (stapo, grpo) × 2 steps
-
-
-def _study(tmp_path: Path, *extra: str):
-    cfg = load_study_config(TINY, [f"output_dir={tmp_path / 'study'}", *extra])
-    return cfg, run_specs(cfg)
-
-
-def _write_run(run_dir: Path, rows: list[dict], ckpt_steps: list[int]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for s in ckpt_steps:
-        d = run_dir / "checkpoints" / f"step_{s:06d}"
-        d.mkdir(parents=True)
-        (d / "trainer_state.pt").write_bytes(b"x")
+from test_study import REPO, TINY, _study, _write_run  # the study tests' tiny config and hand-built run folders
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
