@@ -233,10 +233,38 @@ def test_report_runs_table_names_each_runs_machine_and_compute_dtype(tmp_path):
     (by["stapo_seed1"].run_dir / "run_info.json").write_text("{damaged")  # → "?" for its machine, no crash
     md = (Path(write_report(cfg, specs))).read_text()
     # the last launch's machine, without the package versions
-    assert "| stapo_seed0 | 2 | 2 | 15.0 | bfloat16 | Intel Xeon, 2 cores, flags amx_bf16 |" in md
-    assert "| grpo_seed0 | 2 | 2 | 15.0 | float32 | AMD EPYC, 2 cores, flags avx2 fma |" in md
-    assert "| stapo_seed1 | 2 | 2 | 15.0 | ? | ? |" in md
+    assert "| stapo_seed0 | 2 | 2 | 15.0 | 2 | bfloat16 | Intel Xeon, 2 cores, flags amx_bf16 |" in md
+    assert "| grpo_seed0 | 2 | 2 | 15.0 | 2 | float32 | AMD EPYC, 2 cores, flags avx2 fma |" in md
+    assert "| stapo_seed1 | 2 | 2 | 15.0 | ? | ? | ? |" in md
     assert "trained on more than one machine or compute dtype" in md
+
+
+def test_report_cost_counts_each_steps_own_threads(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg, specs = _study(tmp_path, "report.window=1", "runner.threads=4")
+    by = {s.name: s for s in specs}
+    for s in specs:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])  # 3600 s per step
+    # stapo_seed0: launched with 2 threads, resumed after step 1 with 1 thread (step 1: 2 threads, step 2: 1)
+    (by["stapo_seed0"].run_dir / "run_info.json").write_text(json.dumps({"launches": [
+        {"start_step": 0, "machine": "box, 2 cores, torch 2.13.0+cpu, 2 threads"},
+        {"start_step": 1, "machine": "box, 2 cores, torch 2.13.0+cpu, 1 threads"}]}))
+    # the 3 other runs record nothing: runner.threads = 4 for their 2 × 3 = 6 steps
+    # CPU-hours = 1 h × 2 + 1 h × 1 + 6 h × 4 = 27; Σ step time 8 h
+    md = Path(write_report(cfg, specs)).read_text()
+    assert "Σ step time 8.00 h × each step's threads (run_info.json) = 27.00 CPU-hours" in md
+    assert "| stapo_seed0 | 2 | 2 | 3600.0 | 1 | ? | box, 2 cores |" in md  # the last launch's threads
+
+
+def test_default_threads_runner_setting_then_omp_num_threads_then_cores(tmp_path, monkeypatch):
+    from stapo.study.runner import default_threads
+    cfg, _ = _study(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads(cfg) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")  # not a count: the core count
+    assert default_threads(cfg) == (os.cpu_count() or 1)
+    cfg.runner.threads = 3
+    assert default_threads(cfg) == 3
 
 
 def test_report_one_machine_has_no_mixed_hardware_note(tmp_path):
@@ -246,7 +274,7 @@ def test_report_one_machine_has_no_mixed_hardware_note(tmp_path):
         (s.run_dir / "run_info.json").write_text(json.dumps({"launches": [{"machine": "box, torch 2"}]}))
         (s.run_dir / "config.json").write_text(json.dumps({"model": {"compute_dtype": "float32"}}))
     md = Path(write_report(cfg, specs)).read_text()
-    assert "| stapo_seed0 | 2 | 2 | 3600.0 | float32 | box |" in md
+    assert "| stapo_seed0 | 2 | 2 | 3600.0 | ? | float32 | box |" in md
     assert "more than one machine" not in md
 
 

@@ -72,7 +72,8 @@ class FinalEvalConfig:
 
 @dataclass
 class RunnerConfig:
-    # Cores a run uses, for the report's CPU-hours (wall seconds × threads); null: this machine's core count.
+    # Threads a run uses, for the report's CPU-hours where a run's run_info.json does not record its own (and the
+    # attempts' wall seconds × threads); null: $OMP_NUM_THREADS if set, else this machine's core count.
     threads: Optional[int] = None
     # A failed run (exit code other than an interrupt's): true stops the grid, false (default) goes on with the
     # next run and exits 1 at the end.

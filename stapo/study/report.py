@@ -13,6 +13,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 
 from stapo.checkpoint_files import latest_checkpoint
 from stapo.study.config import RunSpec, StudyConfig
-from stapo.study.runner import evaluated_step
+from stapo.study.runner import default_threads, evaluated_step
 from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
 from stapo.tracking import CorruptJsonlError, read_jsonl_rows
@@ -366,14 +367,27 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
     return True
 
 
-def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> dict[str, float]:
-    """Steps, response tokens and compute of the runs' metrics (and the runner's recorded attempts)."""
-    steps = sum(r[-1]["step"] for r in rows.values() if r)
+def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> dict[str, Any]:
+    """Steps, response tokens and compute of the runs' metrics (and the runner's recorded attempts).
+
+    CPU-hours of training: Σ over steps of ``timing_s/step`` × the threads of the launch that trained the step
+    (:func:`_launch_threads`: ``run_info.json``'s machine line, "…, N threads"), the default thread count
+    (:func:`default_threads`) where a run does not say. ``threads`` is that count when every step had the same,
+    else None (mixed)."""
+    default = default_threads(cfg)
     tokens = sum(as_number(x.get(COST_KEYS["response_tokens"])) for r in rows.values() for x in r
                  if COST_KEYS["response_tokens"] in x)
-    step_s = sum(as_number(x.get(COST_KEYS["step_time"])) for r in rows.values() for x in r
-                 if COST_KEYS["step_time"] in x)
-    threads = cfg.runner.threads or os.cpu_count() or 1
+    step_s, cpu_s, used = 0.0, 0.0, set()
+    for s in specs:
+        launches = _launch_threads(s.run_dir)
+        for x in rows.get(s.name, []):
+            if COST_KEYS["step_time"] not in x:
+                continue
+            t = as_number(x[COST_KEYS["step_time"]])
+            # the last launch that started before this step trained it
+            k = next((n for start, n in reversed(launches) if start < x.get("step", 0)), None) or default
+            step_s, cpu_s = step_s + t, cpu_s + t * k
+            used.add(k)
     wall_s, wall_cpu_s = 0.0, 0.0
     path = Path(cfg.output_dir) / "attempts.jsonl"
     if path.is_file():
@@ -381,12 +395,27 @@ def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> dict
             try:
                 a = json.loads(line)
                 wall_s += float(a["wall_s"])
-                wall_cpu_s += float(a["wall_s"]) * int(a.get("threads", threads))
+                wall_cpu_s += float(a["wall_s"]) * int(a.get("threads", default))
             except (ValueError, KeyError, TypeError):
                 continue
-    return {"runs": sum(bool(r) for r in rows.values()), "steps": steps, "tokens": tokens, "step_h": step_s / 3600,
-            "threads": threads, "cpu_h": step_s * threads / 3600, "wall_h": wall_s / 3600,
-            "wall_cpu_h": wall_cpu_s / 3600}
+    threads = used.pop() if len(used) == 1 else (default if not used else None)
+    return {"runs": sum(bool(r) for r in rows.values()), "steps": sum(r[-1]["step"] for r in rows.values() if r),
+            "tokens": tokens, "step_h": step_s / 3600, "threads": threads, "cpu_h": cpu_s / 3600,
+            "wall_h": wall_s / 3600, "wall_cpu_h": wall_cpu_s / 3600}
+
+
+def _launch_threads(run_dir: Path) -> list[tuple[int, int | None]]:
+    """``[(start_step, threads)]`` per launch of the run, from ``run_info.json`` (each launch's machine line ends in
+    "…, N threads", stapo.perf); threads None where the line lacks it; [] when the file is missing or damaged."""
+    try:
+        launches = json.loads((run_dir / "run_info.json").read_text())["launches"]
+        out = []
+        for launch in launches:
+            m = re.search(r"(\d+) threads", str(launch.get("machine", "")))
+            out.append((int(launch.get("start_step", 0)), int(m.group(1)) if m else None))
+        return out
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def _pairing_notes(cfg: StudyConfig, specs: list[RunSpec]) -> list[str]:
@@ -464,17 +493,21 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
              f"- Methods: {', '.join(cfg.methods)}; reference for the differences: **{cfg.reference}**; "
              f"seeds: {seeds}",
              f"- **Cost**: {cost['runs']} runs, {cost['steps']} steps, {cost['tokens']:.0f} response tokens; "
-             f"Σ step time {cost['step_h']:.2f} h × {cost['threads']} threads = {cost['cpu_h']:.2f} CPU-hours; "
+             f"Σ step time {cost['step_h']:.2f} h × "
+             + (f"{cost['threads']} threads" if cost["threads"] else "each step's threads (run_info.json)")
+             + f" = {cost['cpu_h']:.2f} CPU-hours; "
              f"runner wall time (recorded attempts) {cost['wall_h']:.2f} h = {cost['wall_cpu_h']:.2f} CPU-hours", ""]
-    lines += ["## Runs", "", "| run | steps logged | of | mean s/step | compute dtype | machine |",
-              "|---|---|---|---|---|---|"]
+    lines += ["## Runs", "", "| run | steps logged | of | mean s/step | threads | compute dtype | machine |",
+              "|---|---|---|---|---|---|---|"]
     hardware = {s.name: _hardware(s.run_dir) for s in specs}
     for s in specs:
         last = rows[s.name][-1]["step"] if rows[s.name] else 0
         times = [as_number(x[COST_KEYS["step_time"]]) for x in rows[s.name] if COST_KEYS["step_time"] in x]
         per_step = f"{sum(times) / len(times):.1f}" if times else "n/a"
         machine, dtype = hardware[s.name]
-        lines.append(f"| {s.name} | {last} | {s.total_steps} | {per_step} | {dtype} | {machine} |")
+        launches = _launch_threads(s.run_dir)
+        threads = launches[-1][1] if launches and launches[-1][1] else "?"  # the last launch's
+        lines.append(f"| {s.name} | {last} | {s.total_steps} | {per_step} | {threads} | {dtype} | {machine} |")
     mixed = {h for n, h in hardware.items() if rows[n]}
     if len({d for _, d in mixed}) > 1 or len({m for m, _ in mixed}) > 1:
         lines += ["", "The runs were trained on more than one machine or compute dtype (above): the seeds of a "

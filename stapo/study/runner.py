@@ -54,7 +54,7 @@ from stapo.study.config import RunSpec, StudyConfig
 from stapo.tracking import CorruptJsonlError, read_jsonl_rows
 
 __all__ = ["REPO", "RunStatus", "EvalStatus", "run_status", "eval_status", "train_command", "eval_command",
-           "describe_plan", "run_grid", "lock_holder", "exit_text", "ATTEMPTS", "FINISHED",
+           "describe_plan", "run_grid", "default_threads", "lock_holder", "exit_text", "ATTEMPTS", "FINISHED",
            "export_study", "check_metrics"]
 
 #: The repository root: train.py and evaluate.py live there.
@@ -319,8 +319,12 @@ def describe_plan(cfg: StudyConfig, specs: list[RunSpec]) -> str:
     return "\n".join(lines)
 
 
-def _threads(cfg: StudyConfig) -> int:
-    return cfg.runner.threads or os.cpu_count() or 1
+def default_threads(cfg: StudyConfig) -> int:
+    """Threads a run uses, for the CPU-hours of the cost line: ``runner.threads``, else ``$OMP_NUM_THREADS`` (the
+    runs inherit it and torch uses that many threads), else this machine's core count. Recorded per attempt in
+    ``attempts.jsonl``; the report prefers each run's own count (``run_info.json``) for its training steps."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return cfg.runner.threads or (int(env) if env.isdigit() and int(env) >= 1 else 0) or os.cpu_count() or 1
 
 
 def _record(out: Path, row: dict) -> None:
@@ -504,7 +508,7 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
         _received_signal = None
         rc, wall, interrupted = _run(cmd, log, verbose)
         _record(out, {"run": spec.name, "kind": kind, "action": action, "rc": rc, "wall_s": round(wall, 3),
-                      "threads": _threads(cfg), "end": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+                      "threads": default_threads(cfg), "end": datetime.now(timezone.utc).isoformat(timespec="seconds")})
         if rc == 0 and kind == "train" and _last_logged_step(spec.run_dir)[0] >= spec.total_steps:
             _mark_finished(spec)  # also when the study is stopping: a finished run counts as finished
         if interrupted:
