@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
-
-import shutil
 
 import pytest
 

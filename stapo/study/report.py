@@ -367,25 +367,25 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
     return True
 
 
-def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> dict[str, Any]:
+def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list],
+          launches: dict[str, list[tuple[int, int | None]]]) -> dict[str, Any]:
     """Steps, response tokens and compute of the runs' metrics (and the runner's recorded attempts).
 
     CPU-hours of training: Σ over steps of ``timing_s/step`` × the threads of the launch that trained the step
-    (:func:`_launch_threads`: ``run_info.json``'s machine line, "…, N threads"), the default thread count
-    (:func:`default_threads`) where a run does not say. ``threads`` is that count when every step had the same,
-    else None (mixed)."""
+    (``launches[run]``, :func:`_launch_threads`: ``run_info.json``'s machine line, "…, N threads"), the default
+    thread count (:func:`default_threads`) where a run does not say. ``threads`` is that count when every step
+    had the same, else None (mixed)."""
     default = default_threads(cfg)
     tokens = sum(as_number(x.get(COST_KEYS["response_tokens"])) for r in rows.values() for x in r
                  if COST_KEYS["response_tokens"] in x)
     step_s, cpu_s, used = 0.0, 0.0, set()
     for s in specs:
-        launches = _launch_threads(s.run_dir)
         for x in rows.get(s.name, []):
             if COST_KEYS["step_time"] not in x:
                 continue
             t = as_number(x[COST_KEYS["step_time"]])
             # the last launch that started before this step trained it
-            k = next((n for start, n in reversed(launches) if start < x.get("step", 0)), None) or default
+            k = next((n for start, n in reversed(launches[s.name]) if start < x.get("step", 0)), None) or default
             step_s, cpu_s = step_s + t, cpu_s + t * k
             used.add(k)
     wall_s, wall_cpu_s = 0.0, 0.0
@@ -484,7 +484,8 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                                            "final_ci_low", "final_ci_high", "reference", "diff_mean",
                                            "diff_ci_low", "diff_ci_high", "n_pairs"])
     plotted = _plot(out / "curves.png", cfg, curves)
-    cost = _cost(cfg, specs, rows)
+    launches = {s.name: _launch_threads(s.run_dir) for s in specs}  # [(start step, threads)] per launch
+    cost = _cost(cfg, specs, rows, launches)
     r = cfg.report
     conf = f"{r.confidence:.0%}"
     seeds = "; ".join(f"{m} {', '.join(str(s.seed) for s in specs if s.method == m)}" for m in cfg.methods)
@@ -505,8 +506,7 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
         times = [as_number(x[COST_KEYS["step_time"]]) for x in rows[s.name] if COST_KEYS["step_time"] in x]
         per_step = f"{sum(times) / len(times):.1f}" if times else "n/a"
         machine, dtype = hardware[s.name]
-        launches = _launch_threads(s.run_dir)
-        threads = launches[-1][1] if launches and launches[-1][1] else "?"  # the last launch's
+        threads = (launches[s.name] or [(0, None)])[-1][1] or "?"  # the last launch's
         lines.append(f"| {s.name} | {last} | {s.total_steps} | {per_step} | {threads} | {dtype} | {machine} |")
     mixed = {h for n, h in hardware.items() if rows[n]}
     if len({d for _, d in mixed}) > 1 or len({m for m, _ in mixed}) > 1:
