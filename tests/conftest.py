@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def python_default_signal_handlers():
+    """Python's own SIGINT / SIGTERM handlers for the test, whatever pytest inherited (started in the background
+    of a non-interactive shell, `pytest &` or nohup, SIGINT is ignored and the trainer rightly leaves it so)."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)

@@ -32,6 +32,9 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
+pytestmark = pytest.mark.usefixtures("python_default_signal_handlers")  # tests/conftest.py
+
+
 def _signal_in_reward(at_call: int, times: int = 1, signum: int = signal.SIGINT):
     """The toy reward, sending ``times`` signals ``signum`` to this process during its ``at_call``-th call
     (1-based)."""
@@ -46,18 +49,6 @@ def _signal_in_reward(at_call: int, times: int = 1, signum: int = signal.SIGINT)
         return toy_reward(responses, golds)
 
     return reward
-
-
-@pytest.fixture(autouse=True)
-def python_default_signal_handlers():
-    """Python's own SIGINT / SIGTERM handlers for the test, whatever pytest inherited (started in the background
-    of a non-interactive shell, `pytest &` or nohup, SIGINT is ignored and the trainer rightly leaves it so)."""
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    yield
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)
 
 
 def _default_signals() -> None:

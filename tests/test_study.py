@@ -721,7 +721,7 @@ def test_quadrant_table_pools_steps_by_token_count(tmp_path):
     assert float(first["share"]) == pytest.approx(0.01) and float(first["tokens"]) == 1.0
 
 
-def test_sigint_to_the_runner_alone_reaches_the_run(tmp_path):
+def test_sigint_to_the_runner_alone_reaches_the_run(tmp_path, python_default_signal_handlers):
     # `kill -INT <runner pid>` (no terminal: pytest's stdin is not one) must reach the child, which then stops as
     # train.py does on Ctrl-C; a child that already has it from the terminal would not get it twice
     import threading
