@@ -24,6 +24,7 @@ from stapo.config import ConfigError
 from stapo.tracking import CorruptJsonlError
 from stapo.study import describe_plan, load_study_config, run_grid, run_specs, run_status, write_report
 from stapo.study import runner as study_runner
+from stapo.study.report import eval_se_rows
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "study" / "tiny_test.yaml"
@@ -318,7 +319,9 @@ def test_final_eval_state_and_report(tmp_path):
         if name != "stapo_seed1":
             (by[name].run_dir / "final_eval").mkdir()
             # two benchmarks: a final value per benchmark beside the average (arith_test 2·acc − 0.25, arith_hard 0.25)
-            benches = {"arith_test": {"avg@N": 2 * acc - 0.25}, "arith_hard": {"avg@N": 0.25}}
+            # arith_test with its standard error (0.02 for stapo_seed0, 0.04 for grpo_seed0), arith_hard without
+            benches = {"arith_test": {"avg@N": 2 * acc - 0.25, "avg@N_se": 0.01 / acc, "problems": 256, "N": 4},
+                       "arith_hard": {"avg@N": 0.25}}
             (by[name].run_dir / "final_eval" / "results.json").write_text(json.dumps(
                 {"label": name, "complete": False, "model": {"step": 2},
                  "metrics": {"t1.0_p1.0": {"average": {"avg@N": acc}, "benchmarks": benches}}}))
@@ -347,6 +350,13 @@ def test_final_eval_state_and_report(tmp_path):
     # one pair: the report shows no interval (a bootstrap of one value would print [0.25, 0.25])
     assert "| final evaluation avg@N (t1.0_p1.0) | stapo | 1 | 0.5 | n/a | 0.25 | n/a | 1 |" in \
         (Path(cfg.output_dir) / "report.md").read_text()
+    # sampling error: SEs 0.02 and 0.04 → median 0.03; resolvable = 1.96 · √2 · 0.03 = 2.772 · 0.03 = 0.0832;
+    # arith_hard reports no SE, so it has no row
+    report = (Path(cfg.output_dir) / "report.md").read_text()
+    assert "| t1.0_p1.0 | arith_test | 2 | 256 | 4 | 0.02 | 0.03 | 0.04 | 0.0832 |" in report
+    assert "| t1.0_p1.0 | arith_hard |" not in report
+    rows = eval_se_rows(specs, 0.9)  # z = 1.645 at 90 %: 1.645 · 1.414 · 0.03 = 0.0698
+    assert len(rows) == 1 and rows[0]["resolvable"] == pytest.approx(0.0698, abs=1e-4)
     # a damaged results.json stops the report with one line naming it (never a silently smaller final table)
     bad = by["grpo_seed0"].run_dir / "final_eval" / "results.json"
     good = bad.read_text()

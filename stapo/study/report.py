@@ -1,5 +1,5 @@
 """The study report: curves with 95 % t-bands over seeds, a final table with paired bootstrap differences, a cost
-line (docs/study.md#reading-the-report).
+line, the final evaluation's sampling error (docs/study.md#reading-the-report).
 
 Written to the study's output folder: ``report.md``, ``curves.png`` (one panel per metric), ``curves.csv`` (per
 method, metric and step: seeds, mean, band) and ``final.csv`` (per method and metric: the final value over seeds
@@ -28,7 +28,8 @@ from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRAN
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
 from stapo.tracking import CorruptJsonlError, read_jsonl_rows
 
-__all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "as_number", "collect", "pooled_quadrant_stat", "write_report"]
+__all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "as_number", "collect", "eval_se_rows", "pooled_quadrant_stat",
+           "write_report"]
 
 
 
@@ -87,10 +88,9 @@ def as_number(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None else math.nan
 
 
-def _final_eval(spec: RunSpec) -> dict[str, float]:
-    """``setting → average avg@N`` of the run's final evaluation (its results.json, written when it finished), and
-    with several benchmarks also ``setting/benchmark → avg@N`` of each. Empty when there is none, or when it
-    evaluated another checkpoint than the run's final one (``model.step`` ≠ ``trainer.total_steps``: the study's
+def _final_results(spec: RunSpec) -> dict[str, Any] | None:
+    """The run's final evaluation (``<run>/final_eval/results.json``) as a dict, ``None`` when there is none, or when
+    it evaluated another checkpoint than the run's final one (``model.step`` ≠ ``trainer.total_steps``: the study's
     steps were raised since; the runner evaluates the final checkpoint again).
 
     Raises:
@@ -99,7 +99,7 @@ def _final_eval(spec: RunSpec) -> dict[str, float]:
     """
     path = spec.run_dir / "final_eval" / "results.json"
     if not path.is_file():
-        return {}
+        return None
     try:
         res = json.loads(path.read_text())
         if not isinstance(res, dict) or not isinstance(res.get("metrics", {}), dict):
@@ -108,15 +108,71 @@ def _final_eval(spec: RunSpec) -> dict[str, float]:
         raise CorruptJsonlError(f"{path}: damaged final evaluation ({str(e).splitlines()[0]}); restore it (e.g. from "
                                 f"an export), or delete it and rerun the study to evaluate the final checkpoint "
                                 f"again") from None
-    if evaluated_step(res) != spec.total_steps:
-        return {}
+    return res if evaluated_step(res) == spec.total_steps else None
+
+
+def _final_eval(spec: RunSpec) -> dict[str, float]:
+    """``setting → average avg@N`` of the run's final evaluation (:func:`_final_results`), and with several
+    benchmarks also ``setting/benchmark → avg@N`` of each. Empty when there is none (or it is of another step).
+
+    Raises:
+        stapo.tracking.CorruptJsonlError: results.json is damaged (:func:`_final_results`).
+    """
+    res = _final_results(spec)
     out: dict[str, float] = {}
-    for setting, m in res.get("metrics", {}).items():
+    for setting, m in (res or {}).get("metrics", {}).items():
         out[setting] = as_number(m.get("average", {}).get("avg@N"))
         benches = m.get("benchmarks", {})
         if len(benches) > 1:
             out.update({f"{setting}/{b}": as_number(v.get("avg@N")) for b, v in benches.items()})
     return out
+
+
+def eval_se_rows(specs: list[RunSpec], confidence: float = 0.95) -> list[dict[str, Any]]:
+    """The sampling error of the runs' final evaluations, per decoding setting and benchmark.
+
+    A run's ``avg@N_se`` (evaluate.py: the standard error of avg@N over problems, stapo.evaluation.metrics) says how
+    far its avg@N may be from the same checkpoint's accuracy on the whole problem distribution. The resolvable
+    difference is the half-width of the normal ``confidence`` interval of the difference of two independent runs'
+    avg@N at the median SE: ``z · sqrt(2) · SE`` (z = 1.96 at 95 %); a smaller difference between two runs is
+    within their problem-sampling noise. Worked example: SE 0.027 → 1.96 · 1.414 · 0.027 = 0.075.
+
+    Args:
+        specs: the study's runs; those without a final evaluation of their final step are left out.
+        confidence: the interval's level, in (0, 1).
+
+    Returns:
+        One row per (setting, benchmark) in first-seen order: ``setting``, ``benchmark``, ``runs`` (how many
+        evaluations report an SE), ``problems`` / ``samples`` (N; "a–b" when the runs differ), ``se_min``,
+        ``se_median``, ``se_max`` and ``resolvable`` (fractions of 1; NaN without an SE).
+
+    Raises:
+        stapo.tracking.CorruptJsonlError: a results.json is damaged (:func:`_final_results`).
+    """
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf((1 + confidence) / 2)
+    found: dict[tuple[str, str], list[tuple[float, Any, Any]]] = {}
+    for spec in specs:
+        res = _final_results(spec)
+        for setting, m in (res or {}).get("metrics", {}).items():
+            for bench, v in (m.get("benchmarks") or {}).items():
+                se = as_number(v.get("avg@N_se"))
+                if not math.isnan(se):
+                    found.setdefault((setting, bench), []).append((se, v.get("problems"), v.get("N")))
+
+    def span(xs: list[Any]) -> str:
+        vals = sorted({x for x in xs if x is not None})
+        return "?" if not vals else str(vals[0]) if len(vals) == 1 else f"{vals[0]}–{vals[-1]}"
+
+    rows = []
+    for (setting, bench), vals in found.items():
+        ses = np.array([v[0] for v in vals])  # [R] one SE per run
+        med = float(np.median(ses))
+        rows.append({"setting": setting, "benchmark": bench, "runs": len(vals), "problems": span([v[1] for v in vals]),
+                     "samples": span([v[2] for v in vals]), "se_min": float(ses.min()), "se_median": med,
+                     "se_max": float(ses.max()), "resolvable": z * math.sqrt(2) * med})
+    return rows
 
 
 def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] | None = None
@@ -578,6 +634,19 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                   "| method | phase | quadrant | share | ‖∇‖ | ΔH | tokens |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {q['method']} | {q['phase']} | {q['quadrant']} | {_fmt(q['share'])} | {_fmt(q['grad_norm'])} "
                   f"| {_fmt(q['entropy_change'])} | {_fmt(q['tokens'], 6)} |" for q in quadrants]
+    se_rows = eval_se_rows(specs, r.confidence) if cfg.final_eval.enabled else []
+    if se_rows:
+        lines += ["", "## Final evaluation: sampling error", "",
+                  "A run's final avg@N is measured on a finite set of problems: SE = its standard error over problems "
+                  "(results.json `avg@N_se`), min / median / max over the runs. Resolvable difference: the half-width "
+                  f"of the {conf} normal interval of the difference of two runs' avg@N at the median SE "
+                  "(z · √2 · SE); a smaller difference between two single runs is within their problem-sampling noise "
+                  "(the intervals over seeds above also carry the seed-to-seed variation).", "",
+                  "| setting | benchmark | runs | problems | N | SE min | SE median | SE max | resolvable difference |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {e['setting']} | {e['benchmark']} | {e['runs']} | {e['problems']} | {e['samples']} "
+                  f"| {_fmt(e['se_min'], 3)} | {_fmt(e['se_median'], 3)} | {_fmt(e['se_max'], 3)} "
+                  f"| {_fmt(e['resolvable'], 3)} |" for e in se_rows]
     notes = _pairing_notes(cfg, specs)
     if absent or notes:
         lines += ["", "Notes:", ""]
