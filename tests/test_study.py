@@ -381,6 +381,23 @@ def test_cli_dry_run_and_bad_config(tmp_path, capsys):
     assert err.startswith("stapo.study: ") and err.count("\n") == 1
 
 
+def test_cli_sigterm_while_starting_is_one_line(tmp_path, capsys, monkeypatch):
+    """SIGTERM while the runner imports torch or loads its config (stapo.cli.Terminated raised there): one line and
+    exit 143, nothing written — not an import traceback (seen when a runner was stopped seconds after its start)."""
+    from stapo.cli import Terminated
+    from stapo.study import config as study_config
+    from stapo.study.__main__ import main
+
+    def terminated(*args, **kwargs):
+        raise Terminated()
+
+    monkeypatch.setattr(study_config, "load_study_config", terminated)
+    assert main(["--config", str(TINY), f"output_dir={tmp_path}"]) == 143
+    err = capsys.readouterr().err
+    assert err == "stapo.study: interrupted while starting; nothing ran (rerun the same command)\n"
+    assert not any(tmp_path.iterdir())
+
+
 def test_final_eval_config_is_checked_at_load(tmp_path):
     """Defect #5: the final evaluation's config and overrides are loaded when the study loads (one line naming the
     study file and the key), not after the grid has trained."""

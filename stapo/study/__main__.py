@@ -32,20 +32,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config, e.g. seeds=[0]")
     args = p.parse_args(argv)
     sigterm_as_interrupt()
+    try:  # the imports (torch) take seconds: Ctrl-C / SIGTERM then is one line, not an import traceback
+        from stapo.config import ConfigError
+        from stapo.runlock import RunLock, RunLockError
+        from stapo.study.config import load_study_config, run_specs
+        from stapo.study.report import write_report
+        from stapo.study.runner import describe_plan, run_grid
+        from stapo.tracking import CorruptJsonlError
 
-    from stapo.config import ConfigError
-    from stapo.runlock import RunLock, RunLockError
-    from stapo.study.config import load_study_config, run_specs
-    from stapo.study.report import write_report
-    from stapo.study.runner import describe_plan, run_grid
-    from stapo.tracking import CorruptJsonlError
-
-    try:
         cfg = load_study_config(args.config, args.overrides)
         specs = run_specs(cfg)
     except ConfigError as e:
         print(f"stapo.study: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # nothing ran yet
+        print("stapo.study: interrupted while starting; nothing ran (rerun the same command)", file=sys.stderr)
+        return 128 + int(getattr(e, "signum", 2))
     if args.dry_run:
         try:
             print(describe_plan(cfg, specs))
