@@ -2,7 +2,7 @@
 
     python -m stapo.study.claims --config configs/study/cpu_reproduction.yaml   # → <output_dir>/claims.md, .json
 
-A claim is split into sub-claims; each is one number per replicate (a seed, or a run for C2) compared with a
+A claim is split into sub-claims; each is one number per replicate (a seed; for C2 the mean over that seed's runs) compared with a
 threshold on the side the paper claims, with the 95 % Student-t interval over the replicates
 (:func:`stapo.study.stats.t_band`): **reproduced** when the whole interval is on the claimed side, **not
 reproduced** when the whole interval is on the other side, **inconclusive** otherwise (including a single seed,
@@ -17,7 +17,8 @@ The sub-claims (paper: METHOD §4, §8, §9; roles map the paper's methods to th
   would silence for every method (``s2t/would_mask/*``).
 - C2 taxonomy: among Â > 0 tokens over the first W steps of every run (a run's steps pooled by token), the
   low-p/low-H quadrant's mean logit-gradient norm exceeds the high-p/high-H quadrant's and each other quadrant's,
-  and its mean first-order entropy change is > 0; one replicate per run that has tokens in the quadrant.
+  and its mean first-order entropy change is > 0; one replicate per seed, the mean over that seed's runs that
+  have tokens in the quadrant (the runs of a seed share their prompts and the base model's step-1 rollouts).
 - C3 entropy: GRPO's final entropy (mean of the last W steps) / its step-1 entropy < 0.5 (collapse); JustRL's and
   20-Entropy's final entropy exceeds the lowest point of their smoothed curve before the final window (a late
   rise); STAPO's final/initial ratio > 0.5 (no collapse) and STAPO's final entropy > GRPO's (paired by seed).
