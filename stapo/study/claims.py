@@ -2,8 +2,8 @@
 
     python -m stapo.study.claims --config configs/study/cpu_reproduction.yaml   # → <output_dir>/claims.md, .json
 
-A claim is split into sub-claims; each is one number per replicate (a seed; for C2 the mean over that seed's runs) compared with a
-threshold on the side the paper claims, with the 95 % Student-t interval over the replicates
+A claim is split into sub-claims; each is one number per replicate (a seed; for C2 the mean over that seed's
+runs) compared with a threshold on the side the paper claims, with the 95 % Student-t interval over the replicates
 (:func:`stapo.study.stats.t_band`): **reproduced** when the whole interval is on the claimed side, **not
 reproduced** when the whole interval is on the other side, **inconclusive** otherwise (including a single seed,
 which has no interval). A claim is reproduced when every sub-claim is, not reproduced when any sub-claim is not,

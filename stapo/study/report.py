@@ -640,8 +640,8 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                   "A run's final avg@N is measured on a finite set of problems: SE = its standard error over problems "
                   "(results.json `avg@N_se`), min / median / max over the runs. Resolvable difference: the half-width "
                   f"of the {conf} normal interval of the difference of two runs' avg@N at the median SE "
-                  "(z · √2 · SE); a smaller difference between two single runs is within their problem-sampling noise "
-                  "(the intervals over seeds above also carry the seed-to-seed variation).", "",
+                  "(z · √2 · SE); a smaller difference between two single runs is within their problem-sampling "
+                  "noise (the intervals over seeds above also carry the seed-to-seed variation).", "",
                   "| setting | benchmark | runs | problems | N | SE min | SE median | SE max | resolvable difference |",
                   "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {e['setting']} | {e['benchmark']} | {e['runs']} | {e['problems']} | {e['samples']} "
