@@ -10,7 +10,7 @@ import math
 import pytest
 
 from stapo.evaluation.metrics import (answer_key, average_over_benchmarks, avg_at_n, majority_vote, mean_pass_at_k,
-                                      pass_at_k, summarize_benchmark)
+                                      paired_difference, pass_at_k, per_problem_accuracy, summarize_benchmark)
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
@@ -130,3 +130,33 @@ def test_average_over_benchmarks():
     per = {"a": {"avg@N": 0.5}, "b": {"avg@N": 0.25}, "c": {"avg@N": 0.0}}
     assert average_over_benchmarks(per) == pytest.approx(0.25)
     assert math.isnan(average_over_benchmarks({}))
+
+
+def test_per_problem_accuracy_groups_by_benchmark_and_setting():
+    recs = [{"benchmark": "b", "setting": "s", "problem_id": "b/0", "correct": c} for c in (True, False, True, True)]
+    recs += [{"benchmark": "b", "setting": "s", "problem_id": "b/1", "correct": False}] * 4
+    recs += [{"benchmark": "b", "setting": "t", "problem_id": "b/0", "correct": True}] * 2
+    # b/0 at s: 3 of 4 = 0.75; b/1 at s: 0 of 4; b/0 at t: 2 of 2 = 1
+    assert per_problem_accuracy(recs) == {("b", "s"): {"b/0": 0.75, "b/1": 0.0}, ("b", "t"): {"b/0": 1.0}}
+    with pytest.raises(ValueError, match="record 1 lacks correct"):
+        per_problem_accuracy([recs[0], {"benchmark": "b", "setting": "s", "problem_id": "b/0"}])
+
+
+def test_paired_difference_by_hand():
+    a = {"x": 1.0, "y": 0.5, "z": 0.0, "only_a": 1.0}
+    b = {"x": 0.5, "y": 0.5, "z": 0.0, "only_b": 0.0}
+    r = paired_difference(a, b)
+    # shared x, y, z: d = [0.5, 0, 0], mean 1/6; deviations 1/3, -1/6, -1/6 -> sd = sqrt((1/9 + 1/36 + 1/36) / 2)
+    # = sqrt(1/12) = 0.288675; SE_paired = 0.288675 / sqrt(3) = 0.166667; resolvable = 1.96 * 0.166667 = 0.326667
+    assert r["problems"] == 3
+    assert r["diff"] == pytest.approx(1 / 6)
+    assert r["se_paired"] == pytest.approx(1 / 6)
+    assert r["resolvable"] == pytest.approx(1.96 / 6)
+    # unpaired: a = [1, .5, 0] sd 0.5 -> SE 0.5/sqrt(3); b = [.5, .5, 0] sd sqrt(1/12) -> SE sqrt(1/12)/sqrt(3)
+    # sqrt(0.25/3 + (1/12)/3) = sqrt(1/9) = 1/3
+    assert r["se_unpaired"] == pytest.approx(1 / 3)
+    # two runs that move together on every problem: SE_paired 0 although each run's own SE is not
+    same = paired_difference({"p": 1.0, "q": 0.0}, {"p": 0.75, "q": -0.25})
+    assert same["se_paired"] == pytest.approx(0.0) and same["se_unpaired"] > 0.5
+    with pytest.raises(ValueError, match="share 1 problem"):
+        paired_difference({"x": 1.0, "y": 0.0}, {"x": 0.0})

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -38,6 +39,9 @@ __all__ = [
     "majority_vote",
     "summarize_benchmark",
     "average_over_benchmarks",
+    "SAMPLE_KEYS",
+    "per_problem_accuracy",
+    "paired_difference",
 ]
 
 #: Verdicts of :class:`stapo.grader.MathGrader` (``GradeStatus`` values), in table order.
@@ -262,3 +266,77 @@ def average_over_benchmarks(per_benchmark: Mapping[str, Mapping[str, Any]], key:
     """
     values = [float(s[key]) for s in per_benchmark.values()]
     return sum(values) / len(values) if values else math.nan
+
+
+#: The keys of a graded sample record that :func:`per_problem_accuracy` reads.
+SAMPLE_KEYS = ("benchmark", "setting", "problem_id", "correct")
+
+
+def per_problem_accuracy(records: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per-problem accuracy c_i / N_i of graded samples, grouped by (benchmark, decoding setting).
+
+    Args:
+        records: graded sample records as evaluate.py stores them (``generations/<benchmark>__<setting>.jsonl``),
+            each a mapping with ``benchmark``, ``setting``, ``problem_id`` and ``correct`` (bool).
+
+    Returns:
+        ``{(benchmark, setting): {problem_id: fraction of its samples graded correct}}``.
+
+    Raises:
+        ValueError: a record lacks one of the four keys (the message names the record's index).
+
+    Example: records of problem ``p/0`` with correct = [True, False, True, True] and ``p/1`` with [False] * 4 →
+    ``{("p", "t1.0_p1.0"): {"p/0": 0.75, "p/1": 0.0}}``.
+    """
+    hits: dict[tuple[str, str], dict[str, list[int]]] = {}
+    for i, rec in enumerate(records):
+        missing = [k for k in SAMPLE_KEYS if k not in rec]
+        if missing:
+            raise ValueError(f"per_problem_accuracy: record {i} lacks {', '.join(missing)}")
+        cell = hits.setdefault((str(rec["benchmark"]), str(rec["setting"])), {})
+        c = cell.setdefault(str(rec["problem_id"]), [0, 0])  # [correct, samples]
+        c[0] += bool(rec["correct"])
+        c[1] += 1
+    return {key: {pid: c / n for pid, (c, n) in cell.items()} for key, cell in hits.items()}
+
+
+def paired_difference(acc_a: Mapping[str, float], acc_b: Mapping[str, float], z: float = 1.96) -> dict[str, float]:
+    """The difference of two runs' avg@N on the problems both answered, with its paired standard error.
+
+    Two runs evaluated on the same problems share the problems' difficulty, so the difference of their avg@N has a
+    smaller sampling error than √(SE_a² + SE_b²): with d_i = a_i − b_i the per-problem accuracy difference over
+    the P shared problems, diff = mean(d) = avg@N_a − avg@N_b (on those problems) and
+    SE_paired = sd(d) / √P (sample sd, ddof 1). A difference smaller than ``resolvable`` = z · SE_paired is within
+    the problem-sampling noise of the pair at the normal level of ``z`` (1.96: 95 %); the sampling noise of the N
+    samples per problem is part of each a_i and b_i, so it is included.
+
+    Args:
+        acc_a, acc_b: ``{problem_id: accuracy in [0, 1]}`` of the two runs (:func:`per_problem_accuracy`).
+        z: the normal quantile of the resolvable difference.
+
+    Returns:
+        ``problems`` (P, shared), ``diff``, ``se_paired``, ``se_unpaired`` (√(SE_a² + SE_b²) on the shared
+        problems, each SE = sd / √P), ``resolvable`` (z · se_paired); fractions.
+
+    Raises:
+        ValueError: fewer than 2 shared problems.
+
+    Example: a = {x: 1, y: 0.5, z: 0}, b = {x: 0.5, y: 0.5, z: 0} → d = [0.5, 0, 0], diff = 1/6,
+    sd(d) = √(((1/3)² + 2·(1/6)²) / 2) = √(1/12) ≈ 0.2887, SE_paired = 0.2887 / √3 ≈ 0.1667.
+    """
+    shared = sorted(set(acc_a) & set(acc_b))
+    p = len(shared)
+    if p < 2:
+        raise ValueError(f"paired_difference: the two runs share {p} problem(s); at least 2 are needed")
+    sd = statistics.stdev  # sample sd (ddof 1)
+    a = [float(acc_a[k]) for k in shared]  # [P]
+    b = [float(acc_b[k]) for k in shared]  # [P]
+    d = [x - y for x, y in zip(a, b)]  # [P] per-problem differences
+    se_paired = sd(d) / math.sqrt(p)
+    return {
+        "problems": float(p),
+        "diff": sum(d) / p,
+        "se_paired": se_paired,
+        "se_unpaired": math.sqrt(sd(a) ** 2 / p + sd(b) ** 2 / p),
+        "resolvable": z * se_paired,
+    }
