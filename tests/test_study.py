@@ -848,3 +848,62 @@ def test_eval_after_each_run_interleaves_the_grid(tmp_path, monkeypatch):
     # the runs skipped as finished got their finished.json (their folders can now be exported without checkpoints)
     assert all(json.loads((s.run_dir / study_runner.FINISHED).read_text()) == {"steps": 2} for s in specs[1:])
     assert calls[1][1] == f"{specs[0].name}.eval.log"
+
+
+def test_report_refuses_foreign_rows_and_non_numbers(tmp_path, capsys):
+    """A row beyond the run's own trainer.total_steps (config.json), or a metric value that is not a number or null,
+    is not something train.py writes: the report stops with one line naming file, row and key, rather than letting
+    it move a final window or drop a value silently."""
+    from stapo.study.__main__ import main
+    from stapo.tracking import CorruptJsonlError
+
+    cfg, specs = _study(tmp_path)
+    for s in specs:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])
+        (s.run_dir / "config.json").write_text(json.dumps({"trainer": {"total_steps": 2}}))
+    path = specs[0].run_dir / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(_row(999, 5.0)) + "\n")
+    with pytest.raises(CorruptJsonlError, match=rf"{path}: row 3 has step 999, outside 0..2, the run's "
+                                                 r"trainer.total_steps \(config.json\)"):
+        write_report(cfg, specs)
+    path.write_text("".join(json.dumps(_row(step, 0.0)) + "\n" for step in (-5, 1, 2)))
+    with pytest.raises(CorruptJsonlError, match=r"row 1 has step -5, outside 0..2"):
+        write_report(cfg, specs)
+    path.write_text(json.dumps(_row(1, 0.0)) + "\n" + json.dumps({**_row(2, 1.0), "actor/entropy": True}) + "\n")
+    with pytest.raises(CorruptJsonlError, match=r"row 2 \(step 2\): actor/entropy = true is not a number"):
+        write_report(cfg, specs)
+    path.write_text(json.dumps(_row(1, 0.0)) + "\n" + json.dumps({**_row(2, 1.0), "actor/entropy": "1.83x"}) + "\n")
+    with pytest.raises(CorruptJsonlError, match=r'row 2 \(step 2\): actor/entropy = "1.83x" is not a number'):
+        write_report(cfg, specs)
+    assert main(["--config", str(TINY), f"output_dir={tmp_path / 'study'}", "--report-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'actor/entropy = "1.83x" is not a number' in err and str(path) in err
+    # null is a step that did not log the key (kept: NaN-aware means), not an error
+    path.write_text(json.dumps(_row(1, 0.0)) + "\n" + json.dumps({**_row(2, 1.0), "actor/entropy": None}) + "\n")
+    assert write_report(cfg, specs).is_file()
+
+
+def test_report_notes_assumed_threads_bad_attempt_lines_and_unevaluated_runs(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg, specs = _study(tmp_path, "runner.threads=2", "final_eval.enabled=true",
+                        "final_eval.config=../eval/tiny_test.yaml", "overrides=[trainer.total_steps=2]")
+    for s in specs:
+        _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])  # 3600 s per step
+        (s.run_dir / "run_info.json").write_text(json.dumps({"launches": [
+            {"start_step": 0, "machine": "box, 2 cores, torch 2.13.0+cpu, 2 threads"}]}))
+        (s.run_dir / "final_eval").mkdir()
+        (s.run_dir / "final_eval" / "results.json").write_text(json.dumps(
+            {"model": {"step": 2}, "metrics": {"t1.0_p1.0": {"average": {"avg@N": 0.5}, "benchmarks": {}}}}))
+    by = {s.name: s for s in specs}
+    (by["stapo_seed1"].run_dir / "run_info.json").write_text("{damaged")
+    (by["grpo_seed0"].run_dir / "final_eval" / "results.json").unlink()
+    out = Path(cfg.output_dir)
+    # one good attempt of 3600 s with 2 threads, one damaged line, one blank line (ignored without a word)
+    (out / "attempts.jsonl").write_text('{"run": "x", "wall_s": 3600, "threads": 2}\n{"run": "y", "wall\n\n')
+    md = write_report(cfg, specs).read_text()
+    assert ("threads not recorded (run_info.json missing, damaged or without a thread count): stapo_seed1; the "
+            "cost line counts their steps at 2 threads") in md
+    assert "attempts.jsonl: 1 line(s) that are not attempt records are left out of the runner wall time" in md
+    assert "runner wall time (recorded attempts) 1.00 h = 2.00 CPU-hours" in md
+    assert "Finished without a final evaluation of their last checkpoint" in md and ": grpo_seed0." in md

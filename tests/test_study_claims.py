@@ -95,7 +95,7 @@ def test_claims_on_hand_written_runs(tmp_path):
                acc=0.1 + 0.2 * seed)
     claims_list, runs = evaluate_claims(cfg, specs, roles=ROLES)
     claims = {c.id: c for c in claims_list}
-    assert runs == {"finished": [s.name for s in specs], "unfinished": [], "total": 6}
+    assert runs == {"finished": [s.name for s in specs], "unfinished": [], "unevaluated": [], "total": 6}
 
     c1 = claims["C1"]
     assert [s.values for s in c1.subclaims] == [[0.0, 0.0, 0.0]] and c1.verdict == "reproduced"
@@ -240,3 +240,27 @@ def test_c5_matched_rate_pools_each_masks_own_keys(tmp_path):
     c5 = {c.id: c for c in evaluate_claims(cfg, specs, roles=roles)[0]}["C5"]
     assert c5.info["pooled masked fraction (Σ masked / Σ response tokens): stapo"] == pytest.approx(0.05)
     assert c5.info["pooled masked fraction (Σ masked / Σ response tokens): grpo"] == pytest.approx(0.0375)
+
+
+def test_claims_name_finished_runs_without_a_final_evaluation(tmp_path):
+    cfg, specs, by = _tiny(tmp_path)
+    # all four runs finished; stapo_seed0's final evaluation is missing (deleted, or never run)
+    for s in specs:
+        _write(s.run_dir, [_row(1, 1.0), _row(2, 1.0), _row(3, 1.0), _row(4, 1.0)],
+               acc=None if s.name == "stapo_seed0" else 0.5)
+    claims, runs = evaluate_claims(cfg, specs, roles=ROLES)
+    assert runs["unfinished"] == [] and runs["unevaluated"] == ["stapo_seed0"]
+    c4 = {c.id: c for c in claims}["C4"]
+    assert [s.labels for s in c4.subclaims] == [["seed 1"]]  # STAPO − GRPO on the evaluated seed only
+    md = write_claims(cfg, specs, roles=ROLES).read_text()
+    assert md.startswith("# The paper's claims on study tiny_test — PARTIAL")
+    assert "**PARTIAL: 1 finished run(s) without a final evaluation** of their last checkpoint" in md
+    assert "(left out of C4 and C5; rerun the study to evaluate them): stapo_seed0." in md
+    assert "All 4 runs" not in md
+    data = json.loads((tmp_path / "study" / "claims.json").read_text())
+    assert data["partial"] is True and data["runs"]["unevaluated"] == ["stapo_seed0"]
+    # evaluated everywhere: not partial, and it says so
+    (by["stapo_seed0"].run_dir / "final_eval").mkdir()
+    (by["stapo_seed0"].run_dir / "final_eval" / "results.json").write_text(
+        (by["stapo_seed1"].run_dir / "final_eval" / "results.json").read_text())
+    assert "All 4 runs finished and evaluated." in write_claims(cfg, specs, roles=ROLES).read_text()

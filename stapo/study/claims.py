@@ -42,7 +42,7 @@ import numpy as np
 
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.keys import QUADRANTS
-from stapo.study.report import Series, as_number, collect, pooled_quadrant_stat
+from stapo.study.report import Series, as_number, collect, final_results, pooled_quadrant_stat
 from stapo.study.stats import moving_average, t_band, window_steps
 
 __all__ = ["ROLES", "SubClaim", "Claim", "ClaimsError", "evaluate_claims", "write_claims", "main"]
@@ -221,7 +221,8 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
     sub-claim whose methods have no finished run is listed as untested in its claim.
 
     Returns:
-        ``(claims, runs)``: runs = ``{"finished": [names], "unfinished": [names], "total": n}``.
+        ``(claims, runs)``: runs = ``{"finished": [names], "unfinished": [names], "unevaluated": [finished runs
+        without a final evaluation of their last checkpoint, left out of C4/C5], "total": n}``.
 
     Raises:
         ClaimsError: no run of the study has logged a step, or ``benchmark`` is not among the final evaluations'.
@@ -234,6 +235,7 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
                           f"the study has {len(specs)} runs: {', '.join(s.name for s in specs[:3])}, …)")
     done = _finished(specs, all_rows)
     runs = {"finished": [s.name for s in done], "unfinished": [s.name for s in specs if s not in done],
+            "unevaluated": [s.name for s in done if cfg.final_eval.enabled and final_results(s) is None],
             "total": len(specs)}
     series, rows = collect(cfg, done, say=lambda _msg: None) if done else ({}, {})
     w, smooth = cfg.report.window, cfg.report.smooth
@@ -296,7 +298,8 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
         with np.errstate(all="ignore"):
             ratio = np.array([r["low_p_low_h/grad_norm"] / r["high_p_high_h/grad_norm"] for r in per_run.values()])
         ratio = ratio[~np.isnan(ratio)]
-        info["‖∇‖ ratio low_p_low_h / high_p_high_h (mean over runs)"] = float(ratio.mean()) if ratio.size else math.nan
+        info["‖∇‖ ratio low_p_low_h / high_p_high_h (mean of the per-run ratios)"] = \
+            float(ratio.mean()) if ratio.size else math.nan
         info["runs with low_p_low_h tokens in the first steps"] = \
             f"{sum(r['low_p_low_h/grad_norm'] == r['low_p_low_h/grad_norm'] for r in per_run.values())} of {len(per_run)}"
         for q in QUADRANTS:
@@ -412,13 +415,17 @@ def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "ar
     claims, runs = evaluate_claims(cfg, specs, benchmark=benchmark, roles=roles)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    partial = bool(runs["unfinished"])
+    partial = bool(runs["unfinished"] or runs["unevaluated"])
     lines = [f"# The paper's claims on study {cfg.name}" + (" — PARTIAL" if partial else ""), ""]
-    if partial:
+    if runs["unfinished"]:
         lines += [f"**PARTIAL: {len(runs['finished'])} of {runs['total']} runs finished**; the claims read the "
                   f"finished ones only. Not finished (left out): {', '.join(runs['unfinished'])}.", ""]
-    else:
-        lines += [f"All {runs['total']} runs finished.", ""]
+    if runs["unevaluated"]:
+        lines += [f"**PARTIAL: {len(runs['unevaluated'])} finished run(s) without a final evaluation** of their last "
+                  f"checkpoint (left out of C4 and C5; rerun the study to evaluate them): "
+                  f"{', '.join(runs['unevaluated'])}.", ""]
+    if not partial:
+        lines += [f"All {runs['total']} runs finished" + (" and evaluated." if cfg.final_eval.enabled else "."), ""]
     lines += ["Each sub-claim: one value per replicate (a seed; for C2 the mean over that seed's runs), the mean and "
               "its 95 % Student-t interval over the replicates; **reproduced** when the whole interval is on the "
               "paper's side of the threshold, **not reproduced** when it is wholly on the other side, "

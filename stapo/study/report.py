@@ -28,8 +28,8 @@ from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRAN
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
 from stapo.tracking import CorruptJsonlError, read_jsonl_rows
 
-__all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "as_number", "collect", "eval_se_rows", "pooled_quadrant_stat",
-           "write_report"]
+__all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "as_number", "collect", "eval_se_rows", "final_results",
+           "pooled_quadrant_stat", "write_report"]
 
 
 
@@ -59,21 +59,42 @@ def _read_rows(run_dir: Path, say: Callable[[str], None]) -> list[dict[str, Any]
     reported up to its last intact step.
 
     Raises:
-        CorruptJsonlError: a damaged line that is not a torn last one (one line naming the file and line): the
-            report is not built on silently missing data.
+        CorruptJsonlError: a damaged line that is not a torn last one (one line naming the file and line), a row
+            outside 0..the run's own ``trainer.total_steps`` or a value that is not a number or null (naming the file,
+            the row and the key): the report is not built on silently missing or foreign data.
     """
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
     rows, torn = read_jsonl_rows(path)
+    total = _configured_steps(run_dir)
     by_step: dict[int, dict[str, Any]] = {}
-    for r in rows:  # a repeated step (a crashed attempt's row before the resume truncated it): the last one
+    # a repeated step (a crashed attempt's row before the resume truncated it): the last one
+    for i, r in enumerate(rows, start=1):
+        if r["step"] < 0 or (total is not None and r["step"] > total):
+            bound = f"0..{total}, the run's trainer.total_steps (config.json)" if total is not None else "0.."
+            raise CorruptJsonlError(f"{path}: row {i} has step {r['step']}, outside {bound}: not a row this run wrote")
+        bad = next((k for k, v in r.items()
+                    if not (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))), None)
+        if bad is not None:
+            raise CorruptJsonlError(f"{path}: row {i} (step {r['step']}): {bad} = {json.dumps(r[bad])[:40]} is not "
+                                    f"a number (metrics are numbers or null)")
         by_step[r["step"]] = r
     if torn:
         last = max(by_step, default=0)
         say(f"{path}: a torn last line ({torn} bytes, an interrupted write) is left out; {run_dir.name} is reported "
             f"to step {last}")
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _configured_steps(run_dir: Path) -> int | None:
+    """The run's own ``trainer.total_steps`` (its ``config.json``, written by train.py), None when the file is
+    missing or does not say."""
+    try:
+        steps = json.loads((run_dir / "config.json").read_text())["trainer"]["total_steps"]
+        return int(steps) if isinstance(steps, int) and not isinstance(steps, bool) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _is_validation(key: str) -> bool:
@@ -88,7 +109,7 @@ def as_number(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None else math.nan
 
 
-def _final_results(spec: RunSpec) -> dict[str, Any] | None:
+def final_results(spec: RunSpec) -> dict[str, Any] | None:
     """The run's final evaluation (``<run>/final_eval/results.json``) as a dict, ``None`` when there is none, or when
     it evaluated another checkpoint than the run's final one (``model.step`` ≠ ``trainer.total_steps``: the study's
     steps were raised since; the runner evaluates the final checkpoint again).
@@ -112,13 +133,13 @@ def _final_results(spec: RunSpec) -> dict[str, Any] | None:
 
 
 def _final_eval(spec: RunSpec) -> dict[str, float]:
-    """``setting → average avg@N`` of the run's final evaluation (:func:`_final_results`), and with several
+    """``setting → average avg@N`` of the run's final evaluation (:func:`final_results`), and with several
     benchmarks also ``setting/benchmark → avg@N`` of each. Empty when there is none (or it is of another step).
 
     Raises:
-        stapo.tracking.CorruptJsonlError: results.json is damaged (:func:`_final_results`).
+        stapo.tracking.CorruptJsonlError: results.json is damaged (:func:`final_results`).
     """
-    res = _final_results(spec)
+    res = final_results(spec)
     out: dict[str, float] = {}
     for setting, m in (res or {}).get("metrics", {}).items():
         out[setting] = as_number(m.get("average", {}).get("avg@N"))
@@ -147,14 +168,14 @@ def eval_se_rows(specs: list[RunSpec], confidence: float = 0.95) -> list[dict[st
         ``se_median``, ``se_max`` and ``resolvable`` (fractions of 1; NaN without an SE).
 
     Raises:
-        stapo.tracking.CorruptJsonlError: a results.json is damaged (:func:`_final_results`).
+        stapo.tracking.CorruptJsonlError: a results.json is damaged (:func:`final_results`).
     """
     from statistics import NormalDist
 
     z = NormalDist().inv_cdf((1 + confidence) / 2)
     found: dict[tuple[str, str], list[tuple[float, Any, Any]]] = {}
     for spec in specs:
-        res = _final_results(spec)
+        res = final_results(spec)
         for setting, m in (res or {}).get("metrics", {}).items():
             for bench, v in (m.get("benchmarks") or {}).items():
                 se = as_number(v.get("avg@N_se"))
@@ -429,35 +450,40 @@ def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list],
 
     CPU-hours of training: Σ over steps of ``timing_s/step`` × the threads of the launch that trained the step
     (``launches[run]``, :func:`_launch_threads`: ``run_info.json``'s machine line, "…, N threads"), the default
-    thread count (:func:`default_threads`) where a run does not say. ``threads`` is that count when every step
-    had the same, else None (mixed)."""
+    thread count (:func:`default_threads`) where a run does not say (``threads_assumed``: those runs).
+    ``threads`` is that count when every step had the same, else None (mixed). ``bad_attempts``: lines of
+    ``attempts.jsonl`` that are not an attempt record, left out of the wall time."""
     default = default_threads(cfg)
     tokens = sum(as_number(x.get(COST_KEYS["response_tokens"])) for r in rows.values() for x in r
                  if COST_KEYS["response_tokens"] in x)
-    step_s, cpu_s, used = 0.0, 0.0, set()
+    step_s, cpu_s, used, assumed = 0.0, 0.0, set(), []
     for s in specs:
         for x in rows.get(s.name, []):
             if COST_KEYS["step_time"] not in x:
                 continue
             t = as_number(x[COST_KEYS["step_time"]])
             # the last launch that started before this step trained it
-            k = next((n for start, n in reversed(launches[s.name]) if start < x.get("step", 0)), None) or default
+            k = next((n for start, n in reversed(launches[s.name]) if start < x.get("step", 0)), None)
+            if k is None and s.name not in assumed:
+                assumed.append(s.name)
+            k = k or default
             step_s, cpu_s = step_s + t, cpu_s + t * k
             used.add(k)
-    wall_s, wall_cpu_s = 0.0, 0.0
+    wall_s, wall_cpu_s, bad_attempts = 0.0, 0.0, 0
     path = Path(cfg.output_dir) / "attempts.jsonl"
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
                 a = json.loads(line)
                 wall_s += float(a["wall_s"])
                 wall_cpu_s += float(a["wall_s"]) * int(a.get("threads", default))
             except (ValueError, KeyError, TypeError):
-                continue
+                bad_attempts += bool(line.strip())
     threads = used.pop() if len(used) == 1 else (default if not used else None)
     return {"runs": sum(bool(r) for r in rows.values()), "steps": sum(r[-1]["step"] for r in rows.values() if r),
             "tokens": tokens, "step_h": step_s / 3600, "threads": threads, "cpu_h": cpu_s / 3600,
-            "wall_h": wall_s / 3600, "wall_cpu_h": wall_cpu_s / 3600}
+            "wall_h": wall_s / 3600, "wall_cpu_h": wall_cpu_s / 3600, "threads_assumed": assumed,
+            "default_threads": default, "bad_attempts": bad_attempts}
 
 
 def _launch_threads(run_dir: Path) -> list[tuple[int, int | None]]:
@@ -579,6 +605,10 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                               f"{s.total_steps})" for s in lost) + "."]
     if missing:
         lines += ["", f"Not finished (reported as far as they got): {', '.join(missing)}."]
+    unevaluated = [s.name for s in specs if cfg.final_eval.enabled and s not in short and final_results(s) is None]
+    if unevaluated:
+        lines += ["", "Finished without a final evaluation of their last checkpoint (left out of the final-evaluation "
+                      f"rows; rerun the study to evaluate them): {', '.join(unevaluated)}."]
     lines += ["", "## Curves", "",
               f"Mean over seeds per method and step, band: the {conf} t-interval over seeds "
               f"(mean ± t_{{{(1 + r.confidence) / 2:.3g}, n−1}} · s/√n)"
@@ -595,8 +625,9 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
               f"two-stage percentile bootstrap interval ({r.bootstrap_samples} replicates, RNG seed "
               f"{r.bootstrap_seed}: seeds resampled, then steps within each seed; docs/study.md); with one pair there "
               "is no interval (n/a). With a handful of seeds a bootstrap over seeds spans little more than their "
-              "range: read it as descriptive, not as a test (`python -m stapo.study.claims` tests with the "
-              "t-interval over seeds). Data: `final.csv`.",
+              "range (with one value per seed, as for the final evaluation, and at most 3 seeds it is the range "
+              "of the per-seed differences): read it as descriptive, not as a test (`python -m stapo.study.claims` "
+              "tests with the t-interval over seeds). Data: `final.csv`.",
               "", f"| metric | method | seeds | final | ± | Δ vs {cfg.reference} | {conf} CI of Δ | pairs |",
               "|---|---|---|---|---|---|---|---|"]
     for row in finals:
@@ -648,6 +679,13 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                   f"| {_fmt(e['se_min'], 3)} | {_fmt(e['se_median'], 3)} | {_fmt(e['se_max'], 3)} "
                   f"| {_fmt(e['resolvable'], 3)} |" for e in se_rows]
     notes = _pairing_notes(cfg, specs)
+    if cost["threads_assumed"]:
+        notes.append(f"threads not recorded (run_info.json missing, damaged or without a thread count): "
+                     f"{', '.join(cost['threads_assumed'])}; the cost line counts their steps at "
+                     f"{cost['default_threads']} threads")
+    if cost["bad_attempts"]:
+        notes.append(f"attempts.jsonl: {cost['bad_attempts']} line(s) that are not attempt records are left out of "
+                     f"the runner wall time")
     if absent or notes:
         lines += ["", "Notes:", ""]
         lines += [f"- not logged: {a}" for a in absent]
