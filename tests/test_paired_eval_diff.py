@@ -51,6 +51,9 @@ def test_paired_table_by_hand(tmp_path):
 def test_errors_are_one_line(tmp_path):
     ref = _write_run(tmp_path / "a", {"x": [True], "y": [False]})
     r = _run(str(ref), str(tmp_path / "missing"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "missing: no such directory" in r.stderr
+    (tmp_path / "empty").mkdir()  # a directory without generations/
+    r = _run(str(ref), str(tmp_path / "empty"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no generations" in r.stderr
     bad = tmp_path / "b" / "generations"
     bad.mkdir(parents=True)
