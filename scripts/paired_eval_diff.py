@@ -43,10 +43,10 @@ def read_generations(run_dir: Path) -> list[dict]:
     said (a warning) when some problems of a file have fewer samples than the others (an incomplete evaluation).
 
     Raises:
-        InputError: no such directory, no generations folder or file, a stem stored both plain and gzipped, an unreadable or corrupt
-            file, an empty file, or a line that is not a UTF-8 JSON object with ``benchmark``, ``setting``,
-            ``problem_id`` and a boolean ``correct``, a record of another benchmark or setting than its file's
-            name ``<benchmark>__<setting>``, or a sample of a problem twice (file and line named).
+        InputError: no such directory, no generations folder or file, a stem stored both plain and gzipped, an
+            unreadable or corrupt file, an empty file, or a line that is not a UTF-8 JSON object with ``benchmark``,
+            ``setting``, ``problem_id`` and a boolean ``correct``, a record of another benchmark or setting than its
+            file's name ``<benchmark>__<setting>``, or a sample of a problem twice (file and line named).
     """
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such directory (an evaluate.py run directory is expected)")

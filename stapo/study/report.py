@@ -87,14 +87,21 @@ def _read_rows(run_dir: Path, say: Callable[[str], None]) -> list[dict[str, Any]
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _configured_steps(run_dir: Path) -> int | None:
-    """The run's own ``trainer.total_steps`` (its ``config.json``, written by train.py), None when the file is
-    missing or does not say."""
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's resolved config (its ``config.json``, written by train.py); empty when the file is missing or
+    damaged."""
     try:
-        steps = json.loads((run_dir / "config.json").read_text())["trainer"]["total_steps"]
-        return int(steps) if isinstance(steps, int) and not isinstance(steps, bool) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        cfg = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _configured_steps(run_dir: Path) -> int | None:
+    """The run's own ``trainer.total_steps`` (:func:`_run_config`), None when the file is missing or does not say."""
+    trainer = _run_config(run_dir).get("trainer")
+    steps = trainer.get("total_steps") if isinstance(trainer, dict) else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _is_validation(key: str) -> bool:
@@ -529,10 +536,9 @@ def _hardware(run_dir: Path) -> tuple[str, str]:
         machine = str(launches[-1]["machine"]).split(", torch")[0]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         pass
-    try:
-        dtype = str(json.loads((run_dir / "config.json").read_text())["model"]["compute_dtype"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    model = _run_config(run_dir).get("model")
+    if isinstance(model, dict) and "compute_dtype" in model:
+        dtype = str(model["compute_dtype"])
     return machine, dtype
 
 
