@@ -192,7 +192,9 @@ class ActorConfig:
     # token_stats kernels; fused — the final hidden states and the output embedding go to stapo/lm_head.py, which
     # computes log p, H and Σπ² in vocabulary tiles (online log-sum-exp) and recomputes them per tile in the
     # backward, so the [tokens, V] logits and their gradient never exist (at 151,936 rows and a 32k-token
-    # micro-batch that is ~20 GB of fp32 logits). Same values up to float rounding; not with FSDP2.
+    # micro-batch that is ~20 GB of fp32 logits). Same values up to float rounding. It runs inside the model's own
+    # forward (stapo.lm_head.forward_token_stats), so under FSDP2 inside the root module's forward (the output
+    # embedding, tied or not, is all-gathered there). On in configs/paper/base.yaml.
     lm_head: Literal["logits", "fused"] = "logits"
 
 

@@ -179,9 +179,8 @@ def check_dp_config(cfg: Any, ctx: DistContext) -> None:
         raise ConfigError(f"invalid value for 'trainer.val_every' ({cfg.trainer.val_every}): validation runs on "
                           "rank 0 alone, which the HF backend cannot do with an FSDP2-sharded policy; set 0 or "
                           "use rollout.backend=vllm")
-    if ctx.strategy == "fsdp2" and cfg.actor.lm_head == "fused":
-        raise ConfigError("invalid value for 'actor.lm_head' ('fused'): not supported with trainer.data_parallel=fsdp2 "
-                          "(the output embedding is sharded); set actor.lm_head=logits or trainer.data_parallel=replicate")
+    # actor.lm_head=fused runs inside the FSDP2 root's forward (stapo.lm_head.forward_token_stats): allowed with
+    # every strategy.
     if ctx.strategy == "fsdp2" and cfg.actor.share_prompt:
         raise ConfigError("invalid value for 'actor.share_prompt' (True): not supported with "
                           "trainer.data_parallel=fsdp2 (data-dependent number of forward calls per micro-batch); "

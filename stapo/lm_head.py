@@ -59,8 +59,11 @@ Example (d = 2, V = 2: logits [0, ln 3] → π = [1/4, 3/4]):
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import types
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +71,6 @@ import torch.nn.functional as F
 import stapo.token_stats as _ts
 from stapo.token_stats import (
     _BACKENDS,
-    _EAGER_CHUNK_BYTES,
     _LN2,
     _LOG2E,
     _LOGIT_DTYPES,
@@ -76,12 +78,15 @@ from stapo.token_stats import (
     TokenStats,
     _bwd_chunk,
     _chunks,
+    _eager_chunk_rows,
     _fp32,
+    _gpu_sizes,
     _fwd_chunk_sums,
     _Workspace,
 )
 
-__all__ = ["lm_head_token_stats"]
+__all__ = ["HeadOutput", "TokenStatsRequest", "forward_token_stats", "install_token_stats_forward",
+           "lm_head_tiles", "lm_head_token_stats"]
 
 # Default tile sizes.  A short sweep on the 2-core AVX-512 dev box (N = 2048, d = 576, V = 32,768, compiled
 # kernels, best of 2, machine shared: load average ≈ 3), fwd+bwd with entropy_grad, seconds fp32 / bf16:
@@ -93,13 +98,33 @@ __all__ = ["lm_head_token_stats"]
 # [4096, 151,669] fp32 logits of the current path.
 _VOCAB_TILE = 8192
 _ROW_TILE = 2048
+# CUDA: 16,384 × 8,192 tiles (one bf16 logits tile = 256 MiB; the backward holds it and its gradient, 512 MiB).
+# At the paper's micro-batch (4 × 15,360 rows, V = 151,936, d = 2,048) that is 8 row tiles × 10 vocabulary tiles,
+# each GEMM ≈ 0.55 TFLOP (well above the size where an H100/H200 GEMM reaches its peak), and one compiled stats call
+# per tile (reading the bf16 tile directly, see token_stats.chunk_sizes): ≈ 80 tiles × ~30 small launches, against
+# ≈ 4,700 compiled calls per micro-batch with the CPU sizes.
+_CUDA_VOCAB_TILE = 16384
+_CUDA_ROW_TILE = 8192
 
 
-def _kernel_chunk(rows: int, vocab_tile: int, backend: str) -> int:
+def lm_head_tiles(device: torch.device | str) -> tuple[int, int]:
+    """Default ``(vocab_tile, row_tile)`` of :func:`lm_head_token_stats` for hidden states on ``device``:
+    (16,384, 8,192) on CUDA, (8,192, 2,048) elsewhere (see the sweep above).  Only the device type matters:
+    ``torch.device("cuda")`` works without a GPU.
+
+    Example:
+        >>> lm_head_tiles("cpu"), lm_head_tiles("cuda:0")
+        ((8192, 2048), (16384, 8192))
+    """
+    return (_CUDA_VOCAB_TILE, _CUDA_ROW_TILE) if _gpu_sizes(device) else (_VOCAB_TILE, _ROW_TILE)
+
+
+def _kernel_chunk(rows: int, vocab_tile: int, backend: str, device: torch.device | None = None) -> int:
     """Rows per stats-kernel call inside a tile: the whole tile for the compiled kernel (it allocates
-    nothing per call), ~2.5 MiB fp32 buffers for the eager one (see token_stats._EAGER_CHUNK_BYTES)."""
+    nothing per call), the eager kernel's chunk otherwise (token_stats._eager_chunk_rows: ~2.5 MiB fp32
+    buffers on CPU, 256 MiB on CUDA)."""
     if backend == "eager" or (backend == "auto" and _ts._compile_error is not None):
-        return max(1, _EAGER_CHUNK_BYTES // (4 * max(vocab_tile, 1)))
+        return _eager_chunk_rows(vocab_tile, device)
     return max(rows, 1)
 
 
@@ -107,7 +132,7 @@ def _tile_sums(x: torch.Tensor, c: float, backend: str, ws: _Workspace) -> tuple
     """Raw row sums of one logits tile x [rt, vt] → (m [rt] fp32, Σe, Σe·(y−m), Σe² [rt] fp64), the stats
     kernel run on row chunks of the tile (one call for the compiled kernel)."""
     parts = [_fwd_chunk_sums(x[a:b], c, backend, ws)
-             for a, b in _chunks(x.shape[0], _kernel_chunk(x.shape[0], x.shape[1], backend), backend)]
+             for a, b in _chunks(x.shape[0], _kernel_chunk(x.shape[0], x.shape[1], backend, x.device), backend)]
     if len(parts) == 1:
         m, s, s1, s2 = parts[0]
         return m, s.double(), s1.double(), s2.double()
@@ -219,7 +244,7 @@ class _LMHeadStatsFunction(torch.autograd.Function):
                     x = F.linear(h_r, w_t)  # [rt, vt] recomputed logits tile (same GEMM as the forward)
                     g = torch.empty_like(x)  # [rt, vt] d loss / d x, compute dtype
                     loc = targets[r0:r1] - v0  # [rt] target column in the tile (outside [0, vt): none)
-                    chunk = _kernel_chunk(r1 - r0, vt, ctx.backend)
+                    chunk = _kernel_chunk(r1 - r0, vt, ctx.backend, dev)
                     for a, b in _chunks(r1 - r0, chunk, ctx.backend):
                         r = slice(r0 + a, r0 + b)
                         _bwd_chunk(
@@ -302,12 +327,33 @@ def _validate(hidden, weight, targets, temperature, vocab_size, compute_dtype, v
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if targets.numel():
         vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
-        lo, hi = int(targets.min()), int(targets.max())
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one host sync (GPU)
         if lo < 0 or hi >= vocab:
             raise ValueError(
                 f"targets must be token ids in [0, vocab_size={vocab}), got values in [{lo}, {hi}] "
                 "(map padding/ignore ids such as -100 to a valid id and mask the result instead)"
             )
+
+
+def _stats_flat(hidden, weight, targets, temperature, vocab_size, entropy_grad, compute_dtype, vocab_tile, row_tile,
+                backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`lm_head_token_stats` before the final reshape: (logprobs, entropy, collision), each [N] fp32 with
+    N = targets.numel() — the autograd function's own outputs (not views).  Same arguments and errors."""
+    _validate(hidden, weight, targets, temperature, vocab_size, compute_dtype, vocab_tile, row_tile, backend)
+    d = hidden.shape[-1]
+    h2 = hidden.reshape(-1, d)  # [N, d] (a copy only for non-viewable strides, e.g. h[:, :-1])
+    flat_targets = targets.reshape(-1).to(torch.int64)  # [N]
+    vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
+    inv_t = _fp32(1.0 / float(temperature))  # fp32-rounded 1/T (backward chain rule)
+    c = _fp32(_LOG2E / float(temperature))  # fp32-rounded log2(e)/T: y = x·c = z / ln 2
+    cdtype = hidden.dtype if compute_dtype is None else compute_dtype
+    default_vt, default_rt = lm_head_tiles(hidden.device)
+    return _LMHeadStatsFunction.apply(
+        h2, weight, flat_targets, vocab, c, inv_t, bool(entropy_grad), cdtype,
+        int(vocab_tile) if vocab_tile is not None else default_vt,
+        int(row_tile) if row_tile is not None else default_rt,
+        backend,
+    )
 
 
 def lm_head_token_stats(
@@ -346,9 +392,9 @@ def lm_head_token_stats(
             casts the hidden rows and each weight tile to bf16 and produces bf16 logits, exactly like an
             ``nn.Linear`` under ``torch.autocast(dtype=torch.bfloat16)``; the statistics are still fp32.
             Any surrounding autocast is disabled inside (this argument decides).
-        vocab_tile: vocabulary columns per tile (None → 8,192).
-        row_tile: rows per tile (None → 2,048).  Peak extra memory ≈ row_tile · vocab_tile · (itemsize + 4)
-            bytes (logits tile + its gradient in the backward) + O(N·d + V_rows·d).
+        vocab_tile: vocabulary columns per tile (None → :func:`lm_head_tiles`: 8,192 on CPU, 16,384 on CUDA).
+        row_tile: rows per tile (None → 2,048 on CPU, 8,192 on CUDA).  Peak extra memory ≈ row_tile · vocab_tile
+            · (itemsize + 4) bytes (logits tile + its gradient in the backward) + O(N·d + V_rows·d).
         backend: stats kernels, as in ``token_stats``: "compiled" (torch.compile'd; raises RuntimeError if it
             fails), "eager", or "auto" (compiled, falling back to eager with a one-time RuntimeWarning).
 
@@ -377,23 +423,201 @@ def lm_head_token_stats(
         >>> round(st.logprobs[0, 0].item(), 6), st.collision[0, 0].item()   # −ln 4, 1/4
         (-1.386294, 0.25)
     """
-    _validate(hidden, weight, targets, temperature, vocab_size, compute_dtype, vocab_tile, row_tile, backend)
     out_shape = targets.shape
-    d = hidden.shape[-1]
-    h2 = hidden.reshape(-1, d)  # [N, d] (a copy only for non-viewable strides, e.g. h[:, :-1])
-    flat_targets = targets.reshape(-1).to(torch.int64)  # [N]
-    vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
-    inv_t = _fp32(1.0 / float(temperature))  # fp32-rounded 1/T (backward chain rule)
-    c = _fp32(_LOG2E / float(temperature))  # fp32-rounded log2(e)/T: y = x·c = z / ln 2
-    cdtype = hidden.dtype if compute_dtype is None else compute_dtype
-    logprobs, entropy, collision = _LMHeadStatsFunction.apply(
-        h2, weight, flat_targets, vocab, c, inv_t, bool(entropy_grad), cdtype,
-        int(vocab_tile) if vocab_tile is not None else _VOCAB_TILE,
-        int(row_tile) if row_tile is not None else _ROW_TILE,
-        backend,
-    )
+    logprobs, entropy, collision = _stats_flat(hidden, weight, targets, temperature, vocab_size, entropy_grad,
+                                               compute_dtype, vocab_tile, row_tile, backend)  # [N] each
     return TokenStats(
         logprobs=logprobs.view(out_shape),  # [B, T] / [N]
         entropy=entropy.view(out_shape),  # [B, T] / [N]
         collision=collision.view(out_shape),  # [B, T] / [N]
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused head inside the model's own forward (FSDP2: inside the root module's forward).
+#
+# Under FSDP2 (stapo.distributed.wrap_policy: fully_shard per decoder layer, then the root) the root's parameters —
+# embed_tokens, the final norm and lm_head (one Parameter when tied, as in Qwen3-1.7B) — are DTensor shards except
+# between the root's pre-forward hook (all-gather) and its post-backward (reduce-scatter of their gradients).  So the
+# head must run inside the root's forward, as verl does by patching the model's forward (``use_fused_kernels``:
+# verl/models/transformers/dense_common.py ``forward_with_torch_backend`` calls the decoder, then a fused
+# linear + log-prob/entropy on ``self.lm_head.weight``).  Here the patch is per instance (not the class), installed by
+# install_token_stats_forward: ``model(..., stapo_token_stats=...)`` runs the decoder and lm_head_token_stats;
+# any other call is the model's own forward.  One process and ``replicate`` take exactly the same path.
+# --------------------------------------------------------------------------------------------------
+
+
+class TokenStatsRequest:
+    """The statistics :func:`forward_token_stats` computes from the kept hidden states (a plain object on purpose:
+    FSDP2's root pre-forward casts floating tensors among the forward's arguments to its ``param_dtype`` and moves
+    them to the device, looking into tuples, dicts and dataclasses; it leaves this alone, so its tensors must already
+    be on the model's device).
+
+    Attributes:
+        targets: integer token ids, one per kept hidden position: [B', K] for kept states [B', K, d], [K] for a flat
+            ``keep`` index; None → no statistics, the forward returns the kept hidden states (for a later forward's
+            ``prefix``, e.g. the shared-prompt pass of :func:`stapo.policy.policy_token_stats`).
+        temperature, vocab_size, entropy_grad, compute_dtype, vocab_tile, row_tile, backend: as in
+            :func:`lm_head_token_stats` (``compute_dtype`` None → the hidden states' dtype; pass the autocast dtype
+            when the caller runs under autocast).
+    """
+
+    __slots__ = ("targets", "temperature", "vocab_size", "entropy_grad", "compute_dtype", "vocab_tile", "row_tile",
+                 "backend")
+
+    def __init__(self, targets: torch.Tensor | None, temperature: float = 1.0, *, vocab_size: int | None = None,
+                 entropy_grad: bool = False, compute_dtype: torch.dtype | None = None, vocab_tile: int | None = None,
+                 row_tile: int | None = None, backend: Backend = "auto") -> None:
+        self.targets, self.temperature, self.vocab_size = targets, temperature, vocab_size
+        self.entropy_grad, self.compute_dtype, self.backend = entropy_grad, compute_dtype, backend
+        self.vocab_tile, self.row_tile = vocab_tile, row_tile
+
+    def hidden_only(self) -> "TokenStatsRequest":
+        """The same request without targets: the forward returns the kept hidden states."""
+        return TokenStatsRequest(None, self.temperature, vocab_size=self.vocab_size, entropy_grad=self.entropy_grad,
+                                 compute_dtype=self.compute_dtype, vocab_tile=self.vocab_tile, row_tile=self.row_tile,
+                                 backend=self.backend)
+
+
+class HeadOutput(NamedTuple):
+    """What the token-statistics forward returns (a NamedTuple: FSDP2 registers its pre-backward hook on the tensors
+    of tuples, dicts and dataclasses, whatever the torch version).
+
+    Attributes:
+        logprobs, entropy, collision: fp32 with the request's ``targets.shape`` (None for a hidden-only request);
+            as in :func:`lm_head_token_stats` (``entropy`` differentiable with ``entropy_grad``, ``collision`` never).
+        hidden: [B', K, d] (or [K, d]) the kept final hidden states for a hidden-only request, else None.
+        past_key_values: the decoder's KV cache (with ``use_cache=True``), else None.
+    """
+
+    logprobs: torch.Tensor | None
+    entropy: torch.Tensor | None
+    collision: torch.Tensor | None
+    hidden: torch.Tensor | None
+    past_key_values: Any
+
+
+class _Call:
+    """One call's request and hidden-state selection (plain object: FSDP2 does not touch it)."""
+
+    __slots__ = ("request", "keep", "rows", "prefix")
+
+    def __init__(self, request, keep, rows, prefix) -> None:
+        self.request, self.keep, self.rows, self.prefix = request, keep, rows, prefix
+
+
+def _select_hidden(h: torch.Tensor, keep, rows, prefix) -> torch.Tensor:
+    """The final hidden states [B, L, d] → the kept ones: ``keep`` (None: all; int k > 0: the last k positions, as
+    HF's ``logits_to_keep``; a slice of positions; a 1-D int64 tensor: flat row-major indices into the B·L positions →
+    [K, d]), then ``rows`` (int64 [B'] index_select of the rows), then ``prefix`` ([B', k0, d], prepended along the
+    positions)."""
+    if keep is not None:
+        if isinstance(keep, torch.Tensor):
+            if keep.dim() != 1 or keep.dtype.is_floating_point or keep.dtype == torch.bool:
+                raise ValueError(f"keep must be a 1-D integer tensor of flat positions, got {keep.dtype} "
+                                 f"{tuple(keep.shape)}")
+            h = h.reshape(-1, h.shape[-1]).index_select(0, keep)  # [K, d]
+        elif isinstance(keep, slice):
+            h = h[:, keep]  # [B, K, d]
+        elif isinstance(keep, numbers.Integral) and not isinstance(keep, bool) and keep > 0:
+            h = h[:, -int(keep):]  # [B, k, d]
+        else:
+            raise ValueError(f"keep must be None, an int > 0, a slice or a 1-D int64 tensor, got {keep!r}")
+    if rows is not None:
+        h = h.index_select(0, rows)  # [B', ·, d]
+    if prefix is not None:
+        h = torch.cat([prefix, h], dim=1)  # [B', k0 + K, d]
+    return h
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    get = getattr(model, "get_decoder", None)
+    dec = get() if callable(get) else None
+    if dec is None or dec is model:
+        dec = getattr(model, "model", None)
+    if dec is None:
+        raise ValueError(f"{type(model).__name__} has no decoder (get_decoder() / .model)")
+    return dec
+
+
+def _forward_with_stats(model: torch.nn.Module, call: _Call, args, kwargs) -> HeadOutput:
+    """Body of the token-statistics forward (runs inside ``model.__call__``: FSDP2's root hooks around it)."""
+    out = _decoder(model)(*args, **kwargs)
+    h = _select_hidden(out.last_hidden_state, call.keep, call.rows, call.prefix)  # [B', K, d] or [K, d]
+    req = call.request
+    cache = getattr(out, "past_key_values", None)
+    if req.targets is None:
+        # a fresh tensor, not a view of the decoder's output (FSDP2 warns about views: in-place ops on them would
+        # skip its pre-backward hook)
+        return HeadOutput(None, None, None, h.clone() if h._base is not None else h, cache)
+    weight = model.get_output_embeddings().weight  # [V_rows, d]: unsharded here under FSDP2 (the root's forward)
+    lp, ent, coll = _stats_flat(h, weight, req.targets, req.temperature, req.vocab_size, req.entropy_grad,
+                                req.compute_dtype, req.vocab_tile, req.row_tile, req.backend)  # [N] each, not views
+    return HeadOutput(lp, ent, coll, None, cache)
+
+
+def install_token_stats_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """Give ``model`` (an HF causal LM, FSDP2-wrapped or not) a forward that also accepts
+    ``stapo_token_stats=`` (what :func:`forward_token_stats` passes): then it runs the decoder and
+    :func:`lm_head_token_stats` on ``model.get_output_embeddings().weight`` and returns a :class:`HeadOutput`; without
+    it, the model's own forward runs unchanged.  Instance-level (``model.forward``; the class and other instances
+    are untouched), idempotent, before or after ``fully_shard`` (FSDP2's hooks are module hooks around
+    ``model.forward``).  The signature HF inspects (``logits_to_keep`` support in ``generate``) is the original's.
+
+    Returns:
+        ``model`` itself.
+    """
+    current = model.__dict__.get("forward")
+    if getattr(current, "_stapo_token_stats", False):
+        return model
+    original = type(model).forward
+
+    @functools.wraps(original)
+    def forward(self, *args, stapo_token_stats: _Call | None = None, **kwargs):
+        if stapo_token_stats is None:
+            return current(*args, **kwargs) if current is not None else type(self).forward(self, *args, **kwargs)
+        return _forward_with_stats(self, stapo_token_stats, args, kwargs)
+
+    forward._stapo_token_stats = True
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+def forward_token_stats(model: torch.nn.Module, request: TokenStatsRequest, *, keep=None,
+                        rows: torch.Tensor | None = None, prefix: torch.Tensor | None = None,
+                        **model_kwargs) -> HeadOutput:
+    """One forward of ``model`` that returns the target tokens' statistics (or the kept hidden states) computed
+    INSIDE the model's forward, never the [N, V] logits — under FSDP2 within the root module's forward, so the
+    output embedding (tied or not) is the unsharded parameter and its gradient is reduce-scattered with the root's.
+
+    Same values and gradients as ``lm_head_token_stats(<kept final hidden states>, model.get_output_embeddings().weight,
+    request.targets, ...)`` (the computation is the same op for op).  Installs the forward
+    (:func:`install_token_stats_forward`) on first use.
+
+    Args:
+        model: an HF causal LM whose logits are ``hidden @ Wᵀ`` (see :func:`stapo.policy.check_fused_head`).
+        request: a :class:`TokenStatsRequest` (tensors on the model's device).
+        keep: which final hidden states [B, L, d] are kept (see ``_select_hidden``): None → all; int k → the last k
+            positions ([B, k, d]); a slice of positions ([B, K, d]); a 1-D int64 tensor → those flat row-major
+            positions of the B·L ([K, d], e.g. the predicting positions of a packed [1, T] or trailing-padded
+            batch).
+        rows: optional int64 [B'] index of the kept rows (e.g. a shared prompt's state for each of its responses).
+        prefix: optional [B', k0, d] hidden states from an earlier forward, prepended along the positions.
+        **model_kwargs: the decoder's inputs, as the caller lays them out (``input_ids``, ``attention_mask`` —
+            possibly None —, ``position_ids``, ``past_key_values``, ``use_cache``, …).
+
+    Returns:
+        :class:`HeadOutput`: logprobs / entropy / collision [targets.shape] fp32, or ``hidden`` for a hidden-only
+        request; ``past_key_values``.
+
+    Raises:
+        ValueError / TypeError: as :func:`lm_head_token_stats` (e.g. targets' shape ≠ the kept states' shape[:-1]);
+            a bad ``keep``.
+    """
+    install_token_stats_forward(model)
+    out = model(**model_kwargs, stapo_token_stats=_Call(request, keep, rows, prefix))
+    if request.targets is None:
+        return out
+    shape = request.targets.shape
+    return out._replace(logprobs=out.logprobs.view(shape), entropy=out.entropy.view(shape),
+                        collision=out.collision.view(shape))

@@ -128,9 +128,16 @@ def collate_responses(responses: Sequence[Response], pad_token_id: int) -> Rollo
                         response_ids=response_ids, response_mask=response_mask)
 
 
-def _run(model: torch.nn.Module, hidden: bool, keep: int | None, **kw):
+def _run(model: torch.nn.Module, hidden: bool, keep: int | None, head=None, **kw):
     """One forward → (the last ``keep`` positions' logits [B, keep, V] or, with ``hidden``, final hidden states
-    [B, keep, d]; the KV cache when ``use_cache``). ``keep=None``: every position."""
+    [B, keep, d]; the KV cache when ``use_cache``). ``keep=None``: every position. With ``head`` (a
+    :class:`stapo.lm_head.TokenStatsRequest`) the hidden states come from the model's own forward
+    (:func:`stapo.lm_head.forward_token_stats`: inside FSDP2's root forward) instead of the decoder called alone."""
+    if head is not None:
+        from stapo.lm_head import forward_token_stats
+
+        out = forward_token_stats(model, head.hidden_only(), keep=keep, **kw)
+        return out.hidden, out.past_key_values
     if hidden:
         out = policy_decoder(model)(**kw)
         h = out.last_hidden_state  # [B, L, d], after the final norm
@@ -155,9 +162,12 @@ def check_fused_head(model: torch.nn.Module) -> torch.Tensor:
     """The output embedding [V_rows, d] of an HF causal LM whose logits are exactly ``hidden @ weightᵀ``
     (what :func:`stapo.lm_head.lm_head_token_stats` computes).
 
+    Under FSDP2 the returned weight is the root's sharded DTensor (its ``shape`` is the full one); the fused head
+    itself runs inside the root module's forward (:func:`stapo.lm_head.forward_token_stats`), where it is whole.
+
     Raises:
         ValueError: the model has no plain output embedding (a bias, or a logit scale / soft-cap in its
-            config, e.g. Gemma's ``final_logit_softcapping``), or its weight is sharded (FSDP2 DTensor).
+            config, e.g. Gemma's ``final_logit_softcapping``).
     """
     head = model.get_output_embeddings()
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
@@ -169,14 +179,34 @@ def check_fused_head(model: torch.nn.Module) -> torch.Tensor:
         v = getattr(cfg, key, neutral)
         if v is not None and v != neutral:
             raise ValueError(f"{type(model).__name__} scales its logits (config.{key}={v}): use actor.lm_head=logits")
-    if type(head.weight).__name__ == "DTensor" or type(head.weight.data).__name__ == "DTensor":
-        raise ValueError("the output embedding is sharded (FSDP2): use actor.lm_head=logits")
     return head.weight
 
 
-def _response_states(model: torch.nn.Module, batch: RolloutBatch, share_prompt: bool, hidden: bool) -> torch.Tensor:
+def _fused_request(model: torch.nn.Module, targets: torch.Tensor, temperature: float, vocab_size: int | None,
+                   entropy_grad: bool, backend: str):
+    """The :class:`stapo.lm_head.TokenStatsRequest` of ``actor.lm_head=fused`` for ``targets`` (on the model's
+    device): the head's GEMMs in the autocast dtype when autocast is on, the real vocabulary ``vocab_size``.
+
+    Raises:
+        ValueError: the model's logits are not ``hidden @ Wᵀ`` (:func:`check_fused_head`).
+    """
+    from stapo.lm_head import TokenStatsRequest
+
+    weight = check_fused_head(model)  # [V_rows, d] (FSDP2: a DTensor; only its full shape is read)
+    dev = targets.device
+    cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+    vocab = vocab_size if vocab_size is not None and vocab_size < weight.shape[0] else None
+    return TokenStatsRequest(targets, temperature, vocab_size=vocab, entropy_grad=entropy_grad, compute_dtype=cdtype,
+                             backend=backend)
+
+
+def _response_states(model: torch.nn.Module, batch: RolloutBatch, share_prompt: bool, hidden: bool, head=None):
     """[B, R, V] logits (or [B, R, d] final hidden states) at the columns ``P−1 … P+R−2``, which predict the
-    response tokens; see :func:`policy_logits` and :func:`shared_prompt_logits`."""
+    response tokens; see :func:`policy_logits` and :func:`shared_prompt_logits`.
+
+    With ``head`` (a :class:`stapo.lm_head.TokenStatsRequest` whose targets are [B, R]): the response tokens'
+    statistics instead, computed inside the model's forward by the last pass from exactly those [B, R, d] hidden
+    states (:func:`stapo.lm_head.forward_token_stats`) → a :class:`stapo.lm_head.HeadOutput` with [B, R] fields."""
     B, R = batch.response_ids.shape
     P = batch.prompt_width
     if P < 1:
@@ -190,21 +220,35 @@ def _response_states(model: torch.nn.Module, batch: RolloutBatch, share_prompt: 
             first = torch.full((U,), B, dtype=torch.long, device=inverse.device).scatter_reduce(
                 0, inverse, rows, reduce="amin")  # [U] a representative row of each prompt
             # 1. prompt pass: [U, P] → cache of P positions, the last prompt column's output [U, 1, ·]
-            out, cache = _run(model, hidden, 1, input_ids=batch.input_ids[first, :P],
-                              attention_mask=batch.attention_mask[first, :P],
-                              position_ids=batch.position_ids[first, :P], use_cache=True)
+            prompt_kw = dict(input_ids=batch.input_ids[first, :P], attention_mask=batch.attention_mask[first, :P],
+                             position_ids=batch.position_ids[first, :P], use_cache=True)
+            if head is not None and R == 1:  # the prompt pass is the only one: the head runs in it
+                from stapo.lm_head import forward_token_stats
+
+                return forward_token_stats(model, head, keep=1, rows=inverse, **prompt_kw)  # [B, 1] fields
+            out, cache = _run(model, hidden, 1, head, **prompt_kw)
             first_out = out.index_select(0, inverse)  # [B, 1, ·]
             if R == 1:
                 return first_out
             # 2. gather each row's prompt cache
             cache.batch_select_indices(inverse)  # every layer's keys/values: [U, h, P, d] → [B, h, P, d]
             # 3. response pass: tokens 0 … R−2 predict tokens 1 … R−1
-            out, _ = _run(model, hidden, None, input_ids=batch.input_ids[:, P:P + R - 1],
-                          attention_mask=batch.attention_mask[:, :P + R - 1],
-                          position_ids=batch.position_ids[:, P:P + R - 1], past_key_values=cache, use_cache=True)
+            response_kw = dict(input_ids=batch.input_ids[:, P:P + R - 1],
+                               attention_mask=batch.attention_mask[:, :P + R - 1],
+                               position_ids=batch.position_ids[:, P:P + R - 1], past_key_values=cache, use_cache=True)
+            if head is not None:  # the head on first_out ‖ this pass's states [B, R, d], inside this forward
+                from stapo.lm_head import forward_token_stats
+
+                return forward_token_stats(model, head, prefix=first_out, **response_kw)  # [B, R] fields
+            out, _ = _run(model, hidden, None, **response_kw)
             return torch.cat([first_out, out], dim=1)  # [B, R, ·]
-    out, _ = _run(model, hidden, R + 1, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                  position_ids=batch.position_ids, use_cache=False)
+    plain_kw = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                    use_cache=False)
+    if head is not None:  # the states at columns P−1 … P+R−2 (the last R+1 but one), inside the forward
+        from stapo.lm_head import forward_token_stats
+
+        return forward_token_stats(model, head, keep=slice(-(R + 1), -1), **plain_kw)  # [B, R] fields
+    out, _ = _run(model, hidden, R + 1, **plain_kw)
     return out[:, :-1, :]  # [B, R, ·]
 
 
@@ -283,6 +327,9 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
             ``"fused"`` — the final hidden states and the output embedding go to
             :func:`stapo.lm_head.lm_head_token_stats`, which never holds the [B, R, V] logits (forward or
             backward); its GEMMs run in the autocast dtype when autocast is on. Same values up to float rounding.
+            It runs inside the model's own forward (:func:`stapo.lm_head.forward_token_stats`; under FSDP2 the
+            root module's, where the output embedding — tied or not — is unsharded), the same path with or without
+            FSDP2.
 
     Returns:
         :class:`stapo.token_stats.TokenStats` with ``logprobs``, ``entropy``, ``collision``, each [B, R] fp32
@@ -297,18 +344,12 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
 
     if vocab_size is None:
         vocab_size = getattr(getattr(model, "config", None), "stapo_vocab_size", None)
-    if lm_head == "fused":
-        from stapo.lm_head import lm_head_token_stats
-
-        weight = check_fused_head(model)  # [V_rows, d]
-        hidden = policy_hidden(model, batch, share_prompt=share_prompt)  # [B, R, d]
-        dev = hidden.device
+    if lm_head == "fused":  # the head inside the model's forward (FSDP2: the root's), never [B, R, V] logits
+        dev = batch.response_ids.device  # the model's (the forward needs the batch there)
         mask = batch.response_mask.to(dev)
-        targets = torch.where(mask, batch.response_ids.to(dev), 0)  # [B, R]
-        cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-        vocab = vocab_size if vocab_size is not None and vocab_size < weight.shape[0] else None
-        st = lm_head_token_stats(hidden, weight, targets, temperature, vocab_size=vocab, entropy_grad=entropy_grad,
-                                 compute_dtype=cdtype, backend=backend)
+        targets = torch.where(mask, batch.response_ids, 0)  # [B, R]
+        request = _fused_request(model, targets, temperature, vocab_size, entropy_grad, backend)
+        st = _response_states(model, batch, share_prompt, True, head=request)  # HeadOutput, [B, R] fields
     elif lm_head == "logits":
         logits = policy_logits(model, batch, share_prompt=share_prompt)  # [B, R, V]
         if vocab_size is not None and vocab_size < logits.shape[-1]:
