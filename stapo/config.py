@@ -251,6 +251,11 @@ class ValidationConfig:
     top_p: float = 1.0
     max_new_tokens: Optional[int] = None  # default (and at most): rollout.response_length
     seed: int = 0
+    # responses per engine call (a block of max(1, samples_per_call // samples) problems, evaluate.py's
+    # generation.samples_per_call): under torchrun each block is split over the ranks, so a block ≥ the whole
+    # validation (verl: data.val_batch_size unset) gives every rank one call of its share; the blocks and their seeds
+    # do not depend on the rank count (the same samples on 1 or W ranks), but changing it changes the samples
+    samples_per_call: int = 256
 
 
 @dataclass
@@ -602,6 +607,7 @@ def validate(cfg: TrainConfig) -> None:
              "validation.benchmarks", f"{', '.join(held_out)} is drawn from the synthetic task's held-out split, "
              "which data.synthetic.split=all trains on: set data.synthetic.split=train")
     need(cfg.validation.samples >= 1, "validation.samples", "must be ≥ 1")
+    need(cfg.validation.samples_per_call >= 1, "validation.samples_per_call", "must be ≥ 1")
     need(cfg.validation.limit is None or cfg.validation.limit >= 1, "validation.limit", "must be ≥ 1 or null")
     need(cfg.validation.temperature > 0, "validation.temperature", "must be > 0")
     need(0 < cfg.validation.top_p <= 1, "validation.top_p", "must be in (0, 1]")

@@ -30,7 +30,8 @@ per-kept-token means (clip fractions, KL) are summed over ranks (sums, then rati
 averaged gradient; the step metrics (rewards, lengths, entropy, advantages, quadrant summary with its median,
 train/inference log-prob gap) are computed by the one-process code on the all-gathered rows of the whole batch
 (:func:`all_gather_rows`), reward / grader counts are summed (:func:`merge_stats`). Timings are rank 0's; the
-silenced-token examples table shows rank 0's rows; validation runs on rank 0 while the others wait.
+silenced-token examples table shows rank 0's rows; validation splits its engine calls over the ranks and rank 0
+writes its files (:mod:`stapo.evaluation.validation`).
 
 Rollouts with vLLM (GPU; NOT run here — no GPU): one colocated in-process engine per rank, created with
 ``distributed_executor_backend="external_launcher"`` (as TRL's ``vllm_mode="colocate"`` and verl), so it joins
@@ -117,8 +118,8 @@ def init_distributed(device: str = "auto", strategy: str = "auto", timeout_min: 
         device: ``trainer.device`` (``auto`` | ``cpu`` | ``cuda``).
         strategy: ``trainer.data_parallel`` (``auto`` | ``replicate`` | ``fsdp2``); ``auto`` = fsdp2 on CUDA,
             replicate on CPU.
-        timeout_min: collective timeout in minutes (rank 0 alone writes the HF export / runs validation while the
-            other ranks wait in the next collective).
+        timeout_min: collective timeout in minutes (rank 0 alone writes the HF export while the other ranks wait
+            in the next collective).
 
     Returns:
         A :class:`DistContext`. With W > 1 the backend is NCCL on ``cuda:LOCAL_RANK`` when CUDA is used, gloo
@@ -175,10 +176,10 @@ def check_dp_config(cfg: Any, ctx: DistContext) -> None:
     if cfg.rollout.backend == "vllm" and cfg.rollout.tensor_parallel_size != 1:
         raise ConfigError(f"invalid value for 'rollout.tensor_parallel_size' ({cfg.rollout.tensor_parallel_size}): "
                           "must be 1 under torchrun (one colocated vLLM engine per rank, each with its own prompts)")
-    if ctx.strategy == "fsdp2" and cfg.rollout.backend == "hf" and cfg.trainer.val_every:
-        raise ConfigError(f"invalid value for 'trainer.val_every' ({cfg.trainer.val_every}): validation runs on "
-                          "rank 0 alone, which the HF backend cannot do with an FSDP2-sharded policy; set 0 or "
-                          "use rollout.backend=vllm")
+    # validation (trainer.val_every / val_before_train) runs on every rank, each generating its share; with the HF
+    # backend on an FSDP2-sharded policy the shares are padded to the same prompt count so that every rank makes
+    # the same generate calls, whose decode steps (all-gathers) stay in step through generate(synced_gpus=True)
+    # (stapo/evaluation/runner.py::evaluate_problems, lockstep): nothing to refuse
     # actor.lm_head=fused runs inside the FSDP2 root's forward (stapo.lm_head.forward_token_stats): allowed with
     # every strategy.
     if ctx.strategy == "fsdp2" and cfg.actor.share_prompt:

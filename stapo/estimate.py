@@ -118,6 +118,8 @@ class Measured:
         mean_response_tokens: the mean generated response length then (tokens), or None.
         steps: how many steps (training) the medians are over.
         source: where it was read, for the output (a file, and whether its machine is this one).
+        rollout_seconds: median wall-clock seconds of a step's generation (``timing_s/rollout``; training), or None.
+        ranks: data-parallel ranks of the measured run (each generated ``responses / ranks``), or None (unknown).
     """
 
     seconds_per_step: float | None
@@ -127,6 +129,8 @@ class Measured:
     mean_response_tokens: float | None = None
     steps: int = 0
     source: str = ""
+    rollout_seconds: float | None = None
+    ranks: int | None = None
 
 
 def machine_key(device: Any) -> str:
@@ -161,14 +165,16 @@ def _median(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
 
 
 def _measured_from_rows(rows: Sequence[Mapping[str, Any]], responses: int, response_length: int,
-                        source: str) -> Measured | None:
-    """Medians of the step rows (``timing_s/step``, ``perf/tokens_per_s``, ``response_length/mean``) or None."""
+                        source: str, ranks: int | None = None) -> Measured | None:
+    """Medians of the step rows (``timing_s/step``, ``perf/tokens_per_s``, ``response_length/mean``,
+    ``timing_s/rollout``) or None."""
     steps = [r for r in rows if isinstance(r.get("timing_s/step"), (int, float))]
     if not steps:
         return None
     return Measured(seconds_per_step=_median(steps, "timing_s/step"), tokens_per_s=_median(steps, "perf/tokens_per_s"),
                     responses=int(responses), response_length=int(response_length),
-                    mean_response_tokens=_median(steps, "response_length/mean"), steps=len(steps), source=source)
+                    mean_response_tokens=_median(steps, "response_length/mean"), steps=len(steps), source=source,
+                    rollout_seconds=_median(steps, "timing_s/rollout"), ranks=ranks)
 
 
 def record_train_throughput(cfg: Any, device: Any, history: Sequence[Mapping[str, Any]], run_dir: str | os.PathLike,
@@ -189,7 +195,7 @@ def record_train_throughput(cfg: Any, device: Any, history: Sequence[Mapping[str
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     responses = cfg.data.train_batch_size * cfg.rollout.n
-    m = _measured_from_rows(list(history), responses, cfg.rollout.response_length, str(run_dir))
+    m = _measured_from_rows(list(history), responses, cfg.rollout.response_length, str(run_dir), ranks=world)
     if m is None:
         return None
     target = Path(path) if path is not None else throughput_cache_path()
@@ -204,6 +210,7 @@ def record_train_throughput(cfg: Any, device: Any, history: Sequence[Mapping[str
         train[key] = {"seconds_per_step": m.seconds_per_step, "tokens_per_s": m.tokens_per_s,
                       "responses_per_step": responses, "response_length": m.response_length,
                       "mean_response_tokens": m.mean_response_tokens, "steps": m.steps, "ranks": world,
+                      "rollout_seconds_per_step": m.rollout_seconds,
                       "run_dir": str(run_dir), "recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
@@ -225,7 +232,20 @@ def lookup_train_throughput(model: str, device: Any, compute_dtype: str, machine
                         responses=int(entry["responses_per_step"]), response_length=int(entry["response_length"]),
                         mean_response_tokens=entry.get("mean_response_tokens"), steps=int(entry.get("steps", 0)),
                         source=f"{target} (this machine; run {entry.get('run_dir', '?')}, "
-                               f"{entry.get('recorded', '?')})")
+                               f"{entry.get('recorded', '?')})",
+                        rollout_seconds=entry.get("rollout_seconds_per_step"),
+                        ranks=int(entry["ranks"]) if entry.get("ranks") else None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _run_ranks(run: Path) -> int | None:
+    """The data-parallel ranks of a run folder's last launch (``run_info.json``, :mod:`stapo.provenance`), or None."""
+    from stapo.provenance import read_launches
+
+    try:
+        launches = read_launches(run)
+        return int(launches[-1]["world_size"]) if launches else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -259,7 +279,7 @@ def measured_from_runs(output_dir: str | os.PathLike, model: str, compute_dtype:
         except (OSError, ValueError, KeyError, TypeError, CorruptJsonlError):
             continue
         m = _measured_from_rows(rows, responses, length, f"{metrics} (an earlier run of this model and compute "
-                                                         f"dtype; its machine is not recorded)")
+                                                         f"dtype; its machine is not recorded)", ranks=_run_ranks(run))
         if m is not None:
             found.append((metrics.stat().st_mtime, m))
     return max(found, key=lambda x: x[0])[1] if found else None
@@ -320,8 +340,14 @@ class TrainCost:
         checkpoint_bytes: one checkpoint (HF export in the compute dtype + DCP parameters and AdamW moments in the
             parameter dtype), or None when the parameter count is unknown.
         params: the policy's parameters, or None.
-        validations: the validation runs of this run; validation_samples: samples of one (problems × N);
-            validation_tokens_bound: their generated-token bound.
+        validations: the validation runs of this run (``trainer.val_before_train`` at step 0 + every
+            ``trainer.val_every`` steps); validation_samples: responses of one (problems × N × decoding settings);
+            validation_tokens_bound: their generated-token bound; validation_problems: problems of one;
+            validation_settings: its decoding settings; validation_max_new_tokens: its generation limit;
+            validation_samples_per_rank: the responses the busiest rank generates in one (each engine call — a block
+            of ``validation.samples_per_call`` — is split over the ranks: Σ over blocks of ⌈block problems / ranks⌉
+            × N × settings); validation_calls: engine calls (blocks) of one validation, each rank's share of a call
+            generated at once; validation_seconds: the time of one validation's generation, or None (unknown).
         flops_per_step: model FLOPs of a step at the bound (rollout + every planned forward and backward), or None.
         ranks: data-parallel ranks.
         seconds_per_step: the time estimate, or None (unknown); measured: what it is scaled from.
@@ -345,6 +371,12 @@ class TrainCost:
     validations: int = 0
     validation_samples: int = 0
     validation_tokens_bound: int = 0
+    validation_problems: int = 0
+    validation_settings: int = 1
+    validation_max_new_tokens: int = 0
+    validation_samples_per_rank: int = 0
+    validation_calls: int = 0
+    validation_seconds: float | None = None
     flops_per_step: float | None = None
     ranks: int = 1
     seconds_per_step: float | None = None
@@ -358,7 +390,8 @@ class TrainCost:
 
 def train_cost(cfg: Any, *, start_step: int = 0, prompt_lengths: Sequence[int] | None = None,
                size: ModelSize | None = None, ranks: int = 1, validation_problems: int = 0,
-               measured: Measured | None = None, strategy: str = "none") -> TrainCost:
+               measured: Measured | None = None, strategy: str = "none", validation_settings: int = 1,
+               validation_samples_per_call: int | None = None) -> TrainCost:
     """The cost of training ``cfg`` from ``start_step`` to ``trainer.total_steps``.
 
     Args:
@@ -369,6 +402,8 @@ def train_cost(cfg: Any, *, start_step: int = 0, prompt_lengths: Sequence[int] |
         size: the policy's size (:func:`model_size`), or None.
         ranks: data-parallel ranks (the plan is per rank: ``train_batch_size / ranks`` prompts).
         validation_problems: problems of one validation run (after ``validation.limit``), Σ over its benchmarks.
+        validation_settings: decoding settings of one validation (the config's hook has one).
+        validation_samples_per_call: the validation's engine-call size; default ``validation.samples_per_call``.
         measured: a measured step time to scale (:class:`Measured`), or None.
         strategy: ``"fsdp2"`` keeps every fused forward's graph (:func:`~stapo.train.plan.build_plan`).
 
@@ -405,9 +440,21 @@ def train_cost(cfg: Any, *, start_step: int = 0, prompt_lengths: Sequence[int] |
     validations = 0
     if tc.val_every:
         validations = sum(1 for s in range(start_step + 1, tc.total_steps + 1) if s % tc.val_every == 0)
-        validations += int(bool(getattr(tc, "val_before_train", False)) and start_step == 0)
-    val_samples = validation_problems * int(cfg.validation.samples)
+    validations += int(bool(getattr(tc, "val_before_train", False)) and start_step == 0)
+    val_n, settings = int(cfg.validation.samples), int(validation_settings)
+    val_samples = validation_problems * val_n * settings
     val_new = min(int(cfg.validation.max_new_tokens or R), R)
+    # the blocks of stapo.evaluation.runner.plan_blocks (one N): max(1, samples_per_call // N) problems each, every
+    # block split over the ranks (runner.shard_positions) → the busiest rank's problems per block: ⌈size / ranks⌉
+    spc = int(validation_samples_per_call or getattr(cfg.validation, "samples_per_call", 256))
+    per_block = max(1, spc // val_n)
+    sizes = [min(per_block, validation_problems - i) for i in range(0, validation_problems, per_block)]
+    val_per_rank = sum(-(-k // ranks) for k in sizes) * val_n * settings
+    val_seconds = None
+    if validation_problems and measured is not None and measured.rollout_seconds:
+        # the training rollout's seconds per generated-token bound of one rank, at the validation's bound per rank
+        then = measured.responses * measured.response_length / (measured.ranks or ranks)
+        val_seconds = measured.rollout_seconds * val_per_rank * val_new / then if then else None
     flops = None
     if size is not None and size.shape is not None and mean_prompt is not None:
         from stapo.perf import decode_work, forward_work, prefill_work
@@ -434,7 +481,10 @@ def train_cost(cfg: Any, *, start_step: int = 0, prompt_lengths: Sequence[int] |
         optimizer_steps=prompts // ac.ppo_mini_batch_size, forwards=forwards, backwards=len(grad_steps),
         checkpoints=ckpts, checkpoints_kept=min(len(ckpts), tc.keep_last), checkpoint_bytes=ckpt_bytes,
         params=size.params if size is not None else None, validations=validations, validation_samples=val_samples,
-        validation_tokens_bound=val_samples * val_new, flops_per_step=flops, ranks=ranks, seconds_per_step=seconds,
+        validation_tokens_bound=val_samples * val_new, validation_problems=int(validation_problems),
+        validation_settings=settings, validation_max_new_tokens=val_new,
+        validation_samples_per_rank=val_per_rank, validation_calls=len(sizes) * settings,
+        validation_seconds=val_seconds, flops_per_step=flops, ranks=ranks, seconds_per_step=seconds,
         measured=measured)
 
 
@@ -566,12 +616,33 @@ def format_train_cost(c: TrainCost, cfg: Any) -> str:
     lines.append(f"checkpoints: {len(c.checkpoints)} written (after step{'s' if len(c.checkpoints) != 1 else ''} "
                  f"{shown}), {c.checkpoints_kept} kept; {size} each ({params}); on disk ≤ "
                  f"{_bytes(None if c.checkpoint_bytes is None else c.checkpoint_bytes * c.checkpoints_kept)}")
-    if cfg.trainer.val_every:
-        lines.append(f"validation: {c.validations} run(s) (every {cfg.trainer.val_every} steps) × "
-                     f"{_n(c.validation_samples)} samples (N = {cfg.validation.samples}) ≤ "
-                     f"{_n(c.validation_tokens_bound)} generated tokens each")
+    tc = cfg.trainer
+    if tc.val_every or tc.val_before_train:
+        when = " + ".join(([f"every {tc.val_every} steps"] if tc.val_every else [])
+                          + (["step 0 (trainer.val_before_train)"] if tc.val_before_train else []))
+        lines.append(f"validation: {c.validations} run(s) ({when}) × {_n(c.validation_samples)} responses "
+                     f"({_n(c.validation_problems)} problems × N = {cfg.validation.samples} × "
+                     f"{c.validation_settings} setting(s)) ≤ {_n(c.validation_tokens_bound)} generated tokens each "
+                     f"(× {c.validation_max_new_tokens}), "
+                     f"{_n(c.validation_tokens_bound * c.validations)} in all")
+        if c.ranks > 1:
+            lines.append(f"  split over {c.ranks} ranks: ≤ {_n(c.validation_samples_per_rank)} responses "
+                         f"(≤ {_n(c.validation_samples_per_rank * c.validation_max_new_tokens)} tokens) on the "
+                         f"busiest rank, in {c.validation_calls} engine call(s) (validation.samples_per_call="
+                         f"{getattr(cfg.validation, 'samples_per_call', 256)}; a call ends with its longest response)")
+        if c.validation_seconds is None:
+            lines.append("  time: unknown (no measured rollout time of this model, device and compute dtype)"
+                         if c.validation_problems else "  time: unknown (the validation's problems were not read)")
+        else:
+            m = c.measured
+            assert m is not None
+            lines.append(f"  time: ≈ {_duration(c.validation_seconds)} per validation, ≈ "
+                         f"{_duration(c.validation_seconds * c.validations)} in all (the generation only: the "
+                         f"training rollout's median {m.rollout_seconds:.3g} s for {m.responses} responses × "
+                         f"{m.response_length} tokens on {m.ranks or c.ranks} rank(s), scaled by the generated-token "
+                         f"bound per rank; grading not included)")
     else:
-        lines.append("validation: off (trainer.val_every=0)")
+        lines.append("validation: off (trainer.val_every=0, trainer.val_before_train=false)")
     if c.seconds_per_step is None:
         lines.append("time: unknown (no measured throughput of this model, device and compute dtype on this "
                      "machine; a finished train.py run records one)")
@@ -637,16 +708,18 @@ def train_dry_run(trainer: Any) -> str:
     start = plan.step if plan is not None else 0
     size = model_size(cfg.model.path, cfg.model.cache_dir, trainer.tokenizer)
     hook = trainer.validation_hook
-    val_problems = 0
-    if hook is not None and cfg.trainer.val_every:
+    val_problems, val_settings, val_spc = 0, 1, None
+    if hook is not None and (cfg.trainer.val_every or cfg.trainer.val_before_train):
         loaded = load_problems(hook.data_root or cfg.data.root, hook.benchmarks, hook.limit)
         val_problems = sum(len(p) for p in loaded.values())
+        val_settings, val_spc = len(getattr(hook, "settings", [None])), getattr(hook, "samples_per_call", None)
     measured = (lookup_train_throughput(cfg.model.path, trainer.device, cfg.model.compute_dtype,
                                         machine_key(trainer.device))
                 or measured_from_runs(cfg.trainer.output_dir, cfg.model.path, cfg.model.compute_dtype))
     cost = train_cost(cfg, start_step=start, prompt_lengths=[len(p[0]) for p in trainer.prompts], size=size,
                       ranks=trainer.dist.world, validation_problems=val_problems, measured=measured,
-                      strategy=trainer.dist.strategy)
+                      strategy=trainer.dist.strategy, validation_settings=val_settings,
+                      validation_samples_per_call=val_spc)
     where = (f"resumes from {plan.checkpoint} (step {plan.step})" if plan is not None else "starts at step 0")
     exists = "exists" if Path(trainer.run_dir).is_dir() else "not created by --dry-run"
     head = [f"# train.py --dry-run: the resolved config (model.compute_dtype for {trainer.device})",

@@ -65,6 +65,39 @@ def test_train_cost_fused_recompute_resume_and_validation_by_hand():
     assert c.prompt_tokens is None and c.flops_per_step is None  # no prompt lengths given
 
 
+def test_validation_cost_per_rank_and_time_by_hand(tmp_path):
+    cfg = _tiny("trainer.val_every=2", "trainer.val_before_train=true", "trainer.total_steps=4",
+                "validation.samples=2", "validation.samples_per_call=6", "actor.ppo_mini_batch_size=2")
+    # 7 problems in blocks of 6 // 2 = 3 problems: 3, 3, 1; on 2 ranks the busiest rank takes ⌈3/2⌉ + ⌈3/2⌉ + ⌈1/2⌉
+    # = 5 problems × N 2 = 10 responses; one rank: all 14
+    measured = est.Measured(seconds_per_step=10.0, tokens_per_s=None, responses=8, response_length=8,
+                            rollout_seconds=4.0, ranks=1, steps=3, source="hand")
+    c = est.train_cost(cfg, ranks=2, validation_problems=7, measured=measured)
+    assert c.validations == 3  # step 0 (val_before_train), after steps 2 and 4
+    assert (c.validation_samples, c.validation_tokens_bound) == (14, 112)  # 7 × 2; × min(None or 8, 8)
+    assert (c.validation_samples_per_rank, c.validation_calls) == (10, 3)
+    # the rollout took 4 s for 8 × 8 = 64 bound tokens on one rank: 10 × 8 = 80 per rank → 5 s
+    assert c.validation_seconds == pytest.approx(5.0)
+    text = est.format_train_cost(c, cfg)
+    assert "validation: 3 run(s) (every 2 steps + step 0 (trainer.val_before_train)) × 14 responses" in text
+    assert "split over 2 ranks: ≤ 10 responses (≤ 80 tokens) on the busiest rank, in 3 engine call(s)" in text
+    assert "≈ 5 s per validation, ≈ 15 s in all" in text
+    one = est.train_cost(cfg, validation_problems=7, measured=measured)
+    assert one.validation_samples_per_rank == 14 and one.validation_seconds == pytest.approx(7.0)  # 112 / 64 × 4
+    # measured on 2 ranks: each generated 32 bound tokens in the 4 s → 80 per rank takes 10 s
+    two = est.train_cost(cfg, ranks=2, validation_problems=7, measured=est.Measured(
+        seconds_per_step=10.0, tokens_per_s=None, responses=8, response_length=8, rollout_seconds=4.0, ranks=2))
+    assert two.validation_seconds == pytest.approx(10.0)
+    off = est.format_train_cost(est.train_cost(_tiny(), validation_problems=7), _tiny())
+    assert "validation: off (trainer.val_every=0, trainer.val_before_train=false)" in off
+    # the cache records the rollout time and the ranks
+    cache = tmp_path / "throughput.json"
+    rows = [{"timing_s/step": 2.0, "timing_s/rollout": 1.0}, {"timing_s/step": 4.0, "timing_s/rollout": 3.0}]
+    est.record_train_throughput(cfg, "cpu", rows, "runs/x", path=cache)
+    m = est.lookup_train_throughput("tiny", "cpu", "float32", est.machine_key("cpu"), path=cache)
+    assert (m.rollout_seconds, m.ranks) == (2.0, 1)
+
+
 def test_train_flops_at_the_bound_by_hand():
     # a 1-wide, 1-layer model: layer matmul weights 1 (q) + 2 (k, v) + 1 (o) + 3 (MLP) = 7, LM head 1;
     # forward FLOPs = 2·7·positions + 4·keys + 2·logit rows (stapo/perf.py)

@@ -145,6 +145,43 @@ def test_tile_sizes_per_device():
     assert lm_head_tiles(torch.device("cuda", 0)) == (16384, 8192)
 
 
+@pytest.mark.slow
+def test_gpu_route_run_on_cpu_reads_bf16_directly_and_matches_the_eager_kernel(monkeypatch):
+    """The CUDA chunking (4,096-row compiled calls on bf16 logits without the upcast buffer; 16,384 × 8,192 head
+    tiles) run on the CPU by pretending the device is a GPU: the same statistics and gradients as the eager kernel
+    (bf16 logits, fp32 statistics: ≤ 5e-6; bf16 gradient: ≤ 1 bf16 ulp of its scale).  Slow: compiles the kernels'
+    bf16 variant (~10 s)."""
+    import stapo.lm_head as lm
+    import stapo.token_stats as ts
+
+    upcasts = []
+    real_upcast = ts._fwd_sums_upcast
+    monkeypatch.setattr(ts, "_fwd_sums_upcast", lambda *a: upcasts.append(1) or real_upcast(*a))
+    monkeypatch.setattr(ts, "_gpu_sizes", lambda device: True)
+    monkeypatch.setattr(lm, "_gpu_sizes", lambda device: True)
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(300, 5003, generator=g)).bfloat16().requires_grad_()  # [N, V] bf16
+    t = torch.randint(0, 5003, (300,), generator=g)
+    grads = {}
+    for backend in ("eager", "compiled"):
+        st = ts.token_stats(x, t, 0.7, backend=backend)
+        (st.logprobs.sum() + st.entropy.sum()).backward()
+        grads[backend] = (st, x.grad.float())
+        x.grad = None
+    assert upcasts == [] and ts.chunk_sizes(x.device, 5003, "compiled").rows == 4096
+    for f in ("logprobs", "entropy", "collision"):
+        torch.testing.assert_close(getattr(grads["compiled"][0], f), getattr(grads["eager"][0], f), atol=5e-6, rtol=0)
+    torch.testing.assert_close(grads["compiled"][1], grads["eager"][1], rtol=0,
+                               atol=float(grads["eager"][1].abs().max()) * 2**-8)
+    h = torch.randn(300, 16, generator=g).bfloat16()  # [N, d]
+    W = torch.randn(5003, 16, generator=g).bfloat16()  # [V, d]
+    a = lm_head_token_stats(h, W, t, 0.7, backend="compiled")
+    b = lm_head_token_stats(h, W, t, 0.7, backend="eager")
+    for f in ("logprobs", "entropy", "collision"):
+        torch.testing.assert_close(getattr(a, f), getattr(b, f), atol=5e-6, rtol=0)
+    assert upcasts == []
+
+
 # --------------------------------------------------------------------------------------------------
 # FSDP2 on 2 gloo ranks.
 # --------------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ __all__ = [
     "encode_problems",
     "plan_blocks",
     "call_seed",
+    "shard_positions",
     "evaluate_problems",
     "summarize_run",
     "default_run_dir",
@@ -267,6 +268,90 @@ def _store_path(out_dir: Path, benchmark: str, setting: str) -> Path:
 
 
 # --- generation + grading -------------------------------------------------------------------------------
+def shard_positions(count: int, world: int, rank: int) -> list[int]:
+    """The positions ``0 … count−1`` of a block's engine call that rank ``rank`` of ``world`` generates: every
+    W-th one, starting at ``rank`` (interleaved, so the shares differ by at most one problem).
+
+    Example: ``shard_positions(5, 2, 0)`` → ``[0, 2, 4]``; ``shard_positions(5, 2, 1)`` → ``[1, 3]``;
+    ``shard_positions(1, 2, 1)`` → ``[]``.
+    """
+    return list(range(int(rank), int(count), int(world)))
+
+
+def _block_records(engine: Any, grader: Any, call: Sequence[Problem], n: int, setting: DecodingSetting,
+                   block_key: str, seed_i: int, max_new_tokens: int, verifier: Any,
+                   verifier_apply_to: Sequence[str], prompt_indices: Sequence[int] | None = None,
+                   keep: int | None = None) -> tuple[list[dict[str, Any]], int, int]:
+    """One engine call over ``call`` (N = ``n`` samples each), graded (and verified) → the JSONL records in
+    response order (problem-major, then sample), the number of responses and their generated tokens.
+
+    ``prompt_indices``: the position of each prompt of ``call`` in the block's whole call (a rank's share under data
+    parallelism), which selects its seed (:meth:`stapo.rollout.SamplingParams.seeds`): a problem gets the same samples
+    whichever rank generates it. ``keep``: only the first ``keep`` prompts are real (the rest pad a rank's call to the
+    others' length and are dropped before grading).
+
+    Raises:
+        RuntimeError: the engine returned a wrong number of responses.
+    """
+    from stapo.rollout import SamplingParams
+
+    sampling = SamplingParams(temperature=float(setting.temperature), top_p=float(setting.top_p),
+                              max_new_tokens=int(max_new_tokens), seed=seed_i,
+                              prompt_indices=None if prompt_indices is None else list(prompt_indices))
+    responses = engine.generate([p.prompt_ids for p in call], n, sampling)
+    if len(responses) != len(call) * n:
+        raise RuntimeError(f"engine returned {len(responses)} responses for {len(call)}×{n}")
+    if keep is not None:
+        responses = [r for r in responses if r.group < keep]
+        if not responses:  # a rank whose call was all padding
+            return [], 0, 0
+    golds = [call[r.group].record.answer for r in responses]
+    graded = grader.grade([r.text for r in responses], golds).results
+    verdicts: dict[int, Any] = {}
+    if verifier is not None:
+        ask = [i for i, g in enumerate(graded) if g.status.value in verifier_apply_to]
+        if ask:
+            got = verifier.verify([call[responses[i].group].record.problem for i in ask],
+                                  [golds[i] for i in ask], [responses[i].text for i in ask])
+            verdicts = dict(zip(ask, got))
+    records = []
+    for i, (resp, grade) in enumerate(zip(responses, graded)):
+        p = call[resp.group]
+        v = verdicts.get(i)
+        records.append({
+            "problem_id": p.id, "sample": int(resp.index), "benchmark": p.benchmark, "setting": setting.name,
+            "problem_index": p.index, "block": block_key, "seed": seed_i,
+            "temperature": float(setting.temperature), "top_p": float(setting.top_p), "gold": golds[i],
+            "response": resp.text, "prompt_tokens": len(resp.prompt_ids),
+            "response_tokens": len(resp.response_ids), "finish_reason": resp.finish_reason,
+            "extracted": grade.extracted, "status": grade.status.value, "grader_error": grade.error,
+            "grade_seconds": round(float(grade.seconds), 4),
+            "verifier_verdict": v.verdict if v is not None else None,
+            "verifier_accepted": bool(v.accepted) if v is not None else False,
+            "verifier_raw": v.raw if v is not None else None,
+            "correct": bool(grade.correct or (v is not None and v.accepted)),
+        })
+    return records, len(responses), sum(len(r.response_ids) for r in responses)
+
+
+def _by_benchmark(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``{benchmark: its records}`` in the records' order (one store append per file and block)."""
+    per_bench: dict[str, list[dict[str, Any]]] = {}
+    for rec in records:
+        per_bench.setdefault(rec["benchmark"], []).append(rec)
+    return per_bench
+
+
+def _call_of(blk: Block, setting: DecodingSetting, stores: Mapping[tuple[str, str], GenerationStore]) -> list[int]:
+    """Positions in ``blk.problems`` of the block's engine call: all of them when some sample of the block was
+    stored before (a crash mid-block: regenerated whole, same seed, only the missing samples written), else the
+    problems whose N samples are not all stored."""
+    own = any(r.get("block") == blk.key for p in blk.problems
+              for r in stores[(p.benchmark, setting.name)].samples_of(p.id))
+    return [i for i, p in enumerate(blk.problems)
+            if own or not stores[(p.benchmark, setting.name)].complete(p.id, blk.n)]
+
+
 def evaluate_problems(
     engine: Any,
     grader: Any,
@@ -282,6 +367,8 @@ def evaluate_problems(
     verifier_apply_to: Sequence[str] = ("incorrect", "no_answer"),
     progress: bool = False,
     on_block: Callable[[dict[str, Any]], None] | None = None,
+    ctx: Any = None,
+    lockstep: bool = False,
 ) -> dict[str, Any]:
     """Generate, grade and store every missing sample of ``problems`` under every setting; return metrics.
 
@@ -297,15 +384,37 @@ def evaluate_problems(
         samples_per_call: block size target (see :func:`plan_blocks`).
         verifier: optional :class:`~stapo.evaluation.verifier.LLMVerifier` for rule-rejected samples.
         verifier_apply_to: rule verdicts sent to the verifier.
-        progress: show a tqdm bar over the missing samples.
-        on_block: called after each block is stored with ``{"setting", "block", "written", "generated"}``.
+        progress: show a tqdm bar over the missing samples (rank 0).
+        on_block: called after each block is stored with ``{"setting", "block", "written", "generated"}`` (rank 0).
+        ctx: a :class:`stapo.distributed.DistContext` with W > 1 ranks (collective: every rank calls this with the
+            same arguments, each with its own engine and grader): each block's engine call is split over the ranks
+            (:func:`shard_positions`), each rank generates and grades its share, rank 0 gathers the records and
+            writes the block (the one writer of ``out_dir``) and every rank returns rank 0's result. A problem is
+            sampled with the seed of its position in the block's call (``SamplingParams.prompt_indices``), so the
+            records are those of one process (``grade_seconds`` aside). An error on any rank is raised on every rank
+            (the failing rank's own exception there, :class:`~stapo.evaluation.errors.EvalError` naming it elsewhere)
+            after the block's gather. ``None`` or W = 1: one process.
+        lockstep: with ``ctx``: every rank makes the same engine calls with the same number of prompts (a rank
+            whose share of a block is smaller pads it with copies of its first problem, or of the call's, whose
+            responses are dropped) — for an engine whose decode steps are collectives (the HF backend on an
+            FSDP2-sharded policy: ``generate(synced_gpus=True)`` then lets the ranks' lengths differ).
 
     Returns:
         ``{"metrics": {setting: {"benchmarks": {name: summary}, "average": {...}}}, "run": {...}}`` —
-        see :func:`summarize_run`; ``run`` counts this call's blocks, samples and tokens and its seconds.
-    """
-    from stapo.rollout import SamplingParams
+        see :func:`summarize_run`; ``run`` counts this call's blocks, samples (all ranks) and generated tokens
+        (all ranks) and its seconds (rank 0's wall clock).
 
+    Raises:
+        EvalError: a problem lacks some of its samples after the run; under ``ctx``, the ranks disagree on the
+            blocks (different problems loaded) or another rank failed.
+        RuntimeError: the engine returned a wrong number of responses.
+    """
+    if ctx is not None and getattr(ctx, "enabled", False):
+        return _evaluate_sharded(engine, grader, problems, samples=samples, settings=settings,
+                                 max_new_tokens=max_new_tokens, out_dir=out_dir, seed=seed,
+                                 samples_per_call=samples_per_call, verifier=verifier,
+                                 verifier_apply_to=verifier_apply_to, progress=progress, on_block=on_block, ctx=ctx,
+                                 lockstep=lockstep)
     out = Path(out_dir)
     blocks = plan_blocks(problems, samples, samples_per_call)
     stores = {(b, s.name): GenerationStore(_store_path(out, b, s.name)) for b in problems for s in settings}
@@ -321,57 +430,142 @@ def evaluate_problems(
         bar = tqdm(total=total, desc="eval samples", dynamic_ncols=True)
     try:
         for setting, blk in todo:
-            own = any(r.get("block") == blk.key for p in blk.problems
-                      for r in stores[(p.benchmark, setting.name)].samples_of(p.id))
-            call = list(blk.problems) if own else [
-                p for p in blk.problems if not stores[(p.benchmark, setting.name)].complete(p.id, blk.n)]
+            call = [blk.problems[i] for i in _call_of(blk, setting, stores)]
             seed_i = call_seed(seed, setting.name, blk.n, [p.id for p in call])
-            sampling = SamplingParams(temperature=float(setting.temperature), top_p=float(setting.top_p),
-                                      max_new_tokens=int(max_new_tokens), seed=seed_i)
-            responses = engine.generate([p.prompt_ids for p in call], blk.n, sampling)
-            if len(responses) != len(call) * blk.n:
-                raise RuntimeError(f"engine returned {len(responses)} responses for {len(call)}×{blk.n}")
-            golds = [call[r.group].record.answer for r in responses]
-            graded = grader.grade([r.text for r in responses], golds).results
-            verdicts: dict[int, Any] = {}
-            if verifier is not None:
-                ask = [i for i, g in enumerate(graded) if g.status.value in verifier_apply_to]
-                if ask:
-                    got = verifier.verify([call[responses[i].group].record.problem for i in ask],
-                                          [golds[i] for i in ask], [responses[i].text for i in ask])
-                    verdicts = dict(zip(ask, got))
-            per_bench: dict[str, list[dict[str, Any]]] = {}
-            for i, (resp, grade) in enumerate(zip(responses, graded)):
-                p = call[resp.group]
-                v = verdicts.get(i)
-                per_bench.setdefault(p.benchmark, []).append({
-                    "problem_id": p.id, "sample": int(resp.index), "benchmark": p.benchmark, "setting": setting.name,
-                    "problem_index": p.index, "block": blk.key, "seed": seed_i,
-                    "temperature": float(setting.temperature), "top_p": float(setting.top_p), "gold": golds[i],
-                    "response": resp.text, "prompt_tokens": len(resp.prompt_ids),
-                    "response_tokens": len(resp.response_ids), "finish_reason": resp.finish_reason,
-                    "extracted": grade.extracted, "status": grade.status.value, "grader_error": grade.error,
-                    "grade_seconds": round(float(grade.seconds), 4),
-                    "verifier_verdict": v.verdict if v is not None else None,
-                    "verifier_accepted": bool(v.accepted) if v is not None else False,
-                    "verifier_raw": v.raw if v is not None else None,
-                    "correct": bool(grade.correct or (v is not None and v.accepted)),
-                })
-            written = sum(stores[(b, setting.name)].append(recs) for b, recs in per_bench.items())
+            records, generated, tokens = _block_records(engine, grader, call, blk.n, setting, blk.key, seed_i,
+                                                        max_new_tokens, verifier, verifier_apply_to)
+            written = sum(stores[(b, setting.name)].append(recs) for b, recs in _by_benchmark(records).items())
             stats["blocks"] += 1
-            stats["generated"] += len(responses)
+            stats["generated"] += generated
             stats["written"] += written
-            stats["tokens"] += sum(len(r.response_ids) for r in responses)
+            stats["tokens"] += tokens
             if bar is not None:
                 bar.update(written)
             if on_block is not None:
-                on_block({"setting": setting.name, "block": blk.key, "written": written, "generated": len(responses)})
+                on_block({"setting": setting.name, "block": blk.key, "written": written, "generated": generated})
     finally:
         if bar is not None:
             bar.close()
     stats["seconds"] = time.perf_counter() - t_start
     stats["tokens_per_s"] = stats["tokens"] / stats["seconds"] if stats["tokens"] and stats["seconds"] > 0 else None
     return {"metrics": summarize_run(problems, stores, samples, settings), "run": stats}
+
+
+def _error_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def _raise_any(errors: Sequence[str | None], mine: BaseException | None, what: str) -> None:
+    """After a gather of every rank's error line (None = fine): raise on every rank when one failed — this rank's
+    own exception where it has one, else an EvalError naming the first failed rank."""
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return
+    if mine is not None:
+        raise mine
+    rank, line = failed[0]
+    raise EvalError(f"{what}: rank {rank} failed ({line})")
+
+
+def _evaluate_sharded(engine: Any, grader: Any, problems: Mapping[str, Sequence[Problem]], *,
+                      samples: Mapping[str, int], settings: Sequence[DecodingSetting], max_new_tokens: int,
+                      out_dir: str | os.PathLike, seed: int, samples_per_call: int, verifier: Any,
+                      verifier_apply_to: Sequence[str], progress: bool,
+                      on_block: Callable[[dict[str, Any]], None] | None, ctx: Any, lockstep: bool) -> dict[str, Any]:
+    """:func:`evaluate_problems` over W > 1 ranks (collective; the rule in its ``ctx`` argument).
+
+    Per block: rank 0 (the only rank that reads or writes the stores) has chosen the call (:func:`_call_of`, sent
+    to every rank once, before the first block); rank r generates and grades positions :func:`shard_positions` of
+    it; the records are gathered (``all_gather_object``), rank 0 sorts them into the one-process order (position in
+    the call, then sample) and appends them to the stores in one write per file, then tells the ranks whether
+    that worked (a second small gather). A crash therefore leaves the stores as one process would: whole blocks,
+    or a torn last line that the next run cuts off.
+    """
+    from stapo.distributed import gather_objects
+
+    main = ctx.is_main
+    out = Path(out_dir)
+    blocks = plan_blocks(problems, samples, samples_per_call)
+    stores: dict[tuple[str, str], GenerationStore] = {}
+    plan: list[tuple[int, int, str, list[int]]] | None = None  # (setting index, block index, block key, call)
+    error: BaseException | None = None
+    if main:
+        try:
+            stores = {(b, s.name): GenerationStore(_store_path(out, b, s.name)) for b in problems for s in settings}
+            plan = [(si, bi, blk.key, _call_of(blk, s, stores)) for si, s in enumerate(settings)
+                    for bi, blk in enumerate(blocks)
+                    if not all(stores[(p.benchmark, s.name)].complete(p.id, blk.n) for p in blk.problems)]
+        except Exception as e:  # noqa: BLE001 - a damaged store: raised on every rank below, not a hang
+            error = e
+    head = gather_objects((plan, None if error is None else _error_line(error)), ctx)
+    _raise_any([h[1] for h in head], error, "validation")
+    plan = head[0][0]
+    keys = [blk.key for blk in blocks]
+    if any(bi >= len(blocks) or keys[bi] != key for _, bi, key, _ in plan):
+        raise EvalError(f"validation: rank {ctx.rank} planned other blocks than rank 0 (the ranks loaded different "
+                        f"problems: same data.root and tokenizer on every node?)")
+    stats = {"blocks": 0, "generated": 0, "written": 0, "tokens": 0, "seconds": 0.0}
+    t_start = time.perf_counter()
+    bar = None
+    if main and progress and plan:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(blocks[bi].n * len(blocks[bi].problems) for _, bi, _, _ in plan),
+                   desc="eval samples", dynamic_ncols=True)
+    try:
+        for si, bi, _, positions in plan:
+            setting, blk = settings[si], blocks[bi]
+            call = [blk.problems[i] for i in positions]
+            seed_i = call_seed(seed, setting.name, blk.n, [p.id for p in call])
+            mine = shard_positions(len(call), ctx.world, ctx.rank)
+            keep = len(mine)
+            if lockstep:  # every rank the same number of prompts: pad with a copy (its responses are dropped)
+                width = -(-len(call) // ctx.world)
+                mine = mine + [mine[0] if mine else 0] * (width - len(mine))
+            records: list[dict[str, Any]] = []
+            generated = tokens = 0
+            try:
+                if mine:
+                    records, generated, tokens = _block_records(
+                        engine, grader, [call[i] for i in mine], blk.n, setting, blk.key, seed_i, max_new_tokens,
+                        verifier, verifier_apply_to, prompt_indices=mine, keep=keep)
+            except Exception as e:  # noqa: BLE001 - told to every rank after the gather below
+                error = e
+            parts = gather_objects((records, generated, tokens, None if error is None else _error_line(error)), ctx)
+            _raise_any([p[3] for p in parts], error, "validation")
+            written = 0
+            if main:
+                order = {(p.benchmark, p.id): i for i, p in enumerate(call)}
+                merged = sorted((r for p in parts for r in p[0]),
+                                key=lambda r: (order[(r["benchmark"], r["problem_id"])], r["sample"]))
+                try:
+                    written = sum(stores[(b, setting.name)].append(recs) for b, recs in _by_benchmark(merged).items())
+                except Exception as e:  # noqa: BLE001 - a full disk: told to every rank, then raised
+                    error = e
+            _raise_any(gather_objects(None if error is None else _error_line(error), ctx), error, "validation")
+            stats["blocks"] += 1
+            stats["generated"] += sum(p[1] for p in parts)
+            stats["written"] += written
+            stats["tokens"] += sum(p[2] for p in parts)
+            if bar is not None:
+                bar.update(written)
+            if main and on_block is not None:
+                on_block({"setting": setting.name, "block": blk.key, "written": written,
+                          "generated": sum(p[1] for p in parts)})
+    finally:
+        if bar is not None:
+            bar.close()
+    stats["seconds"] = time.perf_counter() - t_start
+    stats["tokens_per_s"] = stats["tokens"] / stats["seconds"] if stats["tokens"] and stats["seconds"] > 0 else None
+    result = None
+    if main:
+        try:
+            result = {"metrics": summarize_run(problems, stores, samples, settings), "run": stats}
+        except Exception as e:  # noqa: BLE001 - e.g. an incomplete problem: raised on every rank
+            error = e
+    last = gather_objects((result, None if error is None else _error_line(error)), ctx)
+    _raise_any([x[1] for x in last], error, "validation")
+    return last[0][0]
 
 
 def summarize_run(problems: Mapping[str, Sequence[Problem]], stores: Mapping[tuple[str, str], GenerationStore],

@@ -6,8 +6,16 @@ steps, after the new weights were synced into the rollout engine, and logs the r
 with the trainer's own engine (``trainer.engine``), tokenizer and training prompt (``cfg.data.prompt_style``,
 ``cfg.data.system_prompt``), grades with math-verify and computes the same metrics as ``evaluate.py``
 (:func:`stapo.evaluation.runner.evaluate_problems`); the generations go to
-``<run_dir>/validation/step_XXXXXX/generations/*.jsonl`` (resumable like an evaluation run) and the metrics to
-``.../metrics.json``.
+``<run_dir>/validation/step_XXXXXX/generations/*.jsonl`` (resumable like an evaluation run), the metrics to
+``.../metrics.json`` and the generation settings to ``.../validation_manifest.json`` (a step folder left with other
+settings is emptied before it is resumed).
+
+Under ``torchrun`` (W > 1 ranks, ``trainer.dist``) every rank calls the hook (it is collective): each block of the
+validation's engine calls is split over the ranks' engines, each rank grades its share with its own grader pool,
+rank 0 gathers the records and writes the step's files, and every rank returns the same metrics — those of one
+process (:func:`stapo.evaluation.runner.evaluate_problems` with ``ctx``; the samples follow the seed of each
+problem's position in its block, not the rank). With the HF backend on an FSDP2-sharded policy the ranks' calls are
+padded to the same size (``lockstep``), since every decode step all-gathers the parameters.
 
 Returned keys (verl's validation layout, shared with the verl plugin's runs; docs/metrics.md):
 ``val-core/<benchmark>/acc/{mean,pass,maj}@<N>`` (mean@N = avg@N), ``val-core/average/acc/mean@<N>``,
@@ -30,6 +38,8 @@ from stapo.evaluation.errors import EvalError
 from stapo.metric_names import val_key, val_source
 
 __all__ = ["ValidationHook", "make_validation_hook", "make_validation_hook_from_config"]
+
+MANIFEST = "validation_manifest.json"  # a step folder's generation settings (ValidationHook._claim)
 
 
 def _settings(settings: Sequence[Any] | None) -> list[DecodingSetting]:
@@ -123,7 +133,7 @@ class ValidationHook:
             prompt = PromptSpec(style=dc.prompt_style, system_prompt=dc.system_prompt, source="train config")
             self._dropped = encode_problems(problems, trainer.tokenizer, prompt, dc.max_prompt_length)
             for bench, n in self._dropped.items():
-                if n:
+                if n and _is_main(trainer):
                     # one plain line on stderr (tqdm.write: above a live progress bar), like the trainer's notices
                     tqdm.write(f"validation: {n} {bench} prompt(s) longer than data.max_prompt_length="
                                f"{dc.max_prompt_length} tokens are skipped", file=sys.stderr)
@@ -131,18 +141,42 @@ class ValidationHook:
         return self._problems
 
     def __call__(self, trainer: Any, step: int) -> dict[str, float]:
-        """Validate the trainer's current policy; returns flat metrics (keys in the module docstring)."""
-        from stapo.evaluation.runner import evaluate_problems
+        """Validate the trainer's current policy; returns flat metrics (keys in the module docstring).
 
-        problems = self._load(trainer)
-        if self._grader is None:
-            from stapo.grader import MathGrader
+        Collective under ``torchrun`` (``trainer.dist`` with W > 1): every rank calls it, generates and grades its
+        share, and returns the same dict; rank 0 writes the files. An error on one rank is raised on every rank.
+        """
+        from stapo.evaluation.runner import _error_line, _raise_any, evaluate_problems
 
-            self._grader = MathGrader(num_workers=self.grader_workers, timeout_s=self.grader_timeout_s,
-                                      require_value=self.grader_require_value)
         limit = int(trainer.cfg.rollout.response_length)
         max_new = min(int(self.max_new_tokens), limit) if self.max_new_tokens else limit
         out_dir = Path(trainer.run_dir) / self.subdir / f"step_{int(step):06d}"
+        ctx = getattr(trainer, "dist", None)
+        sharded = bool(getattr(ctx, "enabled", False))
+        main = _is_main(trainer)
+        error = None
+        try:  # W > 1: an error here on one rank is told to every rank below (none may wait forever)
+            problems = self._load(trainer)
+            if self._grader is None:
+                from stapo.grader import MathGrader
+
+                self._grader = MathGrader(num_workers=self.grader_workers, timeout_s=self.grader_timeout_s,
+                                          require_value=self.grader_require_value)
+            if main:
+                self._claim(out_dir, trainer, max_new)
+        except Exception as e:  # noqa: BLE001
+            if not sharded:
+                raise
+            error = e
+        if sharded:
+            from stapo.distributed import gather_objects
+
+            _raise_any(gather_objects(None if error is None else _error_line(error), ctx), error, "validation")
+        wake = getattr(trainer, "wake_engine", None)  # the engine awake (a no-op after a step's weight sync)
+        if callable(wake):
+            wake()
+        # HF generate on an FSDP2-sharded policy all-gathers at every decode step: the ranks' calls must match
+        lockstep = sharded and ctx.strategy == "fsdp2" and getattr(trainer.engine, "backend", None) == "hf"
         model = getattr(trainer, "model", None)
         was_training = bool(getattr(model, "training", False))
         if model is not None:
@@ -150,15 +184,50 @@ class ValidationHook:
         try:
             res = evaluate_problems(trainer.engine, self._grader, problems, samples=self.samples,
                                     settings=self.settings, max_new_tokens=max_new, out_dir=out_dir, seed=self.seed,
-                                    samples_per_call=self.samples_per_call)
+                                    samples_per_call=self.samples_per_call, ctx=ctx if sharded else None,
+                                    lockstep=lockstep)
         finally:
             if model is not None:
                 model.train(was_training)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "metrics.json").write_text(json.dumps(
-            {"step": int(step), "metrics": res["metrics"], "run": res["run"], "dropped_long_prompt": self._dropped},
-            indent=2, default=lambda x: None))
+        if main:
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                (out_dir / "metrics.json").write_text(json.dumps(
+                    {"step": int(step), "metrics": res["metrics"], "run": res["run"],
+                     "dropped_long_prompt": self._dropped}, indent=2, default=lambda x: None))
+            except Exception as e:  # noqa: BLE001 - W > 1: told to every rank (none may wait forever)
+                if not sharded:
+                    raise
+                error = e
+        if sharded:
+            from stapo.distributed import gather_objects
+
+            _raise_any(gather_objects(None if error is None else _error_line(error), ctx), error, "validation")
         return self._flatten(res["metrics"])
+
+    def _claim(self, out_dir: Path, trainer: Any, max_new: int) -> None:
+        """Rank 0, before generating: the step folder's generation settings (``validation_manifest.json``). A folder
+        left with other settings (a crash in the step-0 validation, restarted with a changed ``validation.*`` or
+        prompt) is emptied first (one line on stderr), so its store never resumes samples of other settings."""
+        import shutil
+
+        dc = trainer.cfg.data
+        want = {"seed": self.seed, "samples": self.samples, "samples_per_call": self.samples_per_call,
+                "max_new_tokens": int(max_new), "prompt_style": dc.prompt_style, "system_prompt": dc.system_prompt,
+                "settings": [[s.name, float(s.temperature), float(s.top_p)] for s in self.settings]}
+        path = out_dir / MANIFEST
+        if path.is_file():
+            try:
+                have = json.loads(path.read_text())
+            except ValueError:
+                have = None
+            if have == want:
+                return
+            tqdm.write(f"validation: {out_dir} holds generations of other settings; they are removed",
+                       file=sys.stderr)
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(want, indent=2))
 
     def _flatten(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         # keys: verl's validation layout, shared with the verl plugin's runs (stapo/metric_names.py, docs/metrics.md)
@@ -194,6 +263,11 @@ class ValidationHook:
             self._grader = None
 
 
+def _is_main(trainer: Any) -> bool:
+    """Rank 0 of ``trainer.dist`` (True without one: one process)."""
+    return bool(getattr(getattr(trainer, "dist", None), "is_main", True))
+
+
 def make_validation_hook(**kwargs: Any) -> ValidationHook:
     """A :class:`ValidationHook` (keyword arguments as its constructor) for
     ``Trainer(cfg, validation_hook=make_validation_hook(...))``."""
@@ -205,7 +279,7 @@ def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
     ``trainer.val_before_train`` is false (the trainer calls it at step 0 for the latter).
 
     Reads ``cfg.validation`` when the schema has it (fields ``benchmarks``, ``limit``, ``samples``,
-    ``temperature``, ``top_p``, ``max_new_tokens``, ``seed``); otherwise uses the :class:`ValidationHook`
+    ``temperature``, ``top_p``, ``max_new_tokens``, ``seed``, ``samples_per_call``); otherwise uses the :class:`ValidationHook`
     defaults (MATH500, first 32 problems, N = 4, T = 1.0, top-p = 1.0). Validation grades with the training
     reward's answer rule: ``algorithm.reward: math_verify_value`` → ``grader_require_value=True``.
     """
@@ -217,5 +291,5 @@ def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
         return ValidationHook(grader_require_value=require_value)
     return ValidationHook(benchmarks=list(vc.benchmarks), limit=vc.limit, samples=int(vc.samples),
                           settings=[(float(vc.temperature), float(vc.top_p))], max_new_tokens=vc.max_new_tokens,
-                          seed=int(vc.seed), data_root=getattr(getattr(cfg, "data", None), "root", None),
+                          seed=int(vc.seed), samples_per_call=int(getattr(vc, "samples_per_call", 256)), data_root=getattr(getattr(cfg, "data", None), "root", None),
                           grader_require_value=require_value)

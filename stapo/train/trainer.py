@@ -208,7 +208,8 @@ class Trainer:
     Args:
         cfg: a validated config (:func:`stapo.config.load_config`).
         validation_hook: optional ``fn(trainer, step) -> metrics`` called every ``trainer.val_every`` steps
-            (the evaluation harness provides one).
+            (the evaluation harness provides one), on every rank under torchrun (the evaluation harness's hook
+            splits the work over the ranks' engines; rank 0 logs what rank 0's call returns).
         reward_fn: optional ``fn(responses, golds) -> obj`` with ``obj.rewards`` (one float per response)
             replacing ``algorithm.reward`` (tests use a toy reward; see :func:`stapo.rewards.make_reward_fn`).
         preflight_only: stop after the start-up checks that need no model (train.py ``--dry-run``,
@@ -494,9 +495,11 @@ class Trainer:
         # run restarted at step 0 whose metrics.jsonl already holds the step-0 row does not repeat it)
         if tc.val_before_train and self.validation_hook is not None and self.step == 0:
             path = self.tracker.metrics_path if main else None
-            if main and not (path.exists() and any(row["step"] == 0 for row in read_jsonl_rows(path)[0])):
-                self.tracker.log(0, self.validation_hook(self, 0))
-            dist.barrier(self.dist)
+            done = main and path.exists() and any(row["step"] == 0 for row in read_jsonl_rows(path)[0])
+            if not dist.gather_objects(done, self.dist)[0]:  # rank 0's answer; every rank validates its share
+                val = self.validation_hook(self, 0)
+                if self.tracker is not None:
+                    self.tracker.log(0, val)
         history: list[dict[str, float]] = []
         bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
                    dynamic_ncols=True)
@@ -510,9 +513,8 @@ class Trainer:
                 metrics = self.train_step()
                 self.step += 1
                 if self.validation_hook is not None and tc.val_every and self.step % tc.val_every == 0:
-                    if main:  # rank 0 validates with its engine; the others wait
-                        metrics.update(self.validation_hook(self, self.step))
-                    dist.barrier(self.dist)
+                    # every rank's engine generates its share (collective; stapo/evaluation/validation.py)
+                    metrics.update(self.validation_hook(self, self.step))
                 if self.tracker is not None:
                     self.tracker.log(self.step, metrics)
                 history.append(metrics)
