@@ -196,6 +196,24 @@ class ActorConfig:
     # forward (stapo.lm_head.forward_token_stats), so under FSDP2 inside the root module's forward (the output
     # embedding, tied or not, is all-gathered there). On in configs/paper/base.yaml.
     lm_head: Literal["logits", "fused"] = "logits"
+    # verl's actor_rollout_ref.model.use_remove_padding: the trainer's forwards (old, reference, current-policy and
+    # update passes) take no attention mask and no left padding (stapo/policy.py::forward_layout): with
+    # model.attn_implementation flash_attention_2 the micro-batch's rows are packed into one sequence (position ids
+    # restart per row; the varlen flash kernel), with sdpa / eager each row starts at column 0 and only trailing
+    # padding remains (SDPA is_causal: its flash kernel). false: left-padded prompt ‖ right-padded response with a
+    # mask (transformers then builds a dense [rows, 1, L, L] mask). Same per-token results up to float rounding
+    # (tests/test_packing.py). Not with share_prompt.
+    use_remove_padding: bool = False
+    # verl's use_dynamic_bsz: micro-batches hold as many rows as fit ppo_max_token_len_per_gpu tokens (longest
+    # first, balanced; stapo/train/plan.py::token_budget_micro_batches) instead of ppo_micro_batch_size rows; under
+    # FSDP2 every rank runs the same number of micro-batches in each pass (the maximum over the ranks). Not with
+    # share_prompt.
+    use_dynamic_bsz: bool = False
+    # Tokens per forward with use_dynamic_bsz, as laid out (plan.py::micro_batch_tokens): the sum of the rows'
+    # prompt + response tokens when packed (flash_attention_2), rows × the longest row for trailing padding (sdpa /
+    # eager), rows × (longest prompt + longest response) for the padded layout. Must be ≥ data.max_prompt_length +
+    # rollout.response_length (verl requires the same), so any one row fits. One budget for every pass.
+    ppo_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -575,6 +593,14 @@ def validate(cfg: TrainConfig) -> None:
          f"must equal model.param_dtype ({mc.param_dtype}) when the parameters are not float32")
     need(not (cfg.actor.share_prompt and cfg.model.gradient_checkpointing), "actor.share_prompt",
          "cannot be combined with model.gradient_checkpointing (the shared prompt needs a KV cache)")
+    need(not (cfg.actor.share_prompt and (cfg.actor.use_remove_padding or cfg.actor.use_dynamic_bsz)),
+         "actor.share_prompt", "cannot be combined with actor.use_remove_padding or actor.use_dynamic_bsz (its KV "
+         "cache holds left-padded prompts of whole groups)")
+    need(cfg.actor.ppo_max_token_len_per_gpu >= 1, "actor.ppo_max_token_len_per_gpu", "must be ≥ 1")
+    max_row = cfg.data.max_prompt_length + cfg.rollout.response_length
+    need(not cfg.actor.use_dynamic_bsz or cfg.actor.ppo_max_token_len_per_gpu >= max_row,
+         "actor.ppo_max_token_len_per_gpu", f"must be ≥ data.max_prompt_length + rollout.response_length "
+         f"({max_row}) with actor.use_dynamic_bsz, so that the longest row fits one forward")
     s2t = cfg.algorithm.s2t
     need(0 < s2t.entropy_quantile < 1, "algorithm.s2t.entropy_quantile", "q must be in (0, 1)")
     need(0 < s2t.prob_threshold <= 1, "algorithm.s2t.prob_threshold", "τ_p must be in (0, 1]")
@@ -779,7 +805,8 @@ def _get(cfg: Any, dotted: str) -> Any:
 #: they are applied (the new value) and recorded (``<run_dir>/config_changes.jsonl``). Run length and bookkeeping;
 #: where the run is (a run folder copied elsewhere); logging, progress bars and validation (they do not touch the
 #: weights); ``actor.lr`` (set into the optimizer and the scheduler's base lr: :class:`stapo.train.state.RunState`);
-#: and how the same update is computed — micro-batch size, length sorting, shared-prompt and fused forwards,
+#: and how the same update is computed — micro-batch size / token budget, length sorting, padding-free layout,
+#: shared-prompt and fused forwards,
 #: gradient checkpointing, attention kernel, rank count / sharding, device, rollout engine and its memory options
 #: (the same update up to float rounding; ``actor.ppo_micro_batch_size`` only splits each mini-batch's
 #: forward/backward, the loss is normalised per mini-batch). Every other key is refused on resume: the objective
@@ -793,7 +820,8 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.save_rollouts",
     "logging", "validation",
     "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
-    "actor.lm_head", "actor.deferred_graphs",
+    "actor.lm_head", "actor.deferred_graphs", "actor.use_remove_padding", "actor.use_dynamic_bsz",
+    "actor.ppo_max_token_len_per_gpu",
     "model.gradient_checkpointing", "model.attn_implementation", "model.cache_dir", "model.allow_low_precision_params",
     "data.root",
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",

@@ -413,6 +413,7 @@ def train_cost(cfg: Any, *, start_step: int = 0, prompt_lengths: Sequence[int] |
     import torch
 
     from stapo.config import objective_from_config
+    from stapo.policy import forward_layout
     from stapo.train.plan import build_plan
 
     tc, dc, rc, ac = cfg.trainer, cfg.data, cfg.rollout, cfg.actor
@@ -428,7 +429,9 @@ def train_cost(cfg: Any, *, start_step: int = 0, prompt_lengths: Sequence[int] |
                       micro_batch_size=ac.ppo_micro_batch_size, token_mask=objective.token_mask,
                       mask_stats_source=cfg.algorithm.mask_stats_source, fused_forward=ac.fused_forward,
                       sort_by_length=ac.sort_by_length and not ac.share_prompt, has_reference=objective.kl_coef > 0,
-                      keep_all_graphs=strategy == "fsdp2")
+                      keep_all_graphs=strategy == "fsdp2",
+                      token_budget=ac.ppo_max_token_len_per_gpu if ac.use_dynamic_bsz else None,
+                      layout=forward_layout(ac.use_remove_padding, cfg.model.attn_implementation))
     grad_steps = [m for mb in plan.minibatches for m in mb.forwards]
     recomputed = [m for m in grad_steps if m.deferred] if ac.deferred_graphs == "recompute" else []
     forwards = plan.num_forwards + len(recomputed)  # "recompute": each deferred micro-batch is forwarded twice

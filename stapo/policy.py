@@ -15,6 +15,23 @@ Layout of a :class:`RolloutBatch` (B rows, P prompt columns, R response columns)
 so the response token ``j`` of every row sits at column ``P + j`` and is predicted by the logits at column
 ``P + j − 1``. Position ids count real tokens only (0 at the first prompt token), so a left-padded row gives
 the same logits as the row alone.
+
+That padded layout is how a batch is stored. A forward may lay its rows out differently
+(``actor.use_remove_padding``; :func:`forward_layout`, :func:`layout_inputs`;
+docs/scaling.md#padding-free-micro-batches):
+
+* ``padded`` — the stored layout with its attention mask (the default). With any padding transformers builds a
+  dense [b, 1, L, L] mask, so SDPA cannot take its flash kernel.
+* ``trailing`` — each row's prompt ‖ response from column 0, padding only at the end, no attention mask and
+  position ids 0 … L−1: causal attention hides the trailing pads from every real token, and transformers passes
+  SDPA ``is_causal=True`` (its flash kernel) instead of a mask. For ``sdpa`` and ``eager``.
+* ``packed`` — the rows concatenated into one [1, T] sequence (T = Σ prompt + response tokens), position ids
+  restarting at 0 for each row, no attention mask: transformers' flash-attention path derives ``cu_seqlens``
+  from the position ids (varlen kernel, no padding at all). For ``flash_attention_*``. (With ``sdpa`` / ``eager``
+  transformers detects the packing too but builds a dense block-diagonal [1, 1, T, T] mask: correct, used by the
+  tests, not by a run.)
+
+Either way the per-token results are the padded forward's up to float rounding (tests/test_packing.py).
 """
 from __future__ import annotations
 
@@ -27,7 +44,11 @@ import torch
 from stapo.rollout.base import Response
 
 __all__ = ["RolloutBatch", "collate_responses", "policy_hidden", "policy_logits", "policy_token_stats",
-           "shared_prompt_logits", "check_fused_head", "policy_decoder"]
+           "shared_prompt_logits", "check_fused_head", "policy_decoder", "LAYOUTS", "ForwardInputs", "forward_layout",
+           "layout_inputs", "row_lengths"]
+
+#: The forward layouts of :func:`layout_inputs` (see the module docstring).
+LAYOUTS = ("padded", "trailing", "packed")
 
 
 @dataclass
@@ -126,6 +147,127 @@ def collate_responses(responses: Sequence[Response], pad_token_id: int) -> Rollo
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
     return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         response_ids=response_ids, response_mask=response_mask)
+
+
+def row_lengths(batch: RolloutBatch) -> torch.Tensor:
+    """[B] int64 prompt + response tokens of each row (its real tokens: ``attention_mask.sum(1)``)."""
+    return batch.attention_mask.sum(dim=1)
+
+
+def forward_layout(use_remove_padding: bool, attn_implementation: str) -> str:
+    """The layout of the trainer's forwards (one of :data:`LAYOUTS`; see the module docstring).
+
+    ``actor.use_remove_padding=false`` → ``padded``. Otherwise by ``model.attn_implementation``:
+    ``flash_attention_2`` / ``_3`` / ``_4`` → ``packed`` (transformers' varlen flash path reads ``cu_seqlens``
+    from the restarting position ids: no padding, no mask); every other implementation (``sdpa``, ``eager``) →
+    ``trailing`` (no mask: SDPA gets ``is_causal=True`` and may take its flash kernel; packing would make
+    transformers build a dense block-diagonal [1, 1, T, T] mask over T = Σ row lengths instead).
+    Source: transformers 5.19 ``masking_utils.find_packed_sequence_indices`` / ``_ignore_causal_mask_sdpa`` and
+    ``modeling_flash_attention_utils._is_packed_sequence``; verl's ``use_remove_padding``.
+    """
+    if not use_remove_padding:
+        return "padded"
+    return "packed" if str(attn_implementation).startswith("flash_attention") else "trailing"
+
+
+@dataclass
+class ForwardInputs:
+    """One forward's model inputs in a padding-free layout, and where its outputs go (:func:`layout_inputs`).
+
+    Attributes:
+        layout: ``"trailing"`` or ``"packed"``.
+        input_ids: [N, L] int64 — trailing: N = b rows, L = the longest row, each row's prompt ‖ response from
+            column 0, then pad id 0; packed: N = 1, L = T = Σ row lengths, the rows one after another.
+        position_ids: [N, L] int64 — trailing: 0 … L−1 in every row (the pads continue the count, so transformers
+            sees no packing); packed: 0 … len_i − 1 for each row.
+        positions: [K'] int64 flat index (row-major) into the N·L positions: the position whose output predicts
+            response token k, where k runs over ``response_mask``'s True entries in row-major order (row 0's
+            tokens 0 … n_0 − 1, then row 1's …). K' = max(K, 1): with no response token one dummy position 0.
+        targets: [K'] int64 the response token ids (0 for the dummy).
+        keep_cols: [C] int64 the columns the logits path keeps (``logits_to_keep``): packed the K' positions
+            (C = K'); trailing the columns from the first to the last predicting column of any row.
+        kept: [K'] int64 index into the N·C kept outputs (row-major) of token k.
+        response_mask: [b, r] bool, the batch's (where :meth:`scatter` writes).
+        num_tokens: K, the real response tokens (0 when no row has one).
+    """
+
+    layout: str
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    keep_cols: torch.Tensor
+    kept: torch.Tensor
+    response_mask: torch.Tensor
+    num_tokens: int
+
+    def model_kwargs(self) -> dict:
+        """The forward's keyword arguments: ids, position ids, no attention mask, no KV cache (a cache would make
+        transformers skip its packed-sequence detection)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                "use_cache": False}
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[K'] per-token values → [b, r] in the batch's layout, 0 where ``response_mask`` is False
+        (differentiable)."""
+        out = torch.zeros(self.response_mask.shape, dtype=values.dtype, device=values.device)  # [b, r]
+        return out.masked_scatter(self.response_mask.to(values.device), values[:self.num_tokens])
+
+
+def layout_inputs(batch: RolloutBatch, layout: str) -> ForwardInputs:
+    """Lay the rows of ``batch`` (any ``select``-ed / ``trim``-med slice, on any device) out for one forward
+    without left padding or attention mask (see the module docstring; per-token outputs equal the padded
+    forward's up to float rounding).
+
+    Example (rows ``[5 6 7 | 9 2]`` and ``[8 | 13 2 4]``, ``|`` between prompt and response):
+    packed ``input_ids = [[5, 6, 7, 9, 2, 8, 13, 2, 4]]``, ``position_ids = [[0, 1, 2, 3, 4, 0, 1, 2, 3]]``,
+    ``positions = [2, 3, 5, 6, 7]`` (response token 9 is predicted by the output at 2, …, token 4 by the one at 7);
+    trailing ``input_ids = [[5, 6, 7, 9, 2], [8, 13, 2, 4, 0]]``, ``positions = [2, 3, 5, 6, 7]`` (row 1's
+    start at 5 = 1·L), ``keep_cols = [0, 1, 2, 3]``.
+
+    Raises:
+        ValueError: an unknown layout (``padded`` has no :class:`ForwardInputs`: it is the batch itself), or a
+            batch without a prompt column.
+    """
+    if layout not in ("trailing", "packed"):
+        raise ValueError(f"layout_inputs: layout must be 'trailing' or 'packed', got {layout!r}")
+    P = batch.prompt_width
+    if P < 1:
+        raise ValueError("the batch has no prompt column: the first response token has no predictor")
+    dev = batch.input_ids.device
+    real = batch.attention_mask.bool()  # [b, P+R] real tokens
+    lengths = real.sum(dim=1)  # [b] prompt + response tokens
+    pos = real.long().cumsum(dim=1) - 1  # [b, P+R] each real token's index in its row (0 at the first prompt token)
+    rmask = batch.response_mask.bool()  # [b, r]
+    rows_k = rmask.nonzero(as_tuple=True)[0]  # [K] row of response token k (row-major)
+    q = pos[:, P:][rmask] - 1  # [K] index in its row of the token predicting response token k
+    targets = batch.response_ids[rmask]  # [K]
+    K = int(q.numel())
+    b = int(lengths.shape[0])
+    if layout == "packed":
+        offsets = lengths.cumsum(0) - lengths  # [b] first position of each row
+        positions = offsets[rows_k] + q  # [K], strictly increasing
+        input_ids = batch.input_ids[real].unsqueeze(0)  # [1, T]
+        position_ids = pos[real].unsqueeze(0)  # [1, T]
+    else:
+        L = int(lengths.max())
+        r_idx, c_idx = real.nonzero(as_tuple=True)  # [T] each real token's row and padded column
+        input_ids = torch.zeros((b, L), dtype=torch.long, device=dev)  # [b, L], pad id 0 (never attended to)
+        input_ids[r_idx, pos[r_idx, c_idx]] = batch.input_ids[r_idx, c_idx]
+        position_ids = torch.arange(L, device=dev).repeat(b, 1)  # [b, L]
+        positions = rows_k * L + q  # [K]
+    if K == 0:  # no response token: one dummy output keeps the forward (a collective under FSDP2) and its graph
+        positions = torch.zeros(1, dtype=torch.long, device=dev)
+        targets = torch.zeros(1, dtype=torch.long, device=dev)
+        rows_k, q = positions, positions
+    if layout == "packed":
+        keep_cols, kept = positions, torch.arange(positions.numel(), device=dev)  # [K'], [K']
+    else:
+        c0, c1 = int(q.min()), int(q.max())
+        keep_cols = torch.arange(c0, c1 + 1, device=dev)  # [C]
+        kept = rows_k * (c1 - c0 + 1) + (q - c0)  # [K'] into [b·C]
+    return ForwardInputs(layout=layout, input_ids=input_ids, position_ids=position_ids, positions=positions,
+                         targets=targets.long(), keep_cols=keep_cols, kept=kept, response_mask=rmask, num_tokens=K)
 
 
 def _run(model: torch.nn.Module, hidden: bool, keep: int | None, head=None, **kw):
@@ -306,7 +448,8 @@ def shared_prompt_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.T
 
 def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature: float, *,
                        entropy_grad: bool = False, vocab_size: int | None = None, backend: str = "auto",
-                       chunk_size: int | None = None, share_prompt: bool = False, lm_head: str = "logits"):
+                       chunk_size: int | None = None, share_prompt: bool = False, lm_head: str = "logits",
+                       layout: str = "padded"):
     """Response tokens' log-probs, entropies and collision probabilities under ``model`` at ``temperature``.
 
     One forward pass (gradients flow if enabled by the caller; under the caller's ``torch.autocast`` the logits
@@ -322,7 +465,7 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
             sampled) are left out of the softmax. Default: ``model.config.stapo_vocab_size`` when set
             (by :func:`stapo.models.load_policy` / ``build_tiny_model``), else all columns.
         backend, chunk_size: passed to ``token_stats``.
-        share_prompt: compute each distinct prompt once (see :func:`policy_logits`).
+        share_prompt: compute each distinct prompt once (see :func:`policy_logits`); ``padded`` layout only.
         lm_head: ``"logits"`` — the model's own LM head makes the [B, R, V] logits, then ``token_stats``;
             ``"fused"`` — the final hidden states and the output embedding go to
             :func:`stapo.lm_head.lm_head_token_stats`, which never holds the [B, R, V] logits (forward or
@@ -330,6 +473,9 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
             It runs inside the model's own forward (:func:`stapo.lm_head.forward_token_stats`; under FSDP2 the
             root module's, where the output embedding — tied or not — is unsharded), the same path with or without
             FSDP2.
+        layout: how the forward lays the rows out (:data:`LAYOUTS`, :func:`forward_layout`): ``padded`` (the
+            batch as stored, with its attention mask), ``trailing`` or ``packed`` (:func:`layout_inputs`: no
+            attention mask). Same values and gradients up to float rounding.
 
     Returns:
         :class:`stapo.token_stats.TokenStats` with ``logprobs``, ``entropy``, ``collision``, each [B, R] fp32
@@ -338,9 +484,18 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
     Raises:
         ValueError: temperature <= 0 (from ``token_stats``); a batch without prompt columns; an unknown
             ``lm_head``; ``lm_head="fused"`` on a model whose logits are not ``hidden @ Wᵀ``
-            (:func:`check_fused_head`).
+            (:func:`check_fused_head`); an unknown ``layout``, or ``share_prompt`` with a layout other than
+            ``padded``.
     """
     from stapo.token_stats import TokenStats, token_stats
+
+    if layout != "padded":
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if share_prompt:
+            raise ValueError("share_prompt needs the padded layout (its KV cache holds left-padded prompts)")
+        return _layout_token_stats(model, batch, temperature, layout, entropy_grad=entropy_grad,
+                                   vocab_size=vocab_size, backend=backend, chunk_size=chunk_size, lm_head=lm_head)
 
     if vocab_size is None:
         vocab_size = getattr(getattr(model, "config", None), "stapo_vocab_size", None)
@@ -365,3 +520,38 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
     zero = torch.zeros((), dtype=torch.float32, device=dev)
     return TokenStats(logprobs=torch.where(mask, st.logprobs, zero), entropy=torch.where(mask, st.entropy, zero),
                       collision=torch.where(mask, st.collision, zero))
+
+
+def _layout_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature: float, layout: str, *,
+                        entropy_grad: bool, vocab_size: int | None, backend: str, chunk_size: int | None,
+                        lm_head: str):
+    """:func:`policy_token_stats` with a padding-free ``layout`` (:func:`layout_inputs`): one forward without
+    attention mask, the statistics of the K response tokens' predicting positions, scattered back to [b, r]."""
+    from stapo.token_stats import TokenStats, token_stats
+
+    if lm_head not in ("logits", "fused"):
+        raise ValueError(f"lm_head must be 'logits' or 'fused', got {lm_head!r}")
+    if vocab_size is None:
+        vocab_size = getattr(getattr(model, "config", None), "stapo_vocab_size", None)
+    fi = layout_inputs(batch, layout)
+    if lm_head == "fused":  # the head inside the model's forward (FSDP2: the root's) on the K' predicting positions
+        from stapo.lm_head import forward_token_stats
+
+        request = _fused_request(model, fi.targets, temperature, vocab_size, entropy_grad, backend)
+        st = forward_token_stats(model, request, keep=fi.positions, **fi.model_kwargs())  # [K'] each
+    else:
+        logits = model(**fi.model_kwargs(), logits_to_keep=fi.keep_cols).logits  # [N, C, V]
+        logits = logits.reshape(-1, logits.shape[-1])  # [N·C, V]
+        if vocab_size is not None and vocab_size < logits.shape[-1]:
+            logits = logits[:, :vocab_size]
+        packed = fi.layout == "packed"  # the kept outputs are exactly the K' predicting positions
+        targets = fi.targets if packed else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device
+                                                        ).index_copy(0, fi.kept, fi.targets)  # [N·C]
+        with torch.autocast(device_type=logits.device.type, enabled=False):  # fp32 math on (bf16) logits
+            st = token_stats(logits, targets, temperature, entropy_grad=entropy_grad, backend=backend,
+                             chunk_size=chunk_size)  # [N·C] each
+        if not packed:
+            st = TokenStats(logprobs=st.logprobs.index_select(0, fi.kept), entropy=st.entropy.index_select(0, fi.kept),
+                            collision=st.collision.index_select(0, fi.kept))  # [K'] each
+    return TokenStats(logprobs=fi.scatter(st.logprobs), entropy=fi.scatter(st.entropy),
+                      collision=fi.scatter(st.collision))  # [b, r] each, 0 off the response tokens

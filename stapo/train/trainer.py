@@ -38,6 +38,7 @@ from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
 from stapo.cli import raise_terminated
 from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
+from stapo.policy import forward_layout
 from stapo.precision import PrecisionPolicy, resolve_compute_dtype
 from stapo.preflight import check_chat_template, check_device, check_tokenizer, check_writable
 from stapo.provenance import TRAIN_STEP_METRIC, apply_identity, launch_record, record_launch
@@ -46,7 +47,7 @@ from stapo.token_stats import TokenStats
 from stapo.tracking import Tracker, read_jsonl_rows
 from stapo.train.batch import Rollout, StepBatch
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
-from stapo.train.plan import UpdatePlan, build_plan
+from stapo.train.plan import UpdatePlan, build_plan, max_over_ranks
 from stapo.train.prompts import PromptLoader, load_prompts
 from stapo.train.samples import completions_table, drop_rollouts_after, response_records, write_rollouts
 from stapo.train.state import RunState, plan_resume
@@ -332,7 +333,8 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, self.objective, self.precision, self.device, self.dist,
             temperature=cfg.rollout.temperature, share_prompt=cfg.actor.share_prompt, grad_clip=cfg.actor.grad_clip,
             max_response_length=cfg.rollout.response_length, lm_head=cfg.actor.lm_head,
-            deferred_graphs=cfg.actor.deferred_graphs)
+            deferred_graphs=cfg.actor.deferred_graphs,
+            layout=forward_layout(cfg.actor.use_remove_padding, cfg.model.attn_implementation))
 
         self.step = 0
         self._stepping = 1  # the step train() is in (train_step runs with self.step one lower)
@@ -657,14 +659,22 @@ class Trainer:
                        extracted=getattr(reward_out, "extracted", None), prompts=list(prompts))
 
     def _plan(self, rollout: Rollout) -> UpdatePlan:
-        """The step's update schedule (:func:`stapo.train.plan.build_plan`) from the actor settings."""
+        """The step's update schedule (:func:`stapo.train.plan.build_plan`) from the actor settings. With
+        ``actor.use_dynamic_bsz`` under FSDP2 one all-reduce (max) makes every rank's passes the same number of
+        micro-batches (collective then)."""
         ac = self.cfg.actor
+        batch = rollout.batch
+        # FSDP2: every forward is a collective, so every rank runs the same number of micro-batches in each pass
+        fsdp2 = self.dist.enabled and self.dist.strategy == "fsdp2"
         return build_plan(
-            rollout.batch.attention_mask.sum(dim=1), rollout.advantages,  # [B] prompt + response tokens, [B] Â
+            batch.attention_mask.sum(dim=1), rollout.advantages,  # [B] prompt + response tokens, [B] Â
             mini_batch_rows=self._mini_rows, micro_batch_size=ac.ppo_micro_batch_size,
             token_mask=self.objective.token_mask, mask_stats_source=self.cfg.algorithm.mask_stats_source,
             fused_forward=ac.fused_forward, sort_by_length=ac.sort_by_length and not ac.share_prompt,
-            has_reference=self.ref_model is not None, keep_all_graphs=self.dist.strategy == "fsdp2")
+            has_reference=self.ref_model is not None, keep_all_graphs=self.dist.strategy == "fsdp2",
+            token_budget=ac.ppo_max_token_len_per_gpu if ac.use_dynamic_bsz else None,
+            layout=self.updater.layout, prompt_lengths=batch.attention_mask[:, :batch.prompt_width].sum(dim=1),
+            sync_counts=max_over_ranks(self.dist) if ac.use_dynamic_bsz and fsdp2 else None)
 
     def _old_policy_stats(self, rollout: Rollout, plan: UpdatePlan,
                           progress: Progress) -> tuple[TokenStats, torch.Tensor | None]:

@@ -72,17 +72,19 @@ class PolicyUpdate:
         max_response_length: L of ``seq-mean-token-sum-norm``.
         lm_head: ``actor.lm_head`` (``logits`` | ``fused``: :func:`stapo.policy.policy_token_stats`).
         deferred_graphs: ``actor.deferred_graphs`` (``keep`` | ``recompute``: :meth:`_MiniBatch.backward_own_forward`).
+        layout: the forwards' row layout (``padded`` | ``trailing`` | ``packed``: :func:`stapo.policy.forward_layout`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  objective: Objective, precision: PrecisionPolicy, device: torch.device, ctx: dist.DistContext, *,
                  temperature: float, share_prompt: bool, grad_clip: float, max_response_length: int,
-                 lm_head: str = "logits", deferred_graphs: str = "keep") -> None:
+                 lm_head: str = "logits", deferred_graphs: str = "keep", layout: str = "padded") -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.objective, self.precision, self.device, self.ctx = objective, precision, device, ctx
         self.temperature, self.share_prompt = temperature, share_prompt
         self.grad_clip, self.max_response_length = grad_clip, max_response_length
         self.lm_head, self.deferred_graphs = lm_head, deferred_graphs
+        self.layout = layout
 
     # --- forwards --------------------------------------------------------------------------------------------
     def forward(self, batch, idx: torch.Tensor, model: torch.nn.Module | None = None) -> TokenStats:
@@ -92,7 +94,8 @@ class PolicyUpdate:
 
         with self.precision.autocast(self.device):  # bf16 matmuls when mixed; token statistics stay fp32
             return policy_token_stats(self.model if model is None else model, batch.select(idx).trim().to(self.device),
-                                      self.temperature, share_prompt=self.share_prompt, lm_head=self.lm_head)
+                                      self.temperature, share_prompt=self.share_prompt, lm_head=self.lm_head,
+                                      layout=self.layout)
 
     @torch.no_grad()
     def no_grad_stats(self, model: torch.nn.Module, batch, micro: tuple[torch.Tensor, ...],
