@@ -203,3 +203,58 @@ def test_a_step_folder_of_other_settings_is_not_resumed(tmp_path):
     finally:
         hook.close()
     assert len(_records(tmp_path / FILE)) == 10 and seeds[3].isdisjoint(seeds[4])  # all regenerated with seed 4
+
+
+def test_validation_samples_per_call_from_the_config():
+    from stapo.config import ConfigError, TrainConfig, load_config, merge_config
+    from stapo.evaluation import make_validation_hook_from_config
+
+    base = REPO / "configs" / "tiny_test.yaml"
+    keys = ["trainer.val_every=1", "validation.benchmarks=[arith_test]", "data.synthetic.split=train"]
+    assert make_validation_hook_from_config(load_config(base, keys)).samples_per_call == 256  # the default
+    hook = make_validation_hook_from_config(load_config(base, [*keys, "validation.samples_per_call=4096"]))
+    assert hook.samples_per_call == 4096
+    with pytest.raises(ConfigError, match=r"'validation.samples_per_call' \(0\)"):
+        load_config(base, [*keys, "validation.samples_per_call=0"])
+    # the verl preset (paper configs): the whole validation (3,200 responses) in one call, split over the ranks
+    assert merge_config(TrainConfig, REPO / "configs" / "validation" / "verl.yaml", None).validation.samples_per_call \
+        == 4096
+
+
+def _train_py(out: Path, ranks: int) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}"]
+              if ranks > 1 else [sys.executable])
+    cmd = [*launch, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny_test.yaml"),
+           f"trainer.output_dir={out}", "trainer.run_name=v", "trainer.total_steps=1", "trainer.save_every=0",
+           "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "trainer.val_every=1",
+           "trainer.val_before_train=true", "validation.benchmarks=[arith_test]", "data.synthetic.split=train",
+           "validation.limit=3", "validation.samples=2", "validation.samples_per_call=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+@pytest.mark.slow  # two train.py runs (~1 min on 2 idle cores)
+def test_train_py_on_two_ranks_validates_like_one_process(tmp_path):
+    """train.py's wiring under torchrun: every rank enters the hook at step 0 (trainer.val_before_train) and after
+    step 1 (trainer.val_every); the step-0 validation (the same initial weights) gives the one-process records and
+    metrics row, and the step-1 one is logged once with the same keys."""
+    _train_py(tmp_path / "one", 1)
+    _train_py(tmp_path / "two", 2)
+    rows = {}
+    for name in ("one", "two"):
+        run = tmp_path / name / "v"
+        rows[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+        assert [r["step"] for r in rows[name]] == [0, 1]
+    val = lambda row: {k: v for k, v in row.items() if k.startswith("val-")}  # noqa: E731
+    assert val(rows["two"][0]) == val(rows["one"][0]) and val(rows["one"][0])
+    assert val(rows["two"][1]).keys() == val(rows["one"][1]).keys()
+    step0 = Path("validation") / "step_000000" / "generations" / "arith_test__t1.0_p1.0.jsonl"
+    assert _records(tmp_path / "two" / "v" / step0) == _records(tmp_path / "one" / "v" / step0)
