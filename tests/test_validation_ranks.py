@@ -9,7 +9,7 @@ two ranks produce the one-process records (compared field by field, ``grade_seco
 The spawned workers run four cases in one start-up (the cost is the processes' imports): replicated ranks; a resume
 into a store that a crash left with the first block, one record of the second and a torn line; FSDP2-sharded ranks
 with the HF engine (``lockstep``: rank 1 pads its calls to rank 0's size, ``generate(synced_gpus=True)``); and an
-engine that fails on rank 1 (both ranks raise, none hangs).
+engine that fails on rank 1 (both ranks raise, none hangs); and ranks that loaded different problems (both refuse).
 """
 from __future__ import annotations
 
@@ -92,6 +92,20 @@ def _worker(rank: int, store: str, out: str) -> None:
             res["fail"] = None
         except Exception as e:  # noqa: BLE001 - what each rank raised is the assertion
             res["fail"] = f"{type(e).__name__}: {e}"
+        # ranks that loaded different problems (rank 1 one fewer): every rank refuses before generating
+        from stapo.data import Record
+        from stapo.evaluation.config import DecodingSetting
+        from stapo.evaluation.runner import Problem, evaluate_problems
+
+        problems = {"arith_test": [Problem("arith_test", i, Record(f"arith_test/{i}", "1 + 1?", "2", "arith_test"),
+                                           [1, 2]) for i in range(5 - rank)]}
+        try:
+            evaluate_problems(None, None, problems, samples={"arith_test": 2}, out_dir=Path(out) / "mismatch",
+                              settings=[DecodingSetting("t1.0_p1.0", 1.0, 1.0)], max_new_tokens=8,
+                              samples_per_call=6, ctx=dist.DistContext(world=2, rank=rank, strategy="replicate"))
+            res["mismatch"] = None
+        except Exception as e:  # noqa: BLE001
+            res["mismatch"] = f"{type(e).__name__}: {e}"
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
         torch.distributed.barrier()
     finally:
@@ -157,6 +171,8 @@ def test_two_ranks_validate_like_one_process(tmp_path):
     assert res[1]["fail"] == "RuntimeError: engine broke"
     assert res[0]["fail"] == "EvalError: validation: rank 1 failed (RuntimeError: engine broke)"
     assert not (tmp_path / "out" / "fail" / FILE).exists()
+    for r in (0, 1):
+        assert res[r]["mismatch"].startswith("EvalError: validation: rank 1 planned other blocks than rank 0"), r
 
 
 def test_shard_positions_by_hand():

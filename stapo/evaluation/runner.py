@@ -497,13 +497,14 @@ def _evaluate_sharded(engine: Any, grader: Any, problems: Mapping[str, Sequence[
                     if not all(stores[(p.benchmark, s.name)].complete(p.id, blk.n) for p in blk.problems)]
         except Exception as e:  # noqa: BLE001 - a damaged store: raised on every rank below, not a hang
             error = e
-    head = gather_objects((plan, None if error is None else _error_line(error)), ctx)
+    keys = [blk.key for blk in blocks]  # the problem ids of every block: the same on every rank, or no block is
+    head = gather_objects((plan, None if error is None else _error_line(error), keys), ctx)
     _raise_any([h[1] for h in head], error, "validation")
+    other = [r for r, h in enumerate(head) if h[2] != head[0][2]]
+    if other:  # on every rank: the same test on the same gathered lists
+        raise EvalError(f"validation: rank {other[0]} planned other blocks than rank 0 (the ranks loaded different "
+                        f"problems: the same data.root, tokenizer and data.max_prompt_length on every node?)")
     plan = head[0][0]
-    keys = [blk.key for blk in blocks]
-    if any(bi >= len(blocks) or keys[bi] != key for _, bi, key, _ in plan):
-        raise EvalError(f"validation: rank {ctx.rank} planned other blocks than rank 0 (the ranks loaded different "
-                        f"problems: same data.root and tokenizer on every node?)")
     stats = {"blocks": 0, "generated": 0, "written": 0, "tokens": 0, "seconds": 0.0}
     t_start = time.perf_counter()
     bar = None
