@@ -279,9 +279,9 @@ def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
     ``trainer.val_before_train`` is false (the trainer calls it at step 0 for the latter).
 
     Reads ``cfg.validation`` when the schema has it (fields ``benchmarks``, ``limit``, ``samples``,
-    ``temperature``, ``top_p``, ``max_new_tokens``, ``seed``, ``samples_per_call``); otherwise uses the :class:`ValidationHook`
-    defaults (MATH500, first 32 problems, N = 4, T = 1.0, top-p = 1.0). Validation grades with the training
-    reward's answer rule: ``algorithm.reward: math_verify_value`` → ``grader_require_value=True``.
+    ``temperature``, ``top_p``, ``max_new_tokens``, ``seed``, ``samples_per_call``); otherwise uses the
+    :class:`ValidationHook` defaults (MATH500, first 32 problems, N = 4, T = 1.0, top-p = 1.0). Validation grades
+    with the training reward's answer rule: ``algorithm.reward: math_verify_value`` → ``grader_require_value=True``.
     """
     if not getattr(cfg.trainer, "val_every", 0) and not getattr(cfg.trainer, "val_before_train", False):
         return None
@@ -291,5 +291,6 @@ def make_validation_hook_from_config(cfg: Any) -> ValidationHook | None:
         return ValidationHook(grader_require_value=require_value)
     return ValidationHook(benchmarks=list(vc.benchmarks), limit=vc.limit, samples=int(vc.samples),
                           settings=[(float(vc.temperature), float(vc.top_p))], max_new_tokens=vc.max_new_tokens,
-                          seed=int(vc.seed), samples_per_call=int(getattr(vc, "samples_per_call", 256)), data_root=getattr(getattr(cfg, "data", None), "root", None),
+                          seed=int(vc.seed), samples_per_call=int(getattr(vc, "samples_per_call", 256)),
+                          data_root=getattr(getattr(cfg, "data", None), "root", None),
                           grader_require_value=require_value)
