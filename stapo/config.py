@@ -77,6 +77,11 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
     cache_dir: Optional[str] = None  # where the embedded model is converted to; default ~/.cache/stapo
+    # Under torchrun (W > 1): rank 0 alone reads model.path (policy and GRPO reference); the other ranks build the
+    # model on the meta device and receive rank 0's weights after fully_shard (replicate: a broadcast), so a node
+    # holds one host copy of the weights at start-up, not one per rank (verl's meta-device init). The weights are
+    # identical either way; false = every rank loads model.path. No effect in one process.
+    meta_init: bool = True
 
 
 @dataclass
@@ -823,6 +828,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "actor.lm_head", "actor.deferred_graphs", "actor.use_remove_padding", "actor.use_dynamic_bsz",
     "actor.ppo_max_token_len_per_gpu",
     "model.gradient_checkpointing", "model.attn_implementation", "model.cache_dir", "model.allow_low_precision_params",
+    "model.meta_init",
     "data.root",
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
     "rollout.tensor_parallel_size", "rollout.sleep_during_update",

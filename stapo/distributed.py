@@ -62,7 +62,7 @@ import datetime
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -75,7 +75,7 @@ __all__ = [
     "merge_stats", "load_full_state", "local_prompts", "minibatch_mask", "rank_loss_denominator",
     "sum_loss_shares", "sum_reward_stats",
     "iter_full_state_dict", "full_tensor", "barrier", "sharded_state_dict", "save_sharded_state",
-    "load_sharded_state",
+    "load_sharded_state", "build_on_rank0", "wrap_from_rank0", "start_up_host_bytes",
 ]
 
 
@@ -461,6 +461,138 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mo
     set_model_state_dict(model, model_sd, options=_sd_options(full_state_dict=True, broadcast_from_rank0=True))
     set_optimizer_state_dict(model, optimizer, optim_state_dict=_fqn_keyed(optim_sd, model),
                              options=_sd_options(full_state_dict=True))
+
+
+def build_on_rank0(load: Callable[[], torch.nn.Module], ctx: DistContext) -> torch.nn.Module:
+    """Start-up with one host copy of the weights per node: rank 0 runs ``load()`` (reads ``model.path``, builds the
+    tiny model), every other rank builds the same architecture on the meta device (:func:`stapo.models.meta_model`
+    from rank 0's config, generation config and per-tensor dtypes — nothing is read from disk, no memory is taken).
+    :func:`wrap_from_rank0` then materialises and fills them. verl: ``get_init_weight_context_manager`` +
+    ``fsdp2_load_full_state_dict`` (``verl/workers/fsdp_workers.py``). Collective (a ``broadcast_object_list`` of
+    the config, then an ``all_gather_object`` of each rank's success).
+
+    Returns:
+        Rank 0: ``load()``'s model (CPU). Ranks ≠ 0: the meta-device model (eval mode). W = 1: ``load()``.
+
+    Raises:
+        Exception: whatever ``load()`` raised on rank 0 (e.g. ``ConfigError`` naming ``model.path``), raised on
+            every rank — no rank waits for a model that will not come.
+        RuntimeError: a rank ≠ 0 cannot build the architecture from rank 0's config (every rank raises it).
+    """
+    if not ctx.enabled:
+        return load()
+    import pickle
+
+    from stapo.models import hf_class_name, meta_model
+
+    model, error = None, None
+    if ctx.is_main:
+        try:
+            model = load()
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            error = e
+        if error is None:
+            dtypes = {n: t.dtype for n, t in model.named_parameters(remove_duplicate=False)}
+            dtypes.update((n, t.dtype) for n, t in model.named_buffers(remove_duplicate=False))
+            meta = (model.config, model.generation_config, hf_class_name(model), dtypes)
+        msg = [error if error is not None else meta]
+        try:
+            pickle.dumps(msg)
+        except Exception as e:  # noqa: BLE001 - an exception (or a config) that does not pickle: its text
+            msg = [RuntimeError(f"rank 0 could not load the model: {error}" if error is not None else
+                                f"rank 0 cannot send the model's config to the other ranks: {e}")]
+    else:
+        msg = [None]
+    torch.distributed.broadcast_object_list(msg, src=0)
+    if isinstance(msg[0], BaseException):
+        raise error if error is not None else msg[0]
+    failure = None
+    if not ctx.is_main:
+        config, generation_config, class_name, dtypes = msg[0]
+        try:
+            model = meta_model(config, generation_config, class_name=class_name, dtypes=dtypes)
+        except Exception as e:  # noqa: BLE001 - told to every rank below (rank 0 must not wait in the next broadcast)
+            failure = f"rank {ctx.rank} cannot build the model on the meta device: {e}"
+    failures = [f for f in gather_objects(failure, ctx) if f is not None]
+    if failures:
+        raise RuntimeError(f"{failures[0]}; set model.meta_init=false (every rank loads model.path)")
+    return model
+
+
+def wrap_from_rank0(model: torch.nn.Module, ctx: DistContext, mp_policy: Any = None) -> torch.nn.Module:
+    """:func:`wrap_policy` for a model that rank 0 alone loaded (:func:`build_on_rank0`; ranks ≠ 0 hold it on the
+    meta device). Returns the module to use, on this rank's device. Collective.
+
+    ``fsdp2``: rank 0 keeps references to its full tensors (``state_dict()``, no copy), every rank ``fully_shard``\\ s
+    (:func:`wrap_policy`), ranks ≠ 0 materialise their shards (``to_empty``; FSDP2 re-creates its sharded
+    parameters) and rank 0's tensors are broadcast one at a time into every rank's shards
+    (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``, as :func:`load_full_state`;
+    verl's ``fsdp2_load_full_state_dict``); then every buffer (the non-persistent rotary ``inv_freq`` is not in
+    the state dict) is broadcast from rank 0. ``replicate``: rank 0 moves its model to the device, ranks ≠ 0
+    allocate theirs there (``to_empty``), and :func:`wrap_policy` broadcasts rank 0's parameters and buffers.
+    Tied embeddings stay one parameter (``to_empty`` swaps tensors in place). W = 1: ``model.to(ctx.device)``.
+
+    Args:
+        mp_policy: the FSDP2 ``MixedPrecisionPolicy`` (:func:`wrap_policy`); None for the frozen reference.
+    """
+    if not ctx.enabled:
+        return model.to(ctx.device)
+    if ctx.strategy != "fsdp2":
+        model = model.to(ctx.device) if ctx.is_main else _to_empty(model, ctx.device)
+        return wrap_policy(model, ctx, mp_policy)  # replicate: broadcasts rank 0's parameters and buffers
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    full = model.state_dict() if ctx.is_main else {}  # rank 0: its loaded tensors (references), others nothing
+    wrap_policy(model, ctx, mp_policy)  # fully_shard: rank 0's shards on the device, the others' on meta
+    if not ctx.is_main:
+        _to_empty(model, ctx.device)
+    set_model_state_dict(model, full, options=_sd_options(full_state_dict=True, broadcast_from_rank0=True))
+    del full  # rank 0's full host copy is freed here
+    with torch.no_grad():
+        for buf in model.buffers():  # [any] one collective per buffer, in the same order on every rank
+            comm = buf.to(ctx.comm_device)
+            torch.distributed.broadcast(comm, src=0)
+            if comm.data_ptr() != buf.data_ptr():
+                buf.copy_(comm)
+    return model
+
+
+def start_up_host_bytes(params: int, param_dtype: str, compute_dtype: str, *, reference: bool, ranks: int,
+                        meta_init: bool) -> dict[str, int]:
+    """Host memory of the weights the ranks of one node hold while the trainer starts (arithmetic, bytes; the
+    loader's own transients and the page cache of the weight files are not counted).
+
+    Each reading process holds the policy in ``param_dtype`` (``params`` × 4 B for float32) until it is placed
+    (FSDP2: sharded onto the device; the full host copy is freed), then — GRPO, ``reference`` — the reference in
+    ``compute_dtype``. With ``meta_init`` (:func:`build_on_rank0`) rank 0 is the only reading process of the node;
+    without it every one of the ``ranks`` is.
+
+    Returns:
+        ``{"policy": B, "reference": B or 0, "per_node": peak bytes on the node}``.
+    """
+    item = {"float32": 4, "bfloat16": 2, "float16": 2}
+    policy = params * item[str(param_dtype).removeprefix("torch.")]
+    ref = params * item[str(compute_dtype).removeprefix("torch.")] if reference else 0
+    readers = 1 if meta_init or ranks <= 1 else ranks
+    return {"policy": policy, "reference": ref, "per_node": readers * max(policy, ref)}
+
+
+def _to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model.to_empty(device=device)`` (uninitialised memory for every meta tensor; FSDP2 re-creates its sharded
+    parameters), keeping shared parameters shared: moving a plain module off the meta device gives each owner of
+    a tied parameter (input and output embedding) its own copy, so the ties are restored afterwards."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for refs in owners.values():
+        first = refs[0][0]._parameters[refs[0][1]]
+        for module, name in refs[1:]:
+            if module._parameters[name] is not first:
+                setattr(module, name, first)
+    return model
 
 
 def _fqn_keyed(optim_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:

@@ -730,7 +730,25 @@ def train_dry_run(trainer: Any) -> str:
             f"run directory: {trainer.run_dir} ({exists}); the run {where}",
             f"training prompts: {len(trainer.prompts)} (data/num_dropped_too_long "
             f"{trainer.prompt_stats.get('data/num_dropped_too_long', 0):.0f})"]
-    return "\n".join(head + [format_train_cost(cost, cfg)])
+    return "\n".join(head + [format_train_cost(cost, cfg), _start_up_memory(cfg, size, trainer)])
+
+
+def _start_up_memory(cfg: Any, size: ModelSize | None, trainer: Any) -> str:
+    """The dry run's line on the host memory of the weights at start-up (:func:`stapo.distributed.start_up_host_bytes`;
+    ``model.meta_init``: rank 0 alone reads them)."""
+    from stapo.distributed import start_up_host_bytes
+
+    if size is None:
+        return "start-up host memory: unknown (the parameter count of model.path is unknown)"
+    mc, ranks = cfg.model, trainer.dist.world
+    host = start_up_host_bytes(size.params, mc.param_dtype, mc.compute_dtype, reference=trainer.objective.kl_coef > 0,
+                               ranks=ranks, meta_init=mc.meta_init)
+    ref = f", then the {mc.compute_dtype} reference {_bytes(host['reference'])}" if host["reference"] else ""
+    who = ("rank 0 alone (model.meta_init: the other ranks build the model on the meta device and receive its "
+           "weights)" if mc.meta_init else "every rank (model.meta_init=false)")
+    many = f" of {ranks} ranks" if ranks > 1 else ""
+    return (f"start-up host memory (weights): the {mc.param_dtype} policy {_bytes(host['policy'])}{ref}, read by "
+            f"{who}: ≤ {_bytes(host['per_node'])} per node{many}")
 
 
 def eval_dry_run(cfg: Any) -> str:

@@ -10,6 +10,7 @@
   and the model is correspondingly a little weaker than the published checkpoint.
 * :func:`build_tiny_model` — a randomly initialised few-layer Qwen3 model with the SmolLM2 tokenizer, for
   fast tests; ``vocab_padding`` adds embedding rows beyond the tokenizer (like Qwen's padded vocabulary).
+* :func:`meta_model` — a loaded model's architecture on the meta device (ranks ≠ 0 at a torchrun start-up).
 
 Padded vocabularies. Qwen models have more embedding rows (``config.vocab_size`` = 151 936) than tokenizer
 entries (``len(tokenizer)`` = 151 669). Ids ``>= len(tokenizer)`` must never be sampled, and the trainer's
@@ -42,6 +43,7 @@ __all__ = [
     "hf_class_name",
     "load_policy",
     "load_tokenizer",
+    "meta_model",
     "resolve_dtype",
     "set_constant_logits",
     "token_vocab_size",
@@ -454,6 +456,60 @@ def build_tiny_model(num_layers: int = 2, hidden_size: int = 64, num_heads: int 
     model.eval()
     _mark_vocab(model, tok)
     return model, tok
+
+
+def meta_model(config: Any, generation_config: Any = None, *, class_name: str | None = None,
+               dtypes: dict[str, torch.dtype] | None = None):
+    """The architecture of a loaded policy on the meta device: no memory, no weights read (start-up of ranks ≠ 0
+    under torchrun, :func:`stapo.distributed.build_on_rank0`; verl: ``get_init_weight_context_manager``).
+
+    Built with ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")`` from the loaded model's own
+    config (rank 0's, so ``stapo_vocab_size``, the attention implementation, ``architectures`` and any change
+    :func:`load_policy` / :func:`build_tiny_model` made are the same); tied embeddings are tied (``post_init``).
+    Every parameter and buffer (the rotary ``inv_freq`` included) is a meta tensor: materialise it
+    (``to_empty``) and fill it from the loaded model (:func:`stapo.distributed.wrap_from_rank0`).
+
+    Args:
+        config: the loaded model's ``PretrainedConfig`` (a copy is used; the result's config equals it).
+        generation_config: the loaded model's ``GenerationConfig`` (None: transformers' default from ``config``).
+        class_name: the loaded model's :func:`hf_class_name`; checked against the class ``from_config`` picks.
+        dtypes: name → dtype of the loaded model's parameters and buffers (``named_parameters`` and
+            ``named_buffers``); each tensor is cast to it (free on the meta device), e.g. the float32 modules that
+            a class keeps in float32 under a bf16 load. None: ``config.dtype`` or float32 throughout.
+
+    Returns:
+        The model in eval mode (as the loaders return it), every tensor on the meta device.
+
+    Raises:
+        ValueError: the built class differs from ``class_name``, or a name of ``dtypes`` is not a parameter or
+            buffer of the built model (another architecture).
+    """
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=resolve_dtype(
+            getattr(config, "dtype", None) or torch.float32))
+    if class_name is not None and hf_class_name(model) != class_name:
+        raise ValueError(f"the meta-device model is {hf_class_name(model)}, the loaded one {class_name}")
+    built = model.config.to_dict()  # from_config records its dtype in the config: give back the loaded values
+    for key, value in config.to_dict().items():
+        if built.get(key) != value and hasattr(config, key):
+            setattr(model.config, key, getattr(config, key))
+    if generation_config is not None:
+        model.generation_config = copy.deepcopy(generation_config)
+    if dtypes is not None:
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+        unknown = sorted(set(dtypes) - set(tensors))
+        if unknown:
+            raise ValueError(f"the meta-device {hf_class_name(model)} has no tensor {unknown[0]!r} of the loaded model")
+        for name, t in tensors.items():
+            if name in dtypes and t.dtype != dtypes[name]:
+                t.data = t.data.to(dtypes[name])  # meta: no memory
+    model.eval()
+    return model
 
 
 @torch.no_grad()

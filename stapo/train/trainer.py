@@ -287,19 +287,22 @@ class Trainer:
         # weights), forward/backward in compute_dtype (autocast; FSDP2's MixedPrecisionPolicy).
         self.precision = PrecisionPolicy.from_config(cfg.model)
         self.compute_dtype = self.precision.compute_dtype
+        # torchrun with model.meta_init: rank 0 alone reads the weights, the other ranks build the model on the meta
+        # device and receive rank 0's weights when it is placed (one host copy of the weights per node)
+        self._meta_init = self.dist.enabled and cfg.model.meta_init
         self.model = self._load_initial_model(self.precision.param_dtype)
-        if self.dist.strategy != "fsdp2":  # FSDP2: fully_shard moves each layer's shards to the device itself,
-            self.model.to(self.device)     # so the whole fp32 model never sits on one GPU
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        # FSDP2: sharded in place (bf16 all-gathers, fp32 reduce-scatter when mixed), before the optimizer and before
+        # the reference is loaded (rank 0 never holds both full copies); fully_shard moves each layer's shards to the
+        # device itself, so the whole fp32 model never sits on one GPU
+        self.model = self._place_model(self.model, mp_policy=self.precision.fsdp_mp_policy())
         self.ref_model = None
         if self.objective.kl_coef > 0:  # the initial policy, frozen, loaded again in the compute dtype (no fp32 copy)
             ref = self._load_initial_model(self.compute_dtype)
             ref = ref.eval().requires_grad_(False)
             # FSDP2: sharded like the policy (its no-grad forwards are collectives too); else on the device
-            self.ref_model = dist.wrap_policy(ref, self.dist) if self.dist.strategy == "fsdp2" else ref.to(self.device)
-        # FSDP2: sharded in place (bf16 all-gathers, fp32 reduce-scatter when mixed); before the optimizer
-        self.model = dist.wrap_policy(self.model, self.dist, mp_policy=self.precision.fsdp_mp_policy())
+            self.ref_model = self._place_model(ref, reference=True)
         self._check_param_dtype()
         if cfg.actor.lm_head == "fused":  # the fused head needs logits = hidden @ Wᵀ: say so now, not at step 1
             from stapo.policy import check_fused_head, policy_decoder
@@ -416,6 +419,33 @@ class Trainer:
     def _load_initial_model(self, dtype: torch.dtype) -> torch.nn.Module:
         """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU,
         with :attr:`tokenizer`. Called for the policy (param dtype) and for the reference model (compute dtype).
+        Under torchrun with ``model.meta_init`` only rank 0 reads it; the other ranks get the same architecture on
+        the meta device (:func:`stapo.distributed.build_on_rank0`), filled by :meth:`_place_model`. Collective then.
+
+        Raises:
+            stapo.config.ConfigError: the weights cannot be loaded (a damaged or truncated file, named) — on every
+                rank under torchrun.
+        """
+        if self._meta_init:
+            return dist.build_on_rank0(lambda: self._read_initial_model(dtype), self.dist)
+        return self._read_initial_model(dtype)
+
+    def _place_model(self, model: torch.nn.Module, mp_policy: Any = None, reference: bool = False) -> torch.nn.Module:
+        """``model`` (from :meth:`_load_initial_model`) on this rank's device, prepared for data parallelism: FSDP2
+        sharded (:func:`stapo.distributed.wrap_policy`, ``mp_policy`` for the policy), replicate broadcast from rank
+        0 (the frozen ``reference`` is not: every rank loaded the same weights), W = 1 moved to the device. With
+        ``model.meta_init`` the ranks ≠ 0 materialise their meta-device model and receive rank 0's weights
+        (:func:`stapo.distributed.wrap_from_rank0`). Collective under torchrun."""
+        if self._meta_init:
+            return dist.wrap_from_rank0(model, self.dist, mp_policy=mp_policy)
+        if self.dist.strategy != "fsdp2":
+            model.to(self.device)
+            if reference:
+                return model
+        return dist.wrap_policy(model, self.dist, mp_policy=mp_policy)
+
+    def _read_initial_model(self, dtype: torch.dtype) -> torch.nn.Module:
+        """:meth:`_load_initial_model`'s reading of the weights on this process (rank 0 alone with ``meta_init``).
 
         Raises:
             stapo.config.ConfigError: the weights cannot be loaded (a damaged or truncated file, named).
