@@ -167,9 +167,10 @@ class ActorConfig:
     warmup_steps: int = 10  # training steps of linear warm-up (verl: lr_warmup_steps), then constant
     grad_clip: float = 1.0
     ppo_mini_batch_size: int = 64  # prompts per optimizer step
-    ppo_micro_batch_size: int = 8  # responses per forward/backward
+    ppo_micro_batch_size: int = 8  # responses per forward/backward (unused with use_dynamic_bsz: a token budget)
     # Group micro-batches by length (each row's results scattered back to its place); false keeps rollout order.
-    # Same masks, losses and update up to float rounding (another summation order; tested). Ignored with share_prompt.
+    # Same masks, losses and update up to float rounding (another summation order; tested). Ignored with share_prompt
+    # and with use_dynamic_bsz (which always takes rows longest first).
     sort_by_length: bool = True
     # Compute each prompt once per micro-batch and let its G responses attend to that KV cache (same values and
     # gradients as the plain forward; worth it when prompts are a large share of the tokens, as on CPU).

@@ -45,7 +45,7 @@ from stapo.rollout.base import Response
 
 __all__ = ["RolloutBatch", "collate_responses", "policy_hidden", "policy_logits", "policy_token_stats",
            "shared_prompt_logits", "check_fused_head", "policy_decoder", "LAYOUTS", "ForwardInputs", "forward_layout",
-           "layout_inputs", "row_lengths"]
+           "layout_inputs"]
 
 #: The forward layouts of :func:`layout_inputs` (see the module docstring).
 LAYOUTS = ("padded", "trailing", "packed")
@@ -147,11 +147,6 @@ def collate_responses(responses: Sequence[Response], pad_token_id: int) -> Rollo
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
     return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         response_ids=response_ids, response_mask=response_mask)
-
-
-def row_lengths(batch: RolloutBatch) -> torch.Tensor:
-    """[B] int64 prompt + response tokens of each row (its real tokens: ``attention_mask.sum(1)``)."""
-    return batch.attention_mask.sum(dim=1)
 
 
 def forward_layout(use_remove_padding: bool, attn_implementation: str) -> str:
