@@ -208,8 +208,9 @@ def _max_numel_mode():
     return MaxNumel()
 
 
-# (tied embeddings, gradient checkpointing, forward layout): the padded batch untied, tied with checkpointing
-VARIANTS = ((False, False, "padded"), (True, True, "padded"))
+# (tied embeddings, gradient checkpointing, forward layout): the padded batch untied, tied with checkpointing, and the
+# packed [1, T] layout (stapo.policy.layout_inputs; the head on flat positions) tied
+VARIANTS = ((False, False, "padded"), (True, True, "padded"), (True, False, "packed"))
 
 
 def _fsdp2_worker(rank: int, store: str, out_dir: str) -> None:
@@ -236,7 +237,8 @@ def _fsdp2_worker(rank: int, store: str, out_dir: str) -> None:
                 model.gradient_checkpointing_enable()
             dist.wrap_policy(model, ctx)  # fully_shard per decoder layer, then the root
             with _max_numel_mode() as probe:
-                st = policy_token_stats(model, local, 0.7, lm_head="fused", entropy_grad=True, backend="eager")
+                st = policy_token_stats(model, local, 0.7, lm_head="fused", entropy_grad=True, backend="eager",
+                                        layout=layout)
                 _loss(st).backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # collective, same order
             sharded = all(type(p).__name__ == "DTensor" for p in model.parameters())
@@ -260,8 +262,8 @@ def _fsdp2_worker(rank: int, store: str, out_dir: str) -> None:
 
 
 def test_fused_head_inside_the_fsdp2_root_forward_on_two_gloo_ranks(tmp_path):
-    """FSDP2 (fully_shard per layer + root) on 2 gloo ranks, actor.lm_head=fused, untied embeddings and tied ones with
-    gradient checkpointing: each rank's statistics and the averaged full gradients (``full_tensor()``) equal
+    """FSDP2 (fully_shard per layer + root) on 2 gloo ranks, actor.lm_head=fused, untied embeddings, tied ones with
+    gradient checkpointing, and the packed layout: each rank's statistics and the averaged full gradients (``full_tensor()``) equal
     a one-process logits-path reference; no tensor of N·V elements (N = the rank's rows × response columns) is ever
     produced in the forward or backward (the logits path's is)."""
     ctx = mp.get_context("spawn")
