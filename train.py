@@ -32,11 +32,14 @@ def _runtime_error(e: BaseException) -> int:
     return 1
 
 
-def _error(message: str) -> int:
+def _error(message: str, details: str = "") -> int:
     """Print a start-up error (once: rank 0 under torchrun) and return exit code 2. Under torchrun every rank
-    exits 2 and torchrun itself then reports the failed child processes."""
+    exits 2 and torchrun itself then reports the failed child processes. ``details``: lines printed after the
+    one-line message (the memory plan per phase of a config refused for its memory: stapo/memory_plan.py)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"train.py: {message}", file=sys.stderr)
+        if details:
+            print(details, file=sys.stderr)
     return 2
 
 
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         except (ConfigError, DataError, EvalError, FileNotFoundError, FileExistsError, CheckpointError,
                 RunLockError, CorruptJsonlError) as e:
-            return _error(str(e))
+            return _error(str(e), getattr(e, "details", ""))
         try:
             trainer.train()
         # One line, what to do; the finished checkpoints are kept: no intact checkpoint to resume from; a user

@@ -261,6 +261,11 @@ class TrainerConfig:
     # another importable module (it would shadow it: "rename the file"), is a ConfigError naming this key and the
     # module. A list, also as an override: trainer.import_modules=[my_masks.py].
     import_modules: list[str] = field(default_factory=list)
+    # Memory of one GPU in GiB for the start-up memory plan (stapo/memory_plan.py): null = read the CUDA device's
+    # total memory (a CPU run is then not checked; its dry run plans for an 80-GB H100, 79.2 GiB); a number = plan
+    # and check against a GPU of that size whatever this machine has (train.py --dry-run on a laptop). A phase over
+    # it is refused before any model loads.
+    gpu_memory_gib: Optional[float] = None
 
 
 @dataclass
@@ -628,6 +633,8 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.trainer.save_every >= 0, "trainer.save_every", "must be ≥ 0 (0: only at the end)")
     need(cfg.trainer.keep_last >= 1, "trainer.keep_last", "must be ≥ 1")
     need(cfg.trainer.val_every >= 0, "trainer.val_every", "must be ≥ 0")
+    need(cfg.trainer.gpu_memory_gib is None or cfg.trainer.gpu_memory_gib > 0, "trainer.gpu_memory_gib",
+         "must be > 0 (GiB) or null (read the device)")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
     need(cfg.data.synthetic.split in ("all", "train"), "data.synthetic.split",
          f"{cfg.data.synthetic.split!r} must be 'all' or 'train' (the test split is for evaluation: arith_test)")
@@ -823,7 +830,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.val_every", "trainer.val_before_train",
     "trainer.log_examples_every", "trainer.progress_bar", "trainer.output_dir", "trainer.run_name",
     "trainer.device", "trainer.data_parallel", "trainer.import_modules", "trainer.save_on_interrupt",
-    "trainer.save_rollouts",
+    "trainer.save_rollouts", "trainer.gpu_memory_gib",
     "logging", "validation",
     "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
     "actor.lm_head", "actor.deferred_graphs", "actor.use_remove_padding", "actor.use_dynamic_bsz",

@@ -697,7 +697,8 @@ def _yaml(d: Mapping[str, Any]) -> str:
 # --- the dry runs -------------------------------------------------------------------------------------------------
 def train_dry_run(trainer: Any) -> str:
     """What ``train.py --dry-run`` prints: the resolved config (YAML, ``model.compute_dtype`` resolved for the
-    device), the run folder and where the run would start, and :func:`format_train_cost`.
+    device), the run folder and where the run would start, :func:`format_train_cost` and the GPU memory per phase
+    (:func:`stapo.memory_plan.format_plan` of the plan the trainer checked at start-up).
 
     Args:
         trainer: a :class:`stapo.train.Trainer` built with ``preflight_only=True`` (every start-up check passed, the
@@ -730,7 +731,12 @@ def train_dry_run(trainer: Any) -> str:
             f"run directory: {trainer.run_dir} ({exists}); the run {where}",
             f"training prompts: {len(trainer.prompts)} (data/num_dropped_too_long "
             f"{trainer.prompt_stats.get('data/num_dropped_too_long', 0):.0f})"]
-    return "\n".join(head + [format_train_cost(cost, cfg), _start_up_memory(cfg, size, trainer)])
+    from stapo.memory_plan import format_plan
+
+    mem = getattr(trainer, "memory_plan", None)  # checked at start-up (stapo/memory_plan.py::check_memory_plan)
+    memory = (format_plan(mem) if mem is not None else
+              f"memory plan: unknown (the shape of model.path {cfg.model.path} could not be read)")
+    return "\n".join(head + [format_train_cost(cost, cfg), memory, _start_up_memory(cfg, size, trainer)])
 
 
 def _start_up_memory(cfg: Any, size: ModelSize | None, trainer: Any) -> str:

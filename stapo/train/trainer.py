@@ -38,6 +38,7 @@ from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
 from stapo.cli import raise_terminated
 from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
+from stapo.memory_plan import check_memory_plan
 from stapo.policy import forward_layout
 from stapo.precision import PrecisionPolicy, resolve_compute_dtype
 from stapo.preflight import check_chat_template, check_device, check_tokenizer, check_writable
@@ -257,6 +258,9 @@ class Trainer:
         # model.compute_dtype=auto → bfloat16 where the device has native bf16, else float32; recorded resolved in the
         # run's config (and compared resolved on resume)
         cfg.model.compute_dtype = resolve_compute_dtype(cfg.model.compute_dtype, self.device)
+        # the GPU memory of each phase of a step (stapo/memory_plan.py): a phase over the device is refused here,
+        # before anything loads (trainer.gpu_memory_gib; a CPU run is planned for an assumed GPU, not checked)
+        self.memory_plan = check_memory_plan(cfg, self.dist.world, self.device, self.dist.strategy)
         self._mini_rows = cfg.actor.ppo_mini_batch_size // self.dist.world * cfg.rollout.n  # this rank's rows
         model_tag = cfg.model.path.rstrip("/").split("/")[-1].replace(":", "-")
         self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
