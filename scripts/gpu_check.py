@@ -1,21 +1,30 @@
 #!/usr/bin/env python
-"""GPU check (issue 12, item 5): token statistics, trainer steps, FSDP2 under torchrun, update MFU — one script.
+"""GPU check (issue 12, item 5; grown by issue 30, item 8): token statistics, trainer steps, FSDP2 under torchrun,
+update MFU, and what the first hour on a GPU machine must prove for the paper configs — the phase memory of a
+Qwen3-1.7B shape with the engine's share held and released, attention time with and without padding, and the
+token-statistics throughput at the paper's micro-batch — in one script of at most 8 minutes on one H200.
 
-On the GPU machine (one H200; torch, transformers, triton, accelerate, safetensors; NO package index):
+On the GPU machine (one H200; torch, transformers, triton, accelerate, safetensors; NO vLLM, NO package index):
 
     # 1. here, with network (once): the pure-Python wheels and the tokenizer files the check needs
     bash scripts/gpu_check_wheels.sh                       # fills gpu_wheels/ (git-ignored, ~3 MiB)
     # 2. on the device machine (run tool: carry=["gpu_wheels"], timeout_s=570; its python3 holds torch):
     set -o pipefail; PYTHONPATH=. PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
     # 3. here: copy gpu_check.json, gpu_check.md (and gpu_check.log) to results/gpu_check/ and commit them
-    # Expected: ~4 min on an H200 (most of it Triton compilations of the token_stats kernels and the torchrun start).
+    # Expected (estimated, not yet run): ≈ 5-7 min of the 8-min budget on an H200 — parts in the order a, g, f, e,
+    # d, b, c; most of it the cold Triton compilations of the token_stats and fused-head kernels (a, g), the
+    # Qwen3-1.7B phase measurements (e: 4 variants × an old pass and an update micro-batch of 4 × 16,384 tokens),
+    # and the torchrun start (c). The caps below sum to the 480 s budget; a part that overruns its cap records
+    # "skipped: time" for what it did not reach, and a watchdog ends the run at 540 s with the summary written.
 
 CI / CPU (no GPU): ``python scripts/gpu_check.py --dry-run --out /tmp/gpu_check_dry`` runs the same code paths at
-small sizes (tests/test_gpu_check.py).
+small sizes (tests/test_gpu_check.py); the memory, time-ratio and throughput checks need a GPU and are not made
+there (their numbers are recorded, the checks of values are made).
 
 What it checks (each part has a time cap; a part, or a sub-task, that would overrun records "skipped: time"; the
 whole run is budgeted to ``--budget-s`` = 480 s on the GPU, and a watchdog writes the summary and exits 124 if a part
-hangs past the budget + 60 s):
+hangs past the budget + 60 s; caps on the GPU, in run order: (a) 100 s, (g) 40, (f) 30, (e) 110, (d) 60, (b) 80,
+(c) 60):
 
 (a) ``token_stats``: :func:`stapo.token_stats.token_stats` (backends "compiled" and "eager", bf16 and fp32 logits)
     on N = 4096 rows × V = 151,936 (LM-like logits: N(0, 3²), every 4th row dominated by one id at +40, −inf in the
@@ -55,6 +64,47 @@ hangs past the budget + 60 s):
 
     Peak: 790 TFLOP/s (H200 dense bf16, issue 12) and the bf16 GEMM rate measured in the same run at the MLP's
     shape ([B·S, d] × [d, I]); the dry run reports against the measured GEMM only (CPU). Also reported: 6·N·B·S.
+
+(e) Phase peaks (issue 30: defects 1, 3, 5 measured): a randomly initialised Qwen3-1.7B shape (28 layers,
+    d = 2048, 16 / 8 heads of 128, MLP 6144, V = 151,936 rows of which 151,669 tokens, tied embeddings) with fp32
+    master weights and AdamW moments resident, configured by configs/paper/qwen3_1.7b_stapo.yaml (its micro-batch
+    rule: ``actor.use_dynamic_bsz`` / ``actor.ppo_max_token_len_per_gpu`` or ``actor.ppo_micro_batch_size``; its
+    ``rollout.gpu_memory_utilization``). The rollout phase: a ``torch.empty`` of gpu_memory_utilization × the
+    device's memory (the engine's share) held beside the resident state; then released as the trainer does (the
+    engine sleeps right after generation), a stand-in of the plan's sleeping-engine residual (1 GiB) held instead,
+    and for each variant — the config's own, today's padded rows + logits head, and the other combinations of
+    padded / padding-free (``actor.use_remove_padding``: trailing padding with SDPA, packed with
+    flash_attention_2 where flash-attn is importable) × ``actor.lm_head`` logits / fused — the largest micro-batch
+    the trainer's plan (stapo/train/plan.py) makes of 8 rows of 1,024 − (i mod 4) prompt + 15,360 response tokens
+    runs the old-log-prob pass (no grad, eval) and one update micro-batch (bf16 autocast, gradient checkpointing,
+    forward + backward, then clip + AdamW step) through :func:`stapo.policy.policy_token_stats`.
+    ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of each phase are recorded next to the memory
+    plan's prediction (:func:`stapo.memory_plan.plan_memory` for the same config, one process, this device).
+    Checks: every trainer phase's max reserved ≤ 90 % of the device (engine share released); max allocated ≤
+    1.10 × the planned phase total (the start-up refusal relies on the plan not underestimating); the old
+    log-probs of every variant within a mean 0.02 nats of the first variant's (same rows; bf16 autocast); finite
+    loss and grad norm. An out-of-memory error is recorded (the check at the paper's shape fails) and the
+    micro-batch's rows, then the response length, are halved until it fits.
+(f) Attention at 16k tokens (defect 5): one Qwen3-1.7B decoder layer (fp32 weights, bf16 autocast) over 4 rows
+    of 1,024 − (i mod 4) + 15,360 tokens, padded (the stored layout with its attention mask: transformers builds
+    a dense [b, 1, L, L] mask) vs trailing padding (:func:`stapo.policy.layout_inputs`: no mask, SDPA
+    ``is_causal``) vs packed with ``flash_attention_2`` (only where flash-attn is importable); and the SDPA call
+    alone (the padded boolean mask vs ``is_causal`` vs ``torch.nn.attention.varlen.varlen_attn`` on the packed
+    tokens where this torch has it). Forward and forward + backward medians; the attention ops and kernels
+    taken (torch.profiler: flash / efficient / cudnn / math). Checks: outputs at the real tokens agree with the
+    padded ones (‖Δh‖/‖h‖ ≤ 0.02); on the GPU every padding-free path's forward and forward + backward time ≤
+    the padded one's.
+(g) Token-statistics throughput (defects 6/10): :func:`stapo.token_stats.token_stats` (the trainer's call,
+    backend auto, CUDA chunk sizes) on [4, 15,360, 151,669] bf16 logits — a view of [4, 15,361, 151,936], as
+    the trainer passes them — forward and forward + backward; the GPU kernels of one forward (torch.profiler);
+    and the fused head :func:`stapo.lm_head.lm_head_token_stats` (CUDA tiles) on [61,440, 2048] fp32 hidden states
+    with the [151,936, 2048] fp32 output embedding, bf16 GEMMs. Floors (GPU), with their reasons:
+    forward ≥ 20 % of the H200's 4.8 TB/s in logits bytes per second (one read takes ≈ 4 ms; a kernel that reads
+    the logits 2-3 times clears it; the CPU chunking's ≈ 4,700 compiled calls + 4,700 upcast copies cannot reach
+    6 %), i.e. a forward ceiling of ≈ 19.5 ms; forward + backward ≥ 10 % counting three passes over the logits;
+    ≤ 1,000 GPU kernels per forward (the chunking gives ⌈61,440 / 4,096⌉ = 15 calls of a few kernels); the fused
+    head's forward + backward ≥ 20 % of 790 TFLOP/s in GEMM FLOPs (4 × 2·N·d·V). Values: the fused head's log p
+    within 2⁻⁴ nats of the bf16-logits path (two bf16 ulps of a logit in [4, 8)); outputs and gradients finite.
 
 Output: ``OUT/gpu_check.json`` (machine, every number, every check with its value and limit) and
 ``OUT/gpu_check.md`` (the same, readable); both are rewritten after every part. Exit status: 0 if every check
@@ -100,17 +150,30 @@ GPU_MACHINE_MODULES = {"torch", "transformers", "triton", "accelerate", "safeten
 # rate measured in the same run.
 H200_BF16_PEAK = 790e12
 OBJECTIVES = ("stapo", "grpo", "justrl", "entropy20")
+#: the parts in the order a run takes them (``--parts``): the most informative first, so that a run cut short by
+#: the budget loses the least (the tiny-model trainer runs (b), (c) last: the test suite covers them on CPU)
+PART_ORDER = ("token_stats", "ts_throughput", "attention", "phase_memory", "mfu", "trainer", "fsdp2")
+#: Qwen3-1.7B(-Base)'s shape (config.json): 28 layers, d = 2048, 16 / 8 heads of 128, MLP 6144, 151,936 embedding
+#: rows of which 151,669 are tokens, tied embeddings (~1.72 B parameters).
+QWEN3_1_7B = dict(num_layers=28, hidden_size=2048, num_heads=16, num_kv_heads=8, head_dim=128,
+                  intermediate_size=6144, vocab_size=151_936, token_vocab=151_669)
+#: HBM bandwidth of the H200 (NVIDIA's datasheet: 4.8 TB/s), the reference of part (g)'s floor.
+H200_HBM_BYTES_PER_S = 4.8e12
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Sizes: the GPU run and the CPU dry run go through the same code with these numbers.
 # --------------------------------------------------------------------------------------------------------------
 def sizes_for(dry_run: bool) -> SimpleNamespace:
-    """Problem sizes and time caps (seconds) of each part; ``dry_run``: CPU, small, finishing in well under a minute."""
+    """Problem sizes and time caps (seconds) of each part; ``dry_run``: CPU, small, finishing in well under a minute.
+
+    The GPU caps sum to the 480 s budget (a part that finishes early leaves its time to the later ones; the parts
+    run in the order of ``--parts``, the least important last)."""
     if dry_run:
         return SimpleNamespace(
             device="cpu", budget_s=240.0,
-            caps={"token_stats": 60.0, "mfu": 40.0, "trainer": 90.0, "fsdp2": 90.0},
+            caps={"token_stats": 60.0, "ts_throughput": 40.0, "attention": 30.0, "phase_memory": 40.0, "mfu": 40.0,
+                  "trainer": 90.0, "fsdp2": 90.0},
             ts_rows=256, ts_vocab=4096, ts_dtypes=("bfloat16",), ts_repeats=1, ts_grad_rows=16,
             tiny=dict(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128,
                       vocab_padding=64),
@@ -118,18 +181,39 @@ def sizes_for(dry_run: bool) -> SimpleNamespace:
             mfu_model=dict(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
                            intermediate_size=192, vocab_size=4096, token_vocab=4032),
             mfu_batch=2, mfu_prompt=16, mfu_response=48, mfu_steps=2, gemm_peak_ref=None,
+            # (g) token-statistics throughput: [batch, response, vocab rows] logits of which `vocab` are tokens
+            tp=dict(batch=2, response=128, vocab_rows=4096, vocab=4032, hidden=64, repeats=2),
+            # (f) attention: one decoder layer of this shape over `rows` rows of prompt + response tokens
+            attn=dict(model=dict(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                                 intermediate_size=128, vocab_size=256, token_vocab=256),
+                      rows=2, prompt=16, response=48, repeats=2),
+            # (e) phase memory: the paper config's micro-batch at these lengths, a nominal 1 GiB "device" (the
+            # engine stand-in is a CPU torch.empty; nothing is measured on a CPU)
+            pm=dict(model=dict(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                               intermediate_size=192, vocab_size=4096, token_vocab=4032),
+                    config="configs/paper/qwen3_1.7b_stapo.yaml", prompt=16, response=48, rows=8,
+                    device_bytes=2**30),
         )
     return SimpleNamespace(
         device="cuda", budget_s=480.0,
-        caps={"token_stats": 150.0, "mfu": 130.0, "trainer": 120.0, "fsdp2": 110.0},
+        caps={"token_stats": 100.0, "ts_throughput": 40.0, "attention": 30.0, "phase_memory": 110.0, "mfu": 60.0,
+              "trainer": 80.0, "fsdp2": 60.0},
         ts_rows=4096, ts_vocab=151_936, ts_dtypes=("bfloat16", "float32"), ts_repeats=5, ts_grad_rows=64,
         tiny=dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
                   vocab_padding=64),
-        train_steps=3, response_length=32, fsdp_steps=2,
+        train_steps=2, response_length=32, fsdp_steps=2,
         # Qwen3-0.6B's shape (randomly initialised)
         mfu_model=dict(num_layers=28, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                        intermediate_size=3072, vocab_size=151_936, token_vocab=151_669),
         mfu_batch=4, mfu_prompt=1024, mfu_response=15_360, mfu_steps=3, gemm_peak_ref=H200_BF16_PEAK,
+        tp=dict(batch=4, response=15_360, vocab_rows=151_936, vocab=151_669, hidden=2048, repeats=5),
+        # one decoder layer of Qwen3-1.7B (the vocabulary does not matter for attention)
+        attn=dict(model=dict(num_layers=1, hidden_size=2048, num_heads=16, num_kv_heads=8, head_dim=128,
+                             intermediate_size=6144, vocab_size=4096, token_vocab=4096),
+                  rows=4, prompt=1024, response=15_360, repeats=3),
+        # Qwen3-1.7B's shape (randomly initialised), the paper's row length, the GPU's own memory
+        pm=dict(model=QWEN3_1_7B, config="configs/paper/qwen3_1.7b_stapo.yaml", prompt=1024, response=15_360,
+                rows=8, device_bytes=None),
     )
 
 
@@ -817,6 +901,29 @@ def flops_per_micro_batch(m: dict, B: int, S: int, R: int) -> dict[str, float]:
             "head_fwd_flops": float(f_head), "n_layer_params": float(n_layer)}
 
 
+def random_qwen3(m: dict, device, attn_implementation: str = "sdpa"):
+    """A randomly initialised ``Qwen3ForCausalLM`` of shape ``m`` (``num_layers``, ``hidden_size``, ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` embedding rows, ``token_vocab`` tokens;
+    tied embeddings, rope θ 1e6 as Qwen3), fp32 parameters built on ``device`` (seed 0, global RNG untouched),
+    ``config.stapo_vocab_size`` = ``token_vocab`` (as :func:`stapo.models.load_policy` marks Qwen's padded
+    vocabulary). Seeding sets the CUDA generators too (as ``torch.manual_seed`` does)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                         intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_layers"],
+                         num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
+                         head_dim=m["head_dim"], max_position_embeddings=40_960, tie_word_embeddings=True,
+                         rope_theta=1_000_000.0, max_window_layers=m["num_layers"], use_sliding_window=False)
+    config._attn_implementation = attn_implementation
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[]), dev:
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config)
+    model.config.stapo_vocab_size = m["token_vocab"]
+    return model
+
+
 def measure_gemm(device, dtype, M: int, K: int, N: int, reps: int) -> float:
     """Achieved FLOP/s of ``[M, K] @ [K, N]`` in ``dtype`` (best of ``reps`` after one warm-up)."""
     import torch
@@ -833,24 +940,14 @@ def measure_gemm(device, dtype, M: int, K: int, N: int, reps: int) -> float:
 
 def part_mfu(part: Part, sz: SimpleNamespace) -> None:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from stapo.objectives import get_objective, policy_loss
     from stapo.policy import RolloutBatch, policy_token_stats
 
     dev = torch.device(sz.device)
     m = dict(sz.mfu_model)
-    config = Qwen3Config(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
-                         intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_layers"],
-                         num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
-                         head_dim=m["head_dim"], max_position_embeddings=40_960, tie_word_embeddings=True,
-                         rope_theta=1_000_000.0, max_window_layers=m["num_layers"], use_sliding_window=False)
-    config._attn_implementation = "sdpa"
     t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[]), dev:
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(config)  # fp32 master weights, built on the device
-    model.config.stapo_vocab_size = m["token_vocab"]  # as load_policy marks Qwen's padded vocabulary
+    model = random_qwen3(m, dev)  # fp32 master weights, built on the device
     model.gradient_checkpointing_enable()
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
@@ -958,6 +1055,704 @@ def part_mfu(part: Part, sz: SimpleNamespace) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Shared by (e), (f), (g): synthetic rows, memory peaks, profiler counts
+# --------------------------------------------------------------------------------------------------------------
+#: what each new part's checks compare against (the reasons are in the module docstring, parts (e)-(g))
+PHASE_FIT_FRACTION = 0.9  # stapo.memory_plan.TARGET_FRACTION: the paper configs keep every phase under it
+PLAN_SLACK = 1.10  # a trainer phase's measured max_memory_allocated may exceed its planned total by at most 10 %
+LAYOUT_LOGP_MEAN_TOL = 0.02  # nats: mean |Δ log p| between two layouts / heads of the same rows (bf16 autocast)
+ATTN_REL_TOL = 0.02  # ‖Δh‖ / ‖h‖ of the decoder layer's outputs at the real tokens between layouts (bf16 autocast)
+TS_FWD_FLOOR = 0.20  # token_stats forward: logits bytes / time ≥ 20 % of the H200's HBM bandwidth
+TS_FWD_BWD_FLOOR = 0.10  # token_stats forward + backward: 3 × logits bytes / time ≥ 10 % of it
+TS_MAX_KERNELS = 1000  # GPU kernels of one token_stats forward at [4, 15,360, 151,936] (CPU chunking: ≈ 9,400)
+HEAD_FLOOR = 0.20  # fused head forward + backward: GEMM FLOPs / time ≥ 20 % of the 790 TFLOP/s bf16 peak
+HEAD_LOGP_MAX_TOL = 2.0 ** -4  # nats: fused head vs logits path, max |Δ log p| (two bf16 ulps of a logit in [4, 8))
+
+
+def synthetic_rows(n: int, prompt: int, response: int, vocab: int, device, seed: int = 0):
+    """``n`` rows in the trainer's stored layout (:class:`stapo.policy.RolloutBatch`): row i has ``prompt − (i % 4)``
+    prompt tokens, left-padded to ``prompt`` columns (so the padded layout needs its attention mask, as a real
+    rollout's does), and ``response`` response tokens (every row full length: the micro-batch's worst case); ids
+    uniform in [0, vocab), pad id 0."""
+    import torch
+
+    from stapo.policy import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    P, R = prompt, response
+    ids = torch.randint(0, vocab, (n, P + R), generator=g)  # [n, P+R]
+    att = torch.ones(n, P + R, dtype=torch.long)  # [n, P+R]
+    for i in range(n):
+        att[i, :min(i % 4, P - 1)] = 0  # left padding
+    ids[att == 0] = 0
+    pos = (att.cumsum(1) - 1).clamp_min(0)  # [n, P+R]
+    return RolloutBatch(input_ids=ids, attention_mask=att, position_ids=pos, response_ids=ids[:, P:].clone(),
+                        response_mask=torch.ones(n, R, dtype=torch.bool)).to(device)
+
+
+def _oom_error():
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def mem_peaks(device) -> dict[str, float] | None:
+    """Since the last ``torch.cuda.reset_peak_memory_stats``: max allocated and max reserved (GiB), and the
+    device's used memory now (``total − free`` of ``cudaMemGetInfo``: the CUDA context and every process's
+    memory included). None on a CPU."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return {"alloc_GiB": torch.cuda.max_memory_allocated() / 2**30,
+            "reserved_GiB": torch.cuda.max_memory_reserved() / 2**30, "device_used_GiB": (total - free) / 2**30}
+
+
+def profile_counts(fn: Callable[[], Any], device) -> dict[str, Any]:
+    """Run ``fn`` once under ``torch.profiler`` → ``gpu_kernels`` (events on the GPU: kernels, memsets, copies),
+    ``launch_calls`` (host ``cudaLaunchKernel``-like calls), ``compiled_calls`` (torch.compile regions entered),
+    ``cpu_ops`` (host events), and ``attention_ops`` / ``attention_kernels``: the distinct names of the host ops and
+    GPU kernels that look like attention (``scaled_dot_product``, ``attention``, ``flash``, ``fmha``, ``cutlass``,
+    ``cudnn``), which tell the kernel path SDPA took."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    ev = prof.events()
+    gpu = [e for e in ev if e.device_type != DeviceType.CPU]
+    host = [e for e in ev if e.device_type == DeviceType.CPU]
+    words = ("scaled_dot_product", "attention", "flash", "fmha", "cutlass", "cudnn", "varlen")
+    att_ops = sorted({e.name for e in host if e.name.startswith("aten::") and any(w in e.name.lower() for w in words)})
+    att_k = sorted({e.name[:160] for e in gpu if any(w in e.name.lower() for w in words)})
+    return {"gpu_kernels": len(gpu), "launch_calls": sum("LaunchKernel" in e.name for e in host),
+            "compiled_calls": sum(e.name.startswith("Torch-Compiled Region") for e in host), "cpu_ops": len(host),
+            "attention_ops": att_ops, "attention_kernels": att_k}
+
+
+def median_time(fn: Callable[[], Any], device, reps: int, part: "Part | None" = None) -> float | None:
+    """Median seconds of ``reps`` device-synchronised calls of ``fn`` (after the caller's warm-up); stops early when
+    ``part`` has less than two calls' time left (None if no call ran)."""
+    times: list[float] = []
+    for _ in range(max(1, reps)):
+        if part is not None and times and part.time_left() < 2 * max(times):
+            break
+        times.append(timed(fn, device)[0])
+    return statistics.median(times) if times else None
+
+
+def set_attn(model, implementation: str) -> None:
+    """Switch an HF model's attention implementation in place (``set_attn_implementation`` where transformers has
+    it, else the config attribute the attention layers read at each forward)."""
+    if getattr(model.config, "_attn_implementation", None) == implementation:
+        return
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(implementation)
+    else:
+        model.config._attn_implementation = implementation
+
+
+def flash_attn_available(device) -> bool:
+    """transformers' ``flash_attention_2`` is usable: a CUDA device and the ``flash_attn`` package importable."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        from transformers.utils import is_flash_attn_2_available
+
+        return bool(is_flash_attn_2_available())
+    except Exception:  # noqa: BLE001 - absent / broken: not available
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (e) phase peaks of a Qwen3-1.7B shape with an engine stand-in
+# --------------------------------------------------------------------------------------------------------------
+def _variants(cfg0) -> list[dict[str, Any]]:
+    """The (layout, LM head) variants of part (e): the paper config's own first, then today's default (padded,
+    logits), then the other padded / padding-free × logits / fused ones; the packed (flash_attention_2) ones only
+    where flash-attn is importable (added by the caller). Each: ``name`` and the config ``overrides``."""
+    from stapo.policy import forward_layout
+
+    own = (bool(cfg0.actor.use_remove_padding), cfg0.actor.lm_head, cfg0.model.attn_implementation)
+    combos = [own, (False, "logits", "sdpa"), (True, "fused", "sdpa"), (True, "logits", "sdpa"),
+              (False, "fused", "sdpa")]
+    out, seen = [], set()
+    for rp, head, attn in combos:
+        key = (forward_layout(rp, attn), head)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append({"name": f"{key[0]}/{head}" + (" (config)" if (rp, head, attn) == own else ""),
+                    "layout": key[0], "lm_head": head, "attn": attn,
+                    "overrides": [f"actor.use_remove_padding={str(rp).lower()}", f"actor.lm_head={head}",
+                                  f"model.attn_implementation={attn}"]})
+    return out
+
+
+def _first_micro_batch(cfg, batch, layout: str):
+    """The rows ([b] int64) of the largest micro-batch the trainer's plan makes of ``batch`` under ``cfg``:
+    ``actor.use_dynamic_bsz`` → :func:`stapo.train.plan.token_budget_micro_batches` (the token budget counted in
+    ``layout``), else ``actor.ppo_micro_batch_size`` rows (:func:`stapo.train.plan.micro_batches`)."""
+    import torch
+
+    from stapo.train.plan import micro_batches, token_budget_micro_batches
+
+    lengths = batch.attention_mask.sum(dim=1).cpu()  # [n]
+    prompt_lengths = batch.attention_mask[:, :batch.prompt_width].sum(dim=1).cpu()  # [n]
+    rows = torch.arange(len(batch))
+    if cfg.actor.use_dynamic_bsz:
+        mbs = token_budget_micro_batches(lengths, rows, cfg.actor.ppo_max_token_len_per_gpu, layout=layout,
+                                         prompt_lengths=prompt_lengths)
+    else:
+        mbs = micro_batches(lengths, rows, cfg.actor.ppo_micro_batch_size, sort_by_length=True)
+    return mbs[0]
+
+
+def part_phase_memory(part: Part, sz: SimpleNamespace) -> None:
+    import torch
+
+    from stapo.config import load_config
+    from stapo.objectives import get_objective, policy_loss
+    from stapo.policy import policy_token_stats
+    from stapo.precision import PrecisionPolicy
+
+    try:
+        from stapo import memory_plan as mp
+    except ImportError as e:  # the plan module is not there: the peaks are still measured
+        mp = None
+        part.data["plan_error"] = f"{type(e).__name__}: {e}"
+    pm = sz.pm
+    dev = torch.device(sz.device)
+    cuda = dev.type == "cuda"
+    OOM = _oom_error()
+    GiB = 2 ** 30
+    total = torch.cuda.get_device_properties(dev).total_memory if cuda else int(pm["device_bytes"])
+    m, P, R_paper = pm["model"], pm["prompt"], pm["response"]
+    cfg_path = REPO / pm["config"]
+    base = [f"data.max_prompt_length={P}", f"rollout.response_length={R_paper}"]
+    cfg0 = load_config(cfg_path, base)
+    if cfg0.actor.use_dynamic_bsz and not cuda:  # the dry run's short rows: the same rows per micro-batch
+        budget = cfg0.actor.ppo_max_token_len_per_gpu * (P + R_paper) // (1024 + 15_360)
+        base.append(f"actor.ppo_max_token_len_per_gpu={max(budget, P + R_paper)}")
+        cfg0 = load_config(cfg_path, base)
+    u = float(cfg0.rollout.gpu_memory_utilization)
+    fit = getattr(mp, "TARGET_FRACTION", PHASE_FIT_FRACTION)
+    shape = None if mp is None else mp.ModelShape(
+        "Qwen3-1.7B shape (random)" if cuda else "tiny (dry run)", m["num_layers"], m["hidden_size"],
+        m["intermediate_size"], m["num_heads"], m["num_kv_heads"], m["head_dim"], m["vocab_size"], tied=True)
+
+    def plan_of(cfg):
+        if mp is None:
+            return None
+        try:
+            return mp.plan_memory(cfg, shape, 1, total / GiB, device="this device" if cuda else "nominal (dry run)",
+                                  strategy="none", checked=cuda, device_type=dev.type)
+        except Exception as e:  # noqa: BLE001 - recorded; the measurement goes on
+            part.data["plan_error"] = f"{type(e).__name__}: {e}"[:1000]
+            return None
+
+    def planned(plan, phase: str) -> float | None:
+        try:
+            return plan.phase(phase).gib if plan is not None else None
+        except KeyError:
+            return None
+
+    t0 = time.perf_counter()
+    model = random_qwen3(m, dev)  # fp32 master weights
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg0.actor.lr, weight_decay=cfg0.actor.weight_decay,
+                            betas=tuple(cfg0.actor.betas))
+    for p in model.parameters():  # AdamW moments exist from the second step on: create them (one zero-grad step)
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)  # the trainer frees the gradients after the last optimizer step
+    if cuda:
+        torch.cuda.empty_cache()
+    n_params = sum(p.numel() for p in model.parameters())
+    precision = PrecisionPolicy.from_config(cfg0.model)
+    objective = get_objective("stapo")
+    T = float(cfg0.rollout.temperature)
+    part.data.update(model=m, params=n_params, build_s=round(time.perf_counter() - t0, 2), config=pm["config"],
+                     overrides=base, device_GiB=total / GiB, engine_share=u, fit_fraction=fit,
+                     resident_GiB=torch.cuda.memory_allocated() / GiB if cuda else None)
+    table = {"columns": ["variant", "micro-batch", "phase", "max alloc GiB", "max reserved GiB", "planned GiB",
+                         "alloc / planned", "reserved % of device"], "rows": []}
+    part.data["tables"] = [table]
+
+    def row(variant, mb, phase, peaks, plan_gib):
+        a = peaks["alloc_GiB"] if peaks else None
+        r = peaks["reserved_GiB"] if peaks else None
+        table["rows"].append([variant, mb, phase, "—" if a is None else a, "—" if r is None else r,
+                              "—" if plan_gib is None else plan_gib,
+                              "—" if a is None or not plan_gib else a / plan_gib,
+                              "—" if r is None else f"{100 * r * GiB / total:.0f} %"])
+
+    # 1. rollout: the engine awake — the stand-in holds its share (u × device memory) beside the resident state
+    plan0 = plan_of(cfg0)
+    rollout: dict[str, Any] = {"stand_in_GiB": u * total / GiB, "planned_GiB": planned(plan0, "rollout")}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        engine = torch.empty(int(u * total), dtype=torch.uint8, device=dev)
+        rollout["peaks"] = mem_peaks(dev)
+        del engine
+    except OOM as e:
+        rollout["oom"] = str(e).splitlines()[0][:300]
+    if cuda:
+        torch.cuda.empty_cache()  # the engine's memory goes back to the device when it sleeps
+    part.data["rollout"] = rollout
+    row("—", "— (engine awake)", "rollout", rollout.get("peaks"), rollout["planned_GiB"])
+    # 2. the engine asleep from the end of generation: only its residual stays (the plan's asleep term)
+    asleep_gib = 1.0
+    if plan0 is not None:
+        try:
+            asleep_gib = plan0.phase("old pass").engine_gib
+        except KeyError:
+            pass
+    asleep = torch.empty(int(asleep_gib * GiB), dtype=torch.uint8, device=dev)
+    part.data["asleep_stand_in_GiB"] = asleep_gib
+
+    variants = _variants(cfg0)
+    flash = flash_attn_available(dev)
+    part.data["not_run"] = [v["name"] for v in variants if v["attn"].startswith("flash") and not flash]
+    variants = [v for v in variants if flash or not v["attn"].startswith("flash")]
+    if flash:
+        variants += [{"name": f"packed/{h}", "layout": "packed", "lm_head": h, "attn": "flash_attention_2",
+                      "overrides": ["actor.use_remove_padding=true", f"actor.lm_head={h}",
+                                    "model.attn_implementation=flash_attention_2"]} for h in ("fused", "logits")]
+    else:
+        part.data["packed_flash"] = "flash_attn not importable (or no CUDA): the packed varlen layout is not measured"
+    runs = part.data["variants"] = []
+    ref = None  # (rows, R, [b, R] old log-probs) of the first variant: the others are compared with it
+    last_s = 0.0
+    for v in variants:
+        if part.time_left() < max(10.0, 1.5 * last_s):
+            part.skip(f"variant {v['name']}")
+            continue
+        tv = time.perf_counter()
+        cfg = load_config(cfg_path, base + v["overrides"])
+        plan = plan_of(cfg)
+        run: dict[str, Any] = {"name": v["name"], "layout": v["layout"], "lm_head": v["lm_head"], "attn": v["attn"],
+                               "planned_GiB": {k: planned(plan, k) for k in ("old pass", "update")}, "oom": []}
+        if plan is not None:
+            run["plan"] = mp.format_plan(plan, terms=False)
+        runs.append(run)
+        set_attn(model, v["attn"])
+        R, keep_rows, old = R_paper, None, None
+        paper_peaks: dict[str, Any] = {}  # the phases measured at the paper's shape (before any OOM)
+        while True:
+            batch = synthetic_rows(pm["rows"], P, R, m["token_vocab"], dev)
+            rows = _first_micro_batch(cfg, batch, v["layout"])
+            if keep_rows is not None:
+                rows = rows[:keep_rows]
+            mb = batch.select(rows).trim()
+            b, L = len(mb), mb.input_ids.shape[1]
+            run.update(rows=rows.tolist(), response=R, micro_batch=f"{b} × ({P} + {R})", tokens=int(mb.attention_mask.sum()))
+            phase = "old pass"
+            try:
+                # old-log-prob pass: no grad, eval mode (as after the previous step's sync), the engine asleep
+                model.eval()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                with torch.no_grad(), precision.autocast(dev):
+                    old = policy_token_stats(model, mb, T, lm_head=v["lm_head"], layout=v["layout"]).logprobs
+                run["old_peaks"] = mem_peaks(dev)
+                if not run["oom"]:
+                    paper_peaks["old pass"] = run["old_peaks"]
+                # one update micro-batch: forward + backward with gradient checkpointing, gradients allocated
+                phase = "update"
+                model.train()
+                opt.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                with precision.autocast(dev):
+                    st = policy_token_stats(model, mb, T, lm_head=v["lm_head"], layout=v["layout"])
+                keep = mb.response_mask
+                adv = torch.linspace(-1, 1, b, device=dev)  # [b]
+                loss, _ = policy_loss(objective, st.logprobs, old, adv, keep, float(keep.sum()))
+                loss.backward()
+                run["update_peaks"] = mem_peaks(dev)
+                run["loss"] = float(loss.detach())
+                del st, loss
+                phase = "optimizer step"
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                run["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip))
+                opt.step()
+                run["step_peaks"] = mem_peaks(dev)
+                opt.zero_grad(set_to_none=True)
+                if cuda and not run["oom"]:  # the update phase: the larger of backward and optimizer step
+                    paper_peaks["update"] = {k: max(run["update_peaks"][k], run["step_peaks"][k])
+                                             for k in ("alloc_GiB", "reserved_GiB")}
+                break
+            except OOM as e:
+                run["oom"].append(f"{phase} at {b} × {L} tokens: {str(e).splitlines()[0][:200]}")
+            # out of memory (the exception and its frames are gone here, so their tensors can be freed)
+            st = loss = old = None  # noqa: F841 - drop the references before emptying the cache
+            opt.zero_grad(set_to_none=True)
+            __import__("gc").collect()
+            torch.cuda.empty_cache()
+            if b > 1:  # halve the rows first, then the response length (as part (d))
+                keep_rows = (b + 1) // 2
+            elif R > 1024:
+                R //= 2
+            else:
+                break
+        if old is None:  # out of memory down to one row of P + 1,024 tokens: nothing measured
+            part.check(f"{v['name']}: trainer phases fit at any shape tried", 0.0, 1.0, ">=")
+            continue
+        run["old_logprobs_mean"] = float(old[mb.response_mask].mean())
+        # checks: a finite update; the layouts / heads agree on the same rows; on a GPU the phases' memory
+        part.check(f"{v['name']}: loss and grad norm finite",
+                   float(math.isfinite(run["loss"]) and math.isfinite(run["grad_norm"])), 1.0, "==")
+        if ref is None:
+            ref = (v["name"], rows.tolist(), R, old.float().cpu())
+            run["compared_with"] = None
+        elif ref[2] == R and ref[1] == rows.tolist():
+            d = (old.float().cpu() - ref[3]).abs()[mb.response_mask.cpu()]
+            run["compared_with"] = ref[0]
+            run["logprob_mean_abs_diff"], run["logprob_max_abs_diff"] = float(d.mean()), float(d.max())
+            part.check(f"{v['name']}: old log-probs vs {ref[0]}, mean abs Δ (nats)", run["logprob_mean_abs_diff"],
+                       LAYOUT_LOGP_MEAN_TOL)
+        else:
+            run["compared_with"] = f"not compared: other rows or length than {ref[0]}"
+        del old
+        if cuda:
+            for label in ("old pass", "update"):
+                pk = paper_peaks.get(label)  # None: out of memory at the paper's shape — the check fails
+                part.check(f"{v['name']}: {label} max reserved (GiB) ≤ {fit:.0%} of the device",
+                           pk["reserved_GiB"] if pk else float("inf"), fit * total / GiB)
+                pl = run["planned_GiB"][label]
+                if pl and pk:
+                    part.check(f"{v['name']}: {label} max allocated / planned", pk["alloc_GiB"] / pl, PLAN_SLACK)
+        mbs = run["micro_batch"]
+        row(v["name"], mbs, "old pass", run.get("old_peaks"), run["planned_GiB"]["old pass"])
+        row(v["name"], mbs, "update (fwd+bwd)", run.get("update_peaks"), run["planned_GiB"]["update"])
+        row(v["name"], mbs, "optimizer step", run.get("step_peaks"), run["planned_GiB"]["update"])
+        last_s = time.perf_counter() - tv
+        run["seconds"] = round(last_s, 2)
+    del asleep, model, opt
+    part.data["notes"] = [
+        f"{pm['config']} + {' '.join(base)}; Qwen3 shape {m} ({n_params:,} parameters, tied embeddings), random init, "
+        "fp32 master weights + AdamW moments resident (created by one step on zero gradients), bf16 autocast, "
+        "gradient checkpointing, objective stapo.",
+        f"rollout: a torch.empty of rollout.gpu_memory_utilization ({u:g}) × device memory stands in for the awake "
+        f"engine; then released (the engine sleeps right after generation) and a {asleep_gib:g} GiB stand-in holds "
+        "the sleeping engine's residual (the plan's term) through the trainer phases.",
+        f"rows: {pm['rows']} synthetic rows, row i with {P} − (i mod 4) prompt tokens (left padding) and "
+        f"{R_paper} response tokens; each variant measures the largest micro-batch the trainer's plan makes of "
+        "them (stapo/train/plan.py: token budget or ppo_micro_batch_size) — the old-log-prob pass (no grad, eval) "
+        "and one update micro-batch (forward + backward, then the optimizer step) through "
+        "stapo.policy.policy_token_stats with the variant's layout and LM head.",
+        f"checks: max reserved ≤ {fit:.0%} of the device for the trainer phases (engine share released; an OOM at "
+        f"the paper's shape counts as over); max allocated ≤ {PLAN_SLACK:g} × the plan's phase total "
+        "(stapo/memory_plan.py; the start-up refusal relies on the plan not underestimating); old log-probs of "
+        f"every variant within a mean {LAYOUT_LOGP_MEAN_TOL:g} nats of the first one's (same rows, bf16 autocast)."]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (f) attention: padded vs padding-free at 16k tokens
+# --------------------------------------------------------------------------------------------------------------
+def _varlen_attn():
+    """torch's packed-sequence attention (``torch.nn.attention.varlen.varlen_attn``, torch ≥ 2.10), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn
+    except Exception:  # noqa: BLE001 - absent in this torch
+        return None
+
+
+def part_attention(part: Part, sz: SimpleNamespace) -> None:
+    import inspect
+
+    import torch
+    import torch.nn.functional as F
+
+    from stapo.policy import layout_inputs, policy_decoder
+    from stapo.precision import PrecisionPolicy
+
+    a = sz.attn
+    dev = torch.device(sz.device)
+    cuda = dev.type == "cuda"
+    m = a["model"]
+    model = random_qwen3(m, dev)
+    model.train()
+    dec = policy_decoder(model)
+    precision = PrecisionPolicy(torch.float32, torch.bfloat16)  # the trainer's: fp32 weights, bf16 autocast
+    batch = synthetic_rows(a["rows"], a["prompt"], a["response"], m["token_vocab"], dev)
+    att = batch.attention_mask.bool()  # [b, L] real tokens
+    lengths = att.sum(dim=1)  # [b]
+    L = att.shape[1]
+    trail = layout_inputs(batch, "trailing")
+    packed = layout_inputs(batch, "packed")
+    real_trailing = torch.arange(trail.input_ids.shape[1], device=dev)[None, :] < lengths[:, None]  # [b, L_t]
+    layouts = [("padded (mask)", "sdpa", dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                              position_ids=batch.position_ids, use_cache=False), att),
+               ("trailing (is_causal)", "sdpa", trail.model_kwargs(), real_trailing)]
+    if flash_attn_available(dev):
+        layouts.append(("packed (flash_attention_2 varlen)", "flash_attention_2", packed.model_kwargs(), None))
+    else:
+        part.data["packed_flash"] = "flash_attn not importable (or no CUDA): transformers' packed varlen path not run"
+    part.data.update(model=m, rows=a["rows"], row_tokens=lengths.tolist(), padded_width=L, packed_tokens=int(lengths.sum()))
+    table = {"columns": ["level", "layout", "fwd ms", "fwd+bwd ms", "fwd / padded", "fwd+bwd / padded",
+                         "attention ops (host)", "attention kernels (GPU)"], "rows": []}
+    part.data["tables"] = [table]
+    res = part.data["layer"] = {}
+    ref_h = None
+    for name, impl, kw, real in layouts:
+        if part.time_left() < 3:
+            part.skip(f"layer {name}")
+            continue
+        set_attn(model, impl)
+
+        def fwd(kw=kw):
+            with torch.no_grad(), precision.autocast(dev):
+                return dec(**kw).last_hidden_state  # [N, L', d]
+
+        def fwd_bwd(kw=kw):
+            with precision.autocast(dev):
+                h = dec(**kw).last_hidden_state
+            h.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        h = fwd()  # warm-up (and the outputs compared below)
+        hr = (h[0] if real is None else h[real]).float()  # [T, d] the real tokens, row by row
+        fwd_bwd()
+        r: dict[str, Any] = {"fwd_s": median_time(fwd, dev, a["repeats"], part),
+                             "fwd_bwd_s": median_time(fwd_bwd, dev, a["repeats"], part)}
+        prof = profile_counts(fwd, dev)
+        r["attention_ops"], r["attention_kernels"] = prof["attention_ops"], prof["attention_kernels"]
+        part.check(f"layer, {name}: outputs finite", float(bool(torch.isfinite(hr).all())), 1.0, "==")
+        if ref_h is None:
+            ref_h = hr
+        else:
+            r["rel_diff_vs_padded"] = float((hr - ref_h).norm() / ref_h.norm())
+            part.check(f"layer, {name}: ‖Δh‖/‖h‖ vs padded at the real tokens", r["rel_diff_vs_padded"], ATTN_REL_TOL)
+        res[name] = r
+        del h, hr
+    set_attn(model, "sdpa")
+    # the SDPA call alone at the same shapes: the padded layout's boolean mask vs is_causal vs packed varlen
+    H, hd = m["num_heads"], m["head_dim"]
+    b = a["rows"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(b, H, L, hd, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    idx = torch.arange(L, device=dev)
+    mask = ((idx[None, :] <= idx[:, None])[None, None] & att[:, None, None, :]) | torch.eye(
+        L, dtype=torch.bool, device=dev)  # [b, 1, L, L] causal ∧ real key (a pad query sees itself: no empty row)
+    gout = torch.randn(b, H, L, hd, generator=g, device=dev, dtype=torch.bfloat16)
+    calls = [("padded (mask)", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+             ("is_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))]
+    varlen = _varlen_attn()
+    if varlen is not None and cuda:
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+        cu[1:] = lengths.cumsum(0)
+        mx = int(lengths.max())
+        params = inspect.signature(varlen).parameters
+        causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+        def varlen_call(q, k, v):  # [b, H, L, hd] → the real tokens packed [T, H, hd] (a real run holds them so)
+            pk = [t.transpose(1, 2)[att] for t in (q, k, v)]
+            return varlen(*pk, cu, cu, mx, mx, **causal)
+
+        calls.append(("packed (torch varlen_attn)", varlen_call))
+    else:
+        part.data["varlen"] = "torch.nn.attention.varlen not in this torch, or no CUDA: not run"
+    sdpa = part.data["sdpa_call"] = {}
+    for name, fn in calls:
+        if part.time_left() < 3:
+            part.skip(f"SDPA call {name}")
+            continue
+
+        def c_fwd(fn=fn):
+            with torch.no_grad():
+                return fn(q, k, v)
+
+        def c_fwd_bwd(fn=fn):
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = fn(qq, kk, vv)
+            out.backward(gout[:, :, :out.shape[2]] if out.dim() == 4 else torch.ones_like(out))
+
+        try:
+            c_fwd()
+            c_fwd_bwd()
+        except Exception as e:  # noqa: BLE001 - a kernel this torch / GPU lacks: recorded, not fatal
+            sdpa[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            continue
+        r = {"fwd_s": median_time(c_fwd, dev, a["repeats"], part),
+             "fwd_bwd_s": median_time(c_fwd_bwd, dev, a["repeats"], part)}
+        prof = profile_counts(c_fwd, dev)
+        r["attention_ops"], r["attention_kernels"] = prof["attention_ops"], prof["attention_kernels"]
+        sdpa[name] = r
+    del q, k, v, mask, gout, model
+    for level, rs in (("layer", res), ("SDPA call", sdpa)):
+        base = rs.get("padded (mask)")
+        for name, r in rs.items():
+            if "error" in r:
+                table["rows"].append([level, name, "error", r["error"][:80], "—", "—", "—", "—"])
+                continue
+            ratio_f = r["fwd_s"] / base["fwd_s"] if base and base.get("fwd_s") else None
+            ratio_b = r["fwd_bwd_s"] / base["fwd_bwd_s"] if base and base.get("fwd_bwd_s") else None
+            r["fwd_vs_padded"], r["fwd_bwd_vs_padded"] = ratio_f, ratio_b
+            table["rows"].append([level, name, r["fwd_s"] * 1e3, r["fwd_bwd_s"] * 1e3,
+                                  "—" if ratio_f is None else ratio_f, "—" if ratio_b is None else ratio_b,
+                                  ", ".join(x.removeprefix("aten::") for x in r["attention_ops"]) or "—",
+                                  "; ".join(k[:60] for k in r["attention_kernels"][:3]) or "—"])
+            # the padding-free paths must not be slower than the padded one (GPU only: CPU times of tiny shapes
+            # on a shared machine decide nothing)
+            if cuda and name != "padded (mask)" and ratio_b is not None:
+                part.check(f"{level}, {name}: fwd+bwd time / padded", ratio_b, 1.0)
+                part.check(f"{level}, {name}: fwd time / padded", ratio_f, 1.0)
+    part.data["notes"] = [
+        f"one decoder layer of shape {m} (fp32 weights, bf16 autocast, no checkpointing) over {a['rows']} rows of "
+        f"{a['prompt']} − (i mod 4) prompt + {a['response']} response tokens: padded = the stored layout with its "
+        "attention mask (transformers builds a dense [b, 1, L, L] mask, SDPA takes a masked kernel); trailing = "
+        "stapo.policy.layout_inputs 'trailing' (no mask: is_causal); packed = 'packed' with flash_attention_2 "
+        "(only where flash-attn is importable). fwd+bwd: loss mean(h²). Times: medians after a warm-up call.",
+        "SDPA call: q, k, v [b, H, L, h_d] bf16 with the padded layout's boolean mask (causal ∧ real key) vs "
+        "is_causal=True vs torch.nn.attention.varlen.varlen_attn over the packed real tokens (CUDA, where this "
+        "torch has it; no transformers path uses it).",
+        "attention ops / kernels: the host aten ops and GPU kernels whose names look like attention (the kernel "
+        "path SDPA took: flash, efficient / cutlass, cudnn, math)."]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (g) token-statistics throughput at the paper's micro-batch against a floor
+# --------------------------------------------------------------------------------------------------------------
+def part_ts_throughput(part: Part, sz: SimpleNamespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from stapo.lm_head import lm_head_tiles, lm_head_token_stats
+    from stapo.token_stats import chunk_sizes, token_stats
+
+    t = sz.tp
+    dev = torch.device(sz.device)
+    cuda = dev.type == "cuda"
+    B, R, Vr, V, d = t["batch"], t["response"], t["vocab_rows"], t["vocab"], t["hidden"]
+    N = B * R
+    g = torch.Generator(device=dev).manual_seed(0)
+    # as the trainer passes them: [B, R, V] = logits[:, :-1, :vocab] of the model's [B, R + 1, V_rows] bf16 logits
+    x_full = torch.randn(B, R + 1, Vr, generator=g, device=dev, dtype=torch.bfloat16).mul_(2.0)
+    x = x_full[:, :-1, :V]
+    tgt = torch.randint(0, V, (B, R), generator=g, device=dev)
+    w = torch.rand(B, R, generator=g, device=dev) - 0.5  # [B, R] loss weights
+    nbytes = x.numel() * x.element_size()
+    chunks = chunk_sizes(dev, V, "auto", torch.bfloat16)
+    part.data.update(shape=[B, R, V], vocab_rows=Vr, logits_GB=nbytes / 1e9, chunk_rows=chunks.rows,
+                     upcast_rows=chunks.upcast_rows, kernel_calls_expected=math.ceil(N / chunks.rows))
+    r: dict[str, Any] = {}
+    fwd = lambda: token_stats(x, tgt, 1.0)  # noqa: E731 - the trainer's call (backend auto)
+    r["first_call_s"], st = timed(fwd, dev)
+    part.check("token_stats: outputs finite", float(bool(torch.isfinite(st.logprobs).all() & torch.isfinite(
+        st.entropy).all())), 1.0, "==")
+    del st
+    r["fwd_s"] = median_time(fwd, dev, t["repeats"], part)
+    r["fwd_GB_per_s"] = nbytes / r["fwd_s"] / 1e9
+    r.update({f"fwd_{k}": v for k, v in profile_counts(fwd, dev).items() if not k.startswith("attention")})
+
+    xl = x_full.detach().requires_grad_(True)
+
+    def fwd_bwd():
+        xl.grad = None
+        out = token_stats(xl[:, :-1, :V], tgt, 1.0)
+        (w * out.logprobs).sum().backward()
+
+    r["first_fwd_bwd_s"] = timed(fwd_bwd, dev)[0]
+    r["fwd_bwd_s"] = median_time(fwd_bwd, dev, max(1, t["repeats"] - 2), part)
+    r["fwd_bwd_GB_per_s"] = 3 * nbytes / r["fwd_bwd_s"] / 1e9  # read (fwd), read (bwd), write the gradient
+    part.check("token_stats: gradient finite", float(bool(torch.isfinite(xl.grad).all())), 1.0, "==")
+    del xl, x_full, x
+    part.data["token_stats"] = r
+    if cuda:
+        hbm = H200_HBM_BYTES_PER_S
+        part.check(f"token_stats fwd: logits bytes / time ≥ {TS_FWD_FLOOR:.0%} of {hbm / 1e12:g} TB/s (GB/s)",
+                   r["fwd_GB_per_s"], TS_FWD_FLOOR * hbm / 1e9, ">=")
+        part.check(f"token_stats fwd+bwd: 3 × logits bytes / time ≥ {TS_FWD_BWD_FLOOR:.0%} of HBM (GB/s)",
+                   r["fwd_bwd_GB_per_s"], TS_FWD_BWD_FLOOR * hbm / 1e9, ">=")
+        part.check("token_stats fwd: GPU kernels of one call", r["fwd_gpu_kernels"], TS_MAX_KERNELS)
+        part.data["fwd_time_ceiling_s"] = nbytes / (TS_FWD_FLOOR * hbm)
+    if cuda:
+        torch.cuda.empty_cache()
+    # the fused head (stapo.lm_head, actor.lm_head=fused) at the same rows: fp32 hidden states and output embedding
+    # (the trainer's master weights), bf16 GEMMs, its CUDA tile sizes
+    if part.time_left() < 5:
+        part.skip("fused head")
+        return
+    h = torch.randn(N, d, generator=g, device=dev)  # [N, d] fp32, unit RMS as after the final norm
+    W = torch.randn(Vr, d, generator=g, device=dev) * 0.02  # [V_rows, d] fp32 (Qwen's initializer_range)
+    tf = tgt.reshape(-1)  # [N]
+    wf = w.reshape(-1)
+    vt, rt = lm_head_tiles(dev)
+    head = lambda: lm_head_token_stats(h, W, tf, 1.0, vocab_size=V, compute_dtype=torch.bfloat16)  # noqa: E731
+    f: dict[str, Any] = {"vocab_tile": vt, "row_tile": rt}
+    f["first_call_s"], hs = timed(head, dev)
+    with torch.no_grad():  # the logits path on the same numbers: bf16 GEMM, then token_stats
+        logits = F.linear(h.to(torch.bfloat16), W[:V].to(torch.bfloat16))  # [N, V] bf16
+        ref = token_stats(logits, tf, 1.0)
+        del logits
+    dl = (hs.logprobs - ref.logprobs).abs()
+    f["logprob_max_abs_diff"], f["logprob_mean_abs_diff"] = float(dl.max()), float(dl.mean())
+    f["entropy_max_abs_diff"] = float((hs.entropy - ref.entropy).abs().max())
+    part.check("fused head vs bf16 logits + token_stats: max abs Δ log p (nats)", f["logprob_max_abs_diff"],
+               HEAD_LOGP_MAX_TOL)
+    del hs, ref, dl
+    f["fwd_s"] = median_time(head, dev, max(1, t["repeats"] - 2), part)
+    hl, Wl = h.detach().requires_grad_(True), W.detach().requires_grad_(True)
+
+    def head_fwd_bwd():
+        hl.grad = Wl.grad = None
+        out = lm_head_token_stats(hl, Wl, tf, 1.0, vocab_size=V, compute_dtype=torch.bfloat16)
+        (wf * out.logprobs).sum().backward()
+
+    f["first_fwd_bwd_s"] = timed(head_fwd_bwd, dev)[0]
+    f["fwd_bwd_s"] = median_time(head_fwd_bwd, dev, max(1, t["repeats"] - 2), part)
+    gemm = 2.0 * N * d * V  # one [N, d] × [d, V] GEMM; fwd+bwd = 4 (forward, recompute, grad hidden, grad weight)
+    f["fwd_tflops"] = gemm / f["fwd_s"] / 1e12
+    f["fwd_bwd_tflops"] = 4 * gemm / f["fwd_bwd_s"] / 1e12
+    part.check("fused head: gradients finite", float(bool(torch.isfinite(hl.grad).all() & torch.isfinite(
+        Wl.grad).all())), 1.0, "==")
+    if cuda:
+        part.check(f"fused head fwd+bwd: GEMM TFLOP/s ≥ {HEAD_FLOOR:.0%} of 790", f["fwd_bwd_tflops"],
+                   HEAD_FLOOR * H200_BF16_PEAK / 1e12, ">=")
+    part.data["fused_head"] = f
+    del h, W, hl, Wl
+    part.data["tables"] = [{"columns": ["path", "first call s", "fwd ms", "fwd+bwd ms", "fwd GB/s (logits)",
+                                        "fwd+bwd GB/s (3 × logits)", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
+                                        "GPU kernels (fwd)"],
+                            "rows": [["token_stats (logits)", r["first_call_s"], r["fwd_s"] * 1e3,
+                                      r["fwd_bwd_s"] * 1e3, r["fwd_GB_per_s"], r["fwd_bwd_GB_per_s"], "—", "—",
+                                      r["fwd_gpu_kernels"] if cuda else "—"],
+                                     ["fused head (hidden)", f["first_call_s"], f["fwd_s"] * 1e3,
+                                      f["fwd_bwd_s"] * 1e3, "—", "—", f["fwd_tflops"], f["fwd_bwd_tflops"], "—"]]}]
+    part.data["notes"] = [
+        f"token_stats (stapo.token_stats, backend auto, the trainer's call) on [{B}, {R}, {V:,}] bf16 logits N(0, 2²), "
+        f"a view of [{B}, {R + 1}, {Vr:,}] (as policy_token_stats passes them); chunks of {chunks.rows} rows "
+        f"(token_stats.chunk_sizes on this device); {nbytes / 1e9:.3g} GB of logits; fwd+bwd: loss Σ w·log p.",
+        f"floors (GPU): forward ≥ {TS_FWD_FLOOR:.0%} of the H200's {H200_HBM_BYTES_PER_S / 1e12:g} TB/s (one read "
+        "of the logits would take ≈ 4 ms; inductor's kernel may read them 2-3 times and still clear it, while the "
+        "CPU chunking — ≈ 4,700 compiled calls + 4,700 upcast copies, ≥ ~50 µs of host time each — cannot exceed "
+        f"≈ 6 %); forward + backward ≥ {TS_FWD_BWD_FLOOR:.0%} counting three passes (read, read, write the "
+        f"gradient; the view's backward adds a zero-fill and a copy); ≤ {TS_MAX_KERNELS} GPU kernels per forward "
+        "(about ⌈N / chunk⌉ × a few).",
+        f"fused head (stapo.lm_head.lm_head_token_stats, tiles {vt} × {rt}) on [{N}, {d}] fp32 hidden states and a "
+        f"[{Vr:,}, {d}] fp32 output embedding, bf16 GEMMs; FLOPs = 2·N·d·V per GEMM, 4 GEMMs fwd+bwd; floor (GPU): "
+        f"≥ {HEAD_FLOOR:.0%} of 790 TFLOP/s (its [{rt}, {d}] × [{d}, {vt}] GEMMs run near the peak; the stats kernels "
+        "and the fp32 accumulation add memory-bound passes); its log p within "
+        f"{HEAD_LOGP_MAX_TOL:g} nats of the bf16-logits path (two bf16 ulps of a logit in [4, 8))."]
+
+
+# --------------------------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, small sizes (CI)")
@@ -968,8 +1763,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="total time budget (default 480 GPU / 240 dry run)")
     ap.add_argument("--cap-scale", type=float, default=1.0,
                     help="multiply every part's time cap (tests on a loaded CPU: the caps are sized for the device)")
-    ap.add_argument("--parts", default="token_stats,mfu,trainer,fsdp2",
-                    help="comma list of token_stats (a), trainer (b), fsdp2 (c), mfu (d); run in the order given")
+    ap.add_argument("--parts", default=",".join(PART_ORDER),
+                    help="comma list of token_stats (a), trainer (b), fsdp2 (c), mfu (d), phase_memory (e), "
+                         "attention (f), ts_throughput (g); run in the order given")
     ap.add_argument("--force-wheels", action="store_true", help="import the shipped wheels even where installed")
     ap.add_argument("--fsdp2-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -1033,8 +1829,12 @@ def main() -> int:
         return 1
     torch.manual_seed(0)
     titles = {"token_stats": "token_stats vs float64", "trainer": "trainer steps of each objective",
-              "fsdp2": "FSDP2 through torchrun (one rank)", "mfu": "update throughput and MFU"}
-    letters = {"token_stats": "a", "trainer": "b", "fsdp2": "c", "mfu": "d"}
+              "fsdp2": "FSDP2 through torchrun (one rank)", "mfu": "update throughput and MFU",
+              "phase_memory": "phase peaks of a Qwen3-1.7B shape with an engine stand-in",
+              "attention": "attention time, padded vs padding-free rows",
+              "ts_throughput": "token-statistics throughput at the paper's micro-batch"}
+    letters = {"token_stats": "a", "trainer": "b", "fsdp2": "c", "mfu": "d", "phase_memory": "e", "attention": "f",
+               "ts_throughput": "g"}
     model_dir: str | None = None
     model_info: dict[str, Any] | None = None
     for name in [p.strip() for p in args.parts.split(",") if p.strip()]:
@@ -1063,6 +1863,12 @@ def main() -> int:
                 part_fsdp2(part, sz, model_dir, work, wheels_dir)
             elif name == "mfu":
                 part_mfu(part, sz)
+            elif name == "phase_memory":
+                part_phase_memory(part, sz)
+            elif name == "attention":
+                part_attention(part, sz)
+            elif name == "ts_throughput":
+                part_ts_throughput(part, sz)
         except Exception as e:  # noqa: BLE001 - recorded; the other parts still run
             err = e
             traceback.print_exc()
@@ -1073,6 +1879,7 @@ def main() -> int:
                 status["code"] = 1
             finalize(status["code"])
         if sz.device == "cuda":
+            __import__("gc").collect()  # the part's models and tensors (reference cycles) before the next part
             torch.cuda.empty_cache()
     timer.cancel()
     with lock:

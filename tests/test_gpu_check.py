@@ -1,6 +1,7 @@
 """scripts/gpu_check.py: its CPU dry run end to end (so the GPU check cannot rot), and its helpers."""
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def _env() -> dict[str, str]:
 
 
 def test_dry_run_writes_a_passing_summary(tmp_path):
-    # ~35 s on 2 idle cores (most of it the token_stats compilation, the trainer runs and the torchrun start-up);
+    # ~45 s on 2 idle cores (most of it the token_stats compilation, the trainer runs and the torchrun start-up);
     # several times that on a loaded machine. The script's own time budget and part caps are sized for the GPU
     # machine; here they are raised 20× so that a busy CI machine cannot make a correct run fail (checks, not time).
     out = tmp_path / "out"
@@ -41,7 +42,8 @@ def test_dry_run_writes_a_passing_summary(tmp_path):
     assert summary["stapo_imports_not_on_gpu_machine"] == []
     assert {"torch", "transformers", "omegaconf"} <= set(summary["stapo_imports"])
     parts = summary["parts"]
-    assert list(parts) == ["a_token_stats", "d_mfu", "b_trainer", "c_fsdp2"]
+    assert list(parts) == ["a_token_stats", "g_ts_throughput", "f_attention", "e_phase_memory", "d_mfu", "b_trainer",
+                           "c_fsdp2"]
     for name, part in parts.items():
         assert part["status"] == "pass", (name, part.get("error"), [c for c in part["checks"] if not c["ok"]])
         assert part["checks"] and all(c["ok"] for c in part["checks"]) and not part["skipped"]
@@ -76,6 +78,49 @@ def test_dry_run_writes_a_passing_summary(tmp_path):
     assert mfu["mfu"]["measured bf16 GEMM"] > 0 and mfu["tokens_per_s"] > 0
     assert "MFU in (0, 1]" not in {c["name"] for c in mfu["checks"]}  # no nominal peak on the dry run
     assert mfu["hardware_flops"] > mfu["model_flops"] > 0
+
+    # (g) token-statistics throughput: the CPU chunk sizes; numbers recorded, the GPU floors not checked on a CPU
+    tp = parts["g_ts_throughput"]
+    B, R, V = tp["shape"]
+    assert (B, R, V, tp["vocab_rows"]) == (2, 128, 4032, 4096) and tp["chunk_rows"] == 256
+    r = tp["token_stats"]
+    assert r["fwd_GB_per_s"] == pytest.approx(B * R * V * 2 / r["fwd_s"] / 1e9, rel=1e-9)
+    assert r["fwd_bwd_GB_per_s"] == pytest.approx(3 * B * R * V * 2 / r["fwd_bwd_s"] / 1e9, rel=1e-9)
+    assert r["fwd_gpu_kernels"] == 0 and r["fwd_cpu_ops"] > 0  # no GPU events on a CPU
+    head = tp["fused_head"]
+    assert head["fwd_bwd_tflops"] == pytest.approx(4 * 2 * B * R * 64 * V / head["fwd_bwd_s"] / 1e12, rel=1e-9)
+    assert head["logprob_max_abs_diff"] <= 2 ** -4 and (head["vocab_tile"], head["row_tile"]) == (8192, 2048)
+    names = {c["name"] for c in tp["checks"]}
+    assert not any("HBM" in n or "TFLOP" in n or "kernels" in n for n in names)  # GPU-only checks
+
+    # (f) attention: padded vs trailing rows through one decoder layer and the SDPA call; no time checks on a CPU
+    att = parts["f_attention"]
+    assert set(att["layer"]) == {"padded (mask)", "trailing (is_causal)"}  # no flash-attn on a CPU
+    assert set(att["sdpa_call"]) == {"padded (mask)", "is_causal"}  # varlen_attn: CUDA only
+    assert att["layer"]["trailing (is_causal)"]["rel_diff_vs_padded"] <= 0.02
+    for r in [*att["layer"].values(), *att["sdpa_call"].values()]:
+        assert r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0
+        assert "aten::scaled_dot_product_attention" in r["attention_ops"]  # the kernel path is observed
+    assert att["row_tokens"] == [64, 63] and att["packed_tokens"] == 127 and att["padded_width"] == 64
+    assert not any("time / padded" in c["name"] for c in att["checks"])
+
+    # (e) phase memory: the paper config's micro-batch rule at the dry run's lengths, every layout × head variant,
+    # the memory plan computed; nothing measured on a CPU
+    pm = parts["e_phase_memory"]
+    assert pm["config"] == "configs/paper/qwen3_1.7b_stapo.yaml" and pm["resident_GiB"] is None
+    assert pm["rollout"]["stand_in_GiB"] == pytest.approx(pm["engine_share"])  # u × a nominal 1 GiB "device"
+    layouts = {(v["layout"], v["lm_head"]) for v in pm["variants"]}
+    assert layouts == {("padded", "logits"), ("padded", "fused"), ("trailing", "logits"), ("trailing", "fused")}
+    first = pm["variants"][0]["name"]
+    for v in pm["variants"]:
+        assert v["oom"] == [] and v["response"] == 48 and v["old_peaks"] is None and v["update_peaks"] is None
+        assert v["micro_batch"].startswith(f"{len(v['rows'])} × (16 + 48)")
+        # a random init (std 0.02) gives logits ≈ 0: π ≈ uniform over the 4,032 tokens, log p ≈ −ln 4032 = −8.30
+        assert v["old_logprobs_mean"] == pytest.approx(-math.log(4032), abs=0.05)
+        assert 0 < v["planned_GiB"]["old pass"] <= v["planned_GiB"]["update"]  # stapo.memory_plan's prediction
+        if v["name"] != first:
+            assert v["compared_with"] == first and v["logprob_mean_abs_diff"] <= 0.02
+    assert not any("reserved" in c["name"] or "planned" in c["name"] for c in pm["checks"])  # GPU-only checks
 
 
 def test_flop_formula_counts_the_decoder_layer_weights():
@@ -180,3 +225,36 @@ def test_dry_run_in_an_environment_without_what_the_gpu_machine_lacks(tmp_path):
     assert summary["wheels_used"] and summary["wheels_used"][0].startswith("omegaconf-")
     assert summary["parts"]["b_trainer"]["tiny_model"]["tokenizer"].endswith("gpu_wheels/tokenizer")
     assert all(p["status"] == "pass" for p in summary["parts"].values())
+
+
+def test_phase_memory_records_an_out_of_memory_and_halves_the_rows(monkeypatch, one_torch_thread):
+    """Part (e) on CPU with an out-of-memory error injected into the first variant's update forward: it is recorded
+    (phase and shape), the micro-batch's rows are halved and the variant measured again; the run goes on."""
+    import time
+
+    import torch
+
+    import stapo.policy
+
+    gc = _load_script()
+    sz = gc.sizes_for(True)
+    original = stapo.policy.policy_token_stats
+    calls = []
+
+    def flaky(model, batch, temperature, **kw):
+        calls.append((len(batch), torch.is_grad_enabled()))
+        if len(calls) == 2:  # the first variant's update forward (after its old pass)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 17.39 GiB (injected)")
+        return original(model, batch, temperature, backend="eager", **kw)  # eager: no compilation in this test
+
+    monkeypatch.setattr(stapo.policy, "policy_token_stats", flaky)
+    part = gc.Part("phase_memory", "x", time.perf_counter() + 600)
+    gc.part_phase_memory(part, sz)
+    data = part.finish()
+    assert data["status"] == "pass", data.get("error")
+    first, *others = data["variants"]
+    assert first["oom"] == ["update at 4 × 64 tokens: CUDA out of memory. Tried to allocate 17.39 GiB (injected)"]
+    assert len(first["rows"]) == 2 and first["response"] == 48 and first["micro_batch"] == "2 × (16 + 48)"
+    assert calls[:4] == [(4, False), (4, True), (2, False), (2, True)]  # old pass, update (OOM), then both again
+    assert len(others) == 3 and all(v["oom"] == [] and len(v["rows"]) == 4 for v in others)
+    assert all(v["compared_with"].startswith("not compared") for v in others)  # other rows than the first's
