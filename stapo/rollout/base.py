@@ -19,8 +19,12 @@ from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-__all__ = ["Response", "RolloutEngine", "SamplingParams", "check_prompts", "finish_reason_of",
+__all__ = ["Response", "RolloutEngine", "SamplingParams", "WAKE_TAGS", "check_prompts", "finish_reason_of",
            "group_seeds", "prompt_seeds", "resolve_stop_token_ids"]
+
+#: What :meth:`RolloutEngine.wake_up` can restore separately (vLLM's ``LLM.wake_up(tags=...)``): the weights, then
+#: (after the weight sync and freeing the trainer's cached memory) the KV cache.
+WAKE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 
 
 @dataclass
@@ -112,12 +116,20 @@ class RolloutEngine(Protocol):
         """Make the engine sample from ``model``'s current weights (in place, no disk)."""
         ...
 
-    def sleep(self) -> None:
-        """Free the engine's accelerator memory during the update (no-op where unsupported)."""
+    def sleep(self, level: int | None = None) -> None:
+        """Free the engine's accelerator memory while the trainer computes (no-op where unsupported).
+
+        ``level`` (vLLM's sleep levels): 1 = the weights move to host memory, the KV cache is dropped; 2 = both are
+        dropped, so the caller must :meth:`sync_weights` before the next :meth:`generate` (what the trainer does
+        every step); ``None`` = the engine's default. The trainer calls an engine whose ``sleep`` takes no
+        ``level`` without it."""
         ...
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep` (no-op where unsupported)."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo :meth:`sleep` for the memory named by ``tags`` (:data:`WAKE_TAGS`: ``"weights"``, ``"kv_cache"``;
+        vLLM's tags), ``None`` = all of it; no-op for memory that is not asleep or where unsupported. The trainer
+        wakes in stages (weights → :meth:`sync_weights` → KV cache) and calls an engine whose ``wake_up`` takes no
+        ``tags`` once, without them."""
         ...
 
     def close(self) -> None:

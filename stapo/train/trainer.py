@@ -43,6 +43,7 @@ from stapo.policy import forward_layout
 from stapo.precision import PrecisionPolicy, resolve_compute_dtype
 from stapo.preflight import check_chat_template, check_device, check_tokenizer, check_writable
 from stapo.provenance import TRAIN_STEP_METRIC, apply_identity, launch_record, record_launch
+from stapo.rollout.phases import EnginePhases
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.token_stats import TokenStats
 from stapo.tracking import Tracker, read_jsonl_rows
@@ -331,6 +332,9 @@ class Trainer:
         self.engine = build_rollout_engine(
             cfg.rollout.backend, self.model, self.tokenizer,
             **self._engine_kwargs())
+        # where the engine's memory is during a step (stapo/rollout/phases.py): asleep whenever the trainer computes
+        self.engine_phases = EnginePhases(self.engine, sleep=cfg.rollout.sleep_during_update,
+                                          level=cfg.rollout.sleep_level)
         self._sampling_cls = SamplingParams
         self._seed_everything(tc.seed)  # the vLLM engine reseeds the global RNGs when it starts
         self.state = RunState(self.ckpt_root, cfg, self.model, self.optimizer, self.scheduler, self.loader,
@@ -358,7 +362,9 @@ class Trainer:
             external_launcher=self.dist.enabled,  # one colocated engine per rank, inside torchrun's processes
             max_model_len=self.cfg.data.max_prompt_length + rc.response_length,
             gpu_memory_utilization=rc.gpu_memory_utilization, kv_cache_gib=rc.kv_cache_gib,
-            enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size, seed=self.cfg.trainer.seed,
+            enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size,
+            # without per-request seeds each rank's engine draws from its own generator: seeded per rank
+            seed=self.cfg.trainer.seed + (0 if rc.per_request_seeds else self.dist.rank),
             enable_sleep_mode=rc.sleep_during_update)
         return engine_kwargs(rc.backend, options)
 
@@ -667,18 +673,26 @@ class Trainer:
     # --- the stages of a step -------------------------------------------------------------------------
     def _generate(self, progress: StepProgress | None = None) -> tuple[list, list]:
         """This rank's prompts of the step's batch and their G responses each (group-major); ``progress`` counts
-        the responses (an engine whose ``generate`` takes no ``progress`` argument is called without it)."""
+        the responses (an engine whose ``generate`` takes no ``progress`` argument is called without it). The
+        engine is awake for it and, with ``rollout.sleep_during_update``, asleep when it returns (before scoring
+        and every trainer forward: :class:`~stapo.rollout.phases.EnginePhases`)."""
         cfg = self.cfg
         prompts, prompt_indices = dist.local_prompts(self.loader.next_batch(), cfg.actor.ppo_mini_batch_size,
                                                      self.dist)  # this rank's share (all when W = 1)
+        # rollout.per_request_seeds: prompt i sampled with the seed of its global index (N ranks sample what one
+        # process would); false: no per-request seeds (vLLM's batched sampler, the engine's own generator)
+        seed = cfg.trainer.seed * 1_000_003 + self.step if cfg.rollout.per_request_seeds else None
         sampling = self._sampling_cls(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                       max_new_tokens=cfg.rollout.response_length,
-                                      seed=cfg.trainer.seed * 1_000_003 + self.step, prompt_indices=prompt_indices)
+                                      seed=seed, prompt_indices=prompt_indices if seed is not None else None)
         self.model.eval()
         extra = {}
         if progress is not None and _takes_progress(self.engine):
             extra["progress"] = progress.rollout(len(prompts) * cfg.rollout.n)
-        return prompts, self.engine.generate([p[0] for p in prompts], cfg.rollout.n, sampling, **extra)
+        self.engine_phases.wake()  # no-op: the sync of the previous step (or start-up) left it awake
+        responses = self.engine.generate([p[0] for p in prompts], cfg.rollout.n, sampling, **extra)
+        self.engine_phases.sleep()  # its memory is the trainer's until the next sync
+        return prompts, responses
 
     def _score(self, prompts: list, responses: list) -> Rollout:
         """Rewards (the response text only, never the prompt), GRPO advantages and the collated batch."""
@@ -713,7 +727,8 @@ class Trainer:
     def _old_policy_stats(self, rollout: Rollout, plan: UpdatePlan,
                           progress: Progress) -> tuple[TokenStats, torch.Tensor | None]:
         """The plan's no-grad passes → old-policy statistics ([B, R] each; the fused first mini-batch's rows are
-        computed by the update) and the reference log-probs [B, R] (β > 0) or None."""
+        computed by the update) and the reference log-probs [B, R] (β > 0) or None. The engine sleeps."""
+        self.engine_phases.sleep()  # no-op: asleep since the end of generation
         old = self.updater.no_grad_stats(self.model, rollout.batch, plan.old_pass, progress, "old_log_prob")
         if self.ref_model is None:
             return old, None
@@ -722,16 +737,20 @@ class Trainer:
     def _update(self, plan: UpdatePlan, rollout: Rollout, old: TokenStats, ref: torch.Tensor | None,
                 progress: Progress) -> UpdateResult:
         """The policy update (the rollout engine sleeps meanwhile, if configured)."""
-        if self.cfg.rollout.sleep_during_update:
-            self.engine.sleep()
+        self.engine_phases.sleep()  # no-op: asleep since the end of generation
         self.model.train()
         return self.updater.run(plan, rollout, old, ref, progress)
 
     def _sync_engine(self) -> None:
+        """The updated weights into the engine, waking it in stages (weights → sync → the trainer's cached memory
+        freed → KV cache); it is awake afterwards, for validation and the next rollout."""
         self.model.eval()
-        if self.cfg.rollout.sleep_during_update:
-            self.engine.wake_up()
-        self.engine.sync_weights(self.model)
+        self.engine_phases.sync(self.model)
+
+    def wake_engine(self) -> None:
+        """Make sure the rollout engine is awake (weights and KV cache) — validation calls it before generating
+        (a no-op after a step's sync or at start-up, where it is awake already)."""
+        self.engine_phases.wake()
 
     def _metrics(self, sb: StepBatch, result: UpdateResult, timing: dict[str, float]) -> dict[str, float]:
         """The step's metrics (whole batch, all ranks) with rank 0's timings."""

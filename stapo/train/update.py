@@ -6,7 +6,8 @@ Per mini-batch (one optimizer step; docs/method.md#loss-aggregation, Algorithm 1
     whole mini-batch (all ranks) → micro-batch forward / backward of Σ_kept ℓ / N → average gradients over
     ranks → clip the grad norm → AdamW step
 
-and one learning-rate scheduler step per training step. With the fused path (``stats="own_forward"``) the
+and one learning-rate scheduler step per training step; the gradients are freed (``set_to_none``) after the last
+optimizer step. With the fused path (``stats="own_forward"``) the
 micro-batch losses are sums (denominator 1) and the gradient is divided by N once the mask is known — the same
 gradient by linearity. Data-parallel pieces are the ``stapo.distributed`` helpers; each is the one-process
 computation when W = 1.
@@ -122,7 +123,8 @@ class PolicyUpdate:
     # --- the update ------------------------------------------------------------------------------------------
     def run(self, plan: UpdatePlan, rollout: Rollout, old: TokenStats, ref_logprobs: torch.Tensor | None,
             progress: Progress = _no_progress) -> UpdateResult:
-        """Every mini-batch of ``plan``: mask → denominator → micro-batch forward/backward → clip → step.
+        """Every mini-batch of ``plan``: mask → denominator → micro-batch forward/backward → clip → step; then the
+        gradients are freed (``optimizer.zero_grad(set_to_none=True)``).
 
         Args:
             plan: the step's schedule.
@@ -153,6 +155,9 @@ class PolicyUpdate:
                 self.optimizer.step()
             else:  # skip the step rather than write NaN into the weights; counted
                 acc.add_sum("actor/nonfinite_grad_steps", 1.0)
+        # the gradients are freed after the last optimizer step, not kept through the sync, the rollout and the next
+        # old-policy pass (4 bytes per parameter ÷ W); verl's dp_actor.update_policy ends the same way
+        self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.enabled:  # per-kept-token means over every rank's micro-batches
             acc.all_reduce(("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"), self.ctx)
         metrics = acc.result()
