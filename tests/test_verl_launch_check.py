@@ -91,6 +91,8 @@ def test_dry_run_of_the_launch_script(dry_runs, method):
     assert ref in out
     # no flash_attn on this CPU machine → the script falls back to sdpa and says so
     assert "attention (FSDP actor/ref): sdpa" in out and "flash_attn is not importable" in proc.stderr
+    # the plugin's extra entropy pass never builds a [tokens, V] softmax: verl's engine reads the actor's switch
+    assert "entropy from logits (FSDP actor): chunked, 2048 tokens per chunk" in out
 
 
 def test_dry_run_rejects_what_the_plugin_rejects_at_run_time(dry_runs):

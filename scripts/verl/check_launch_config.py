@@ -110,6 +110,10 @@ def main(overrides: list[str]) -> int:
         " -- WARNING: flash_attn is not importable in this environment; install it on every node or set "
         "ATTN_IMPL=sdpa (docs/scaling.md, Cluster)")
     print(f"attention (FSDP actor/ref): {attn}{note}")
+    engine = cfg.actor_rollout_ref.actor.fsdp_config  # what verl's FSDP engine reads (oc.select of actor's keys)
+    chunked = bool(engine.get("entropy_from_logits_with_chunking", False))
+    print("entropy from logits (FSDP actor): " + (f"chunked, {engine.get('entropy_from_logits_chunk_size')} tokens "
+          "per chunk" if chunked else "one [tokens, V] softmax per micro-batch (no chunking)"))
     print(f"reward: {cfg.reward.custom_reward_function.path}:{cfg.reward.custom_reward_function.name} "
           f"{dict(cfg.reward.custom_reward_function.get('reward_kwargs', {}))}")
     return 0

@@ -126,6 +126,9 @@ ARGS=(
   actor_rollout_ref.actor.ppo_epochs=1
   actor_rollout_ref.actor.use_dynamic_bsz=True
   actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768
+  # entropy in 2,048-token chunks: the plugin's extra no-grad forward asks for the entropy of every token, which
+  # otherwise materialises a [tokens, V] fp32 softmax (~20 GB at 32k tokens); verl's engine config takes this value
+  actor_rollout_ref.actor.entropy_from_logits_with_chunking=True
   # the objective (the case above): clip, dual clip, aggregation, KL to the reference; no entropy bonus
   actor_rollout_ref.actor.clip_ratio_low=0.2
   actor_rollout_ref.actor.clip_ratio_high="$CLIP_HIGH"
