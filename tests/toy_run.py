@@ -71,7 +71,7 @@ def record_weight_dtypes(trainer: Trainer) -> list[str]:
 if __name__ == "__main__":
     import json
 
-    from stapo.distributed import teardown
+    from stapo.distributed import barrier, teardown
 
     args = sys.argv[2:]
     uneven = "--uneven-reward" in args
@@ -83,6 +83,7 @@ if __name__ == "__main__":
         trainer.train()
         if record and trainer.dist.is_main:
             Path(record).write_text(json.dumps(sorted(set(seen))))
+        barrier(trainer.dist)  # as train.py: every rank done before any tears the process group down
     finally:
         trainer.close()
         teardown()
