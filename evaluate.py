@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # key=value overrides before or after the flags
     from stapo import console
 
     console.set_verbose(args.verbose)

@@ -263,6 +263,20 @@ def test_train_py_dry_run_keeps_the_errors_of_a_real_run(tmp_path, shared_data_r
     assert list(tmp_path.iterdir()) == []
 
 
+def test_overrides_on_both_sides_of_a_flag(monkeypatch, capsys):
+    # overrides on both sides of a flag (`train.py --config X key=v --resume key=v`) once failed with "unrecognized
+    # arguments": argparse fills a nargs="*" positional from its first run of values only
+    train = _cli("train", monkeypatch)
+    assert train.main(["--config", TINY, "rollout.n=3", "--dry-run", "rollout.n=1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: invalid value for 'rollout.n' (1)")
+    evaluate = _cli("evaluate", monkeypatch)
+    assert evaluate.main(["--config", str(REPO / "configs" / "eval" / "tiny_test.yaml"), "data.limit=2", "--dry-run",
+                          "data.limit=0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "data.limit" in err[0]
+
+
 def test_evaluate_py_dry_run_counts_problems_samples_and_what_is_stored(tmp_path, shared_data_root, monkeypatch,
                                                                         capsys):
     from stapo.evaluation.runner import load_problems
