@@ -1745,9 +1745,10 @@ def part_ts_throughput(part: Part, sz: SimpleNamespace) -> None:
         f"≈ 6 %); forward + backward ≥ {TS_FWD_BWD_FLOOR:.0%} counting three passes (read, read, write the "
         f"gradient; the view's backward adds a zero-fill and a copy); ≤ {TS_MAX_KERNELS} GPU kernels per forward "
         "(about ⌈N / chunk⌉ × a few).",
-        f"fused head (stapo.lm_head.lm_head_token_stats, tiles {vt} × {rt}) on [{N}, {d}] fp32 hidden states and a "
-        f"[{Vr:,}, {d}] fp32 output embedding, bf16 GEMMs; FLOPs = 2·N·d·V per GEMM, 4 GEMMs fwd+bwd; floor (GPU): "
-        f"≥ {HEAD_FLOOR:.0%} of 790 TFLOP/s (its [{rt}, {d}] × [{d}, {vt}] GEMMs run near the peak; the stats kernels "
+        f"fused head (stapo.lm_head.lm_head_token_stats, tiles of {rt:,} rows × {vt:,} vocabulary ids) on [{N}, {d}] "
+        f"fp32 hidden states and a [{Vr:,}, {d}] fp32 output embedding, bf16 GEMMs; FLOPs = 2·N·d·V per GEMM, "
+        f"4 GEMMs fwd+bwd; floor (GPU): ≥ {HEAD_FLOOR:.0%} of 790 TFLOP/s (its [{rt}, {d}] × [{d}, {vt}] GEMMs run "
+        "near the peak; the stats kernels "
         "and the fp32 accumulation add memory-bound passes); its log p within "
         f"{HEAD_LOGP_MAX_TOL:g} nats of the bf16-logits path (two bf16 ulps of a logit in [4, 8))."]
 
