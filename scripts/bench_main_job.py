@@ -36,6 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from stapo.tracking import read_metrics  # noqa: E402
 
 CONFIG = "configs/cpu_smollm2_stapo.yaml"
 VARIANTS = {"before": ["model.compute_dtype=float32", "actor.lm_head=logits"], "after": [],
@@ -63,7 +64,7 @@ def run_once(variant: str, seed: int, extra: list[str]) -> dict:
         if proc.returncode != 0:
             sys.exit(f"bench_main_job: {variant} seed {seed} failed (exit {proc.returncode}):\n"
                      + "\n".join(proc.stderr.splitlines()[-5:]))
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if line]
+        rows = read_metrics(Path(tmp) / "run" / "metrics.jsonl")
         resolved = json.loads((Path(tmp) / "run" / "config.json").read_text())
     rows = [r for r in rows if "timing_s/step" in r]  # training steps (validation rows have no step timing)
     out = {"variant": variant, "seed": seed, "wall_s": wall, "steps": len(rows),

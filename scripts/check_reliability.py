@@ -275,7 +275,8 @@ def _cases() -> list[Case]:
 
     def no_silent_nan(tmp: Path, results: list[Result]) -> Optional[str]:
         text = (tmp / "runs/r/metrics.jsonl").read_text() if (tmp / "runs/r/metrics.jsonl").exists() else ""
-        if results[-1].rc == 0 and re.search(r"\bNaN\b|\bInfinity\b", text) and "nan" not in results[-1].stderr.lower():
+        nonfinite = re.search(r'\bNaN\b|\bInfinity\b|"-?inf"|"nan"|1e\+308', text)  # docs/metrics.md forms
+        if results[-1].rc == 0 and nonfinite and "nan" not in results[-1].stderr.lower():
             return "NaN/Inf in metrics.jsonl and exit 0 without a word on stderr"
         return None
     add(Case("actor.lr=1e3 (divergence)", [*T, "actor.lr=1e3", "trainer.total_steps=3"], expect_rc=(0, 1, 2),

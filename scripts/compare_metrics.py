@@ -7,17 +7,25 @@ whether any count (``*/num_*``, ``*/count``, lengths) differs, the largest relat
 and, separately, of the train/inference gap ``rollout/logprob_diff_*`` (itself a ~1e-5 rounding-level quantity).
 Exit 0 always; read the numbers. Rows logged before the one metric vocabulary (``s2t/*`` keys..., e.g.
 results/reference/*.jsonl) are read through :func:`stapo.metric_names.rename_legacy`, so an old reference and a new
-run compare key by key.
+run compare key by key. Both files are read with :func:`stapo.tracking.read_metrics` (NaN / ±inf as floats, old
+files' ``null`` / ``±1e308`` too; docs/metrics.md#non-finite-values); NaN equals NaN here.
 """
 import argparse
-import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stapo.metric_names import rename_legacy  # noqa: E402
+from stapo.tracking import read_metrics  # noqa: E402
 
 WALL = ("timing_s/", "perf/", "reward/grader/seconds")
+
+
+def same(u: object, v: object) -> bool:
+    """Equal values, NaN equal to NaN."""
+    nan = isinstance(u, float) and isinstance(v, float) and math.isnan(u) and math.isnan(v)
+    return nan or u == v
 
 
 def main() -> None:
@@ -26,8 +34,8 @@ def main() -> None:
     ap.add_argument("b")
     ap.add_argument("--steps", type=int, default=None, help="compare only the first K steps (a partial run)")
     args = ap.parse_args()
-    a = [rename_legacy(json.loads(line)) for line in open(args.a) if line.strip()]
-    b = [rename_legacy(json.loads(line)) for line in open(args.b) if line.strip()]
+    a = [rename_legacy(r) for r in read_metrics(args.a)]
+    b = [rename_legacy(r) for r in read_metrics(args.b)]
     n = min(len(a), len(b)) if args.steps is None else args.steps
     values = differ = 0
     counts_differ, worst, worst_gap = [], (0.0, None), (0.0, None)
@@ -37,7 +45,7 @@ def main() -> None:
                 continue
             values += 1
             u, v = x.get(k), y.get(k)
-            if u == v:
+            if same(u, v):
                 continue
             differ += 1
             if "/num_" in k or k.endswith("/count") or k.startswith("response_length/") or not (
@@ -50,7 +58,7 @@ def main() -> None:
             else:
                 worst = max(worst, (rel, (x["step"], k)))
     identical_steps = [x["step"] for x, y in zip(a[:n], b[:n])
-                       if all(x.get(k) == y.get(k) for k in set(x) | set(y) if not k.startswith(WALL))]
+                       if all(same(x.get(k), y.get(k)) for k in set(x) | set(y) if not k.startswith(WALL))]
     print(f"{n} steps, {values} values compared, {differ} differ; steps identical: {identical_steps}")
     print(f"counts / lengths / non-numbers that differ: {counts_differ[:10] or 'none'}")
     print(f"largest relative difference, other keys: {worst[0]:.1e} {worst[1] or ''}")

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    from stapo.tracking import CorruptJsonlError, read_jsonl_rows
+    from stapo.tracking import CorruptJsonlError, read_metrics
     from stapo.metric_names import rename_legacy
     from stapo.train.summary import markdown_report
 
@@ -47,7 +47,7 @@ def main() -> None:
         fail(f"{path} not found (is {args.run_dir} a train.py run directory?)")
     try:
         # a torn last line (a run killed mid-write) is left out; keys logged before the one vocabulary renamed
-        rows = [rename_legacy(r) for r in read_jsonl_rows(path)[0]]
+        rows = [rename_legacy(r) for r in read_metrics(path)]  # NaN/inf as floats
     except CorruptJsonlError as e:
         fail(str(e))
     if not rows:

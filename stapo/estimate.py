@@ -259,7 +259,7 @@ def measured_from_runs(output_dir: str | os.PathLike, model: str, compute_dtype:
     Returns:
         :class:`Measured` (its ``source`` names the file and says that the machine is not recorded), or None.
     """
-    from stapo.tracking import CorruptJsonlError, read_jsonl_rows
+    from stapo.tracking import CorruptJsonlError, read_metrics
 
     root = Path(output_dir)
     found = []
@@ -275,7 +275,7 @@ def measured_from_runs(output_dir: str | os.PathLike, model: str, compute_dtype:
                 continue
             responses = int(saved["data"]["train_batch_size"]) * int(saved["rollout"]["n"])
             length = int(saved["rollout"]["response_length"])
-            rows = read_jsonl_rows(metrics)[0]
+            rows = read_metrics(metrics)
         except (OSError, ValueError, KeyError, TypeError, CorruptJsonlError):
             continue
         m = _measured_from_rows(rows, responses, length, f"{metrics} (an earlier run of this model and compute "

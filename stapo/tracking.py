@@ -13,6 +13,12 @@ leaves at most a last line without its newline. :meth:`Tracker.truncate_after` �
 training run, fresh or resumed — cuts such a torn tail off, counts it (:attr:`Tracker.torn_bytes`) and says so in
 one line on stderr. A *complete* line that is not a JSON row with an integer ``step`` is never dropped silently:
 :class:`CorruptJsonlError` names the file and the line.
+
+Non-finite values (docs/metrics.md#non-finite-values): JSON has no NaN or infinity, so a non-finite float is written
+as one of the JSON strings :data:`NONFINITE` (``"nan"``, ``"inf"``, ``"-inf"``): a reader that does not decode them
+gets a string, which no mean averages in silently. :func:`read_metrics` is the one reader of ``metrics.jsonl``: it
+returns those values as floats (``math.nan``, ``math.inf``, ``-math.inf``), and reads files written before this
+form the way they were meant (``null`` was NaN, ``±1e308`` was ±inf).
 """
 from __future__ import annotations
 
@@ -28,7 +34,14 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 from urllib.parse import urlsplit
 
-__all__ = ["Tracker", "TrackerError", "INIT_TIMEOUT_S", "CorruptJsonlError", "read_jsonl_rows"]
+__all__ = ["Tracker", "TrackerError", "INIT_TIMEOUT_S", "CorruptJsonlError", "read_jsonl_rows", "read_metrics",
+           "decode_value", "NONFINITE"]
+
+#: How a non-finite float is written to ``metrics.jsonl`` / ``tables.jsonl``: the JSON string of each value.
+NONFINITE: dict[str, float] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+# files written before the NONFINITE form: +inf/-inf were clamped to ±1e308 (a value no metric reaches otherwise)
+_OLD_INF = 1e308
 
 
 class CorruptJsonlError(ValueError):
@@ -78,6 +91,39 @@ def _row(path: Path, lineno: int, line: str) -> dict[str, Any]:
     return row
 
 
+def decode_value(v: Any) -> Any:
+    """One ``metrics.jsonl`` value as written (:data:`NONFINITE`) → the value: ``"nan"``/``"inf"``/``"-inf"`` →
+    ``math.nan``/``math.inf``/``-math.inf``; the forms of files written before it: ``None`` (``null``) → ``math.nan``,
+    ``±1e308`` → ``±math.inf``; anything else unchanged."""
+    if v is None:
+        return math.nan
+    if isinstance(v, str):
+        return NONFINITE.get(v, v)
+    if isinstance(v, float) and abs(v) == _OLD_INF:
+        return math.copysign(math.inf, v)
+    return v
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` file (a training run's, an evaluation's or a sweep's), with non-finite values
+    as floats — the one reader of that file (module docstring).
+
+    Every value but ``step`` goes through :func:`decode_value`: ``"nan"``, ``"inf"``, ``"-inf"`` (this form) and
+    ``null``, ``±1e308`` (files written before it) become ``math.nan``, ``math.inf``, ``-math.inf``. A torn last line
+    (an interrupted write) is left out, as :func:`read_jsonl_rows` does; nothing on disk changes.
+
+    Returns:
+        The rows in file order, each a dict with an integer ``step`` and its metric values (floats, ints, or
+        strings that are not a non-finite form).
+
+    Raises:
+        FileNotFoundError / OSError: the file cannot be read.
+        CorruptJsonlError: a complete line is not a JSON object with an integer ``step`` (file and line named).
+    """
+    rows, _ = read_jsonl_rows(path)
+    return [{k: (v if k == "step" else decode_value(v)) for k, v in row.items()} for row in rows]
+
+
 # Seconds W&B may take to start an online run (wandb's own default is 90; its retries add ~10 s on top).
 # The environment variable WANDB_INIT_TIMEOUT, when set, is left to wandb instead.
 INIT_TIMEOUT_S = 15.0
@@ -119,8 +165,10 @@ def _wandb_credentials(wandb: Any) -> bool:
 
 
 def _jsonable(v: Any) -> Any:
+    """A value as written to the JSONL files: a non-finite float as its :data:`NONFINITE` string, a tensor or numpy
+    scalar as its Python value, anything else unchanged."""
     if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     if hasattr(v, "item") and callable(v.item):
         return _jsonable(v.item())
     return v

@@ -229,10 +229,10 @@ def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disable
     the latest checkpoint and the W&B run folders (``<run_dir>/wandb/*-<id of wandb_run_id>``), and suggests
     ``configs/eval/<group>.yaml`` when that file exists (relative to the current directory)."""
     from stapo.checkpoint import latest_checkpoint
-    from stapo.tracking import read_jsonl_rows
+    from stapo.tracking import read_metrics
 
     run_dir = Path(run_dir)
-    rows = read_jsonl_rows(run_dir / "metrics.jsonl")[0] if (run_dir / "metrics.jsonl").is_file() else []
+    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     id_file = run_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else None
     wandb_dirs = sorted((run_dir / "wandb").glob(f"*-{run_id}")) if run_id else []
