@@ -218,8 +218,23 @@ def test_report_values_by_hand(tmp_path):
     assert "not logged: accuracy (stapo, grpo)" in md
 
 
+def _recorded(spec, **model) -> dict:
+    """A run's config.json as train.py writes it (its resolved config: the study's plan), with ``model`` keys
+    replaced (e.g. the resolved compute dtype)."""
+    from stapo.config import to_dict
+
+    cfg = to_dict(spec.train)
+    cfg["model"].update(model)
+    return cfg
+
+
+# the plan leaves the compute dtype to the machine, as the CPU recipe does: a run records the one it resolved
+AUTO_DTYPE = ("overrides=[trainer.total_steps=2,trainer.save_every=1,trainer.log_examples_every=0,"
+              "model.compute_dtype=auto]")
+
+
 def test_report_runs_table_names_each_runs_machine_and_compute_dtype(tmp_path):
-    cfg, specs = _study(tmp_path, "report.window=1")
+    cfg, specs = _study(tmp_path, "report.window=1", AUTO_DTYPE)
     by = {s.name: s for s in specs}
     for s in specs:
         # step times 10 s and 20 s → mean 15.0 s/step
@@ -228,7 +243,7 @@ def test_report_runs_table_names_each_runs_machine_and_compute_dtype(tmp_path):
         d = by[name].run_dir
         (d / "run_info.json").write_text(json.dumps({"launches": [
             {"machine": "Old box, torch 2.0, 2 threads"}, {"machine": f"{machine}, torch 2.13.0+cpu, 2 threads"}]}))
-        (d / "config.json").write_text(json.dumps({"model": {"compute_dtype": dtype}}))
+        (d / "config.json").write_text(json.dumps(_recorded(by[name], compute_dtype=dtype)))
     hw("stapo_seed0", "Intel Xeon, 2 cores, flags amx_bf16", "bfloat16")
     hw("grpo_seed0", "AMD EPYC, 2 cores, flags avx2 fma", "float32")
     (by["stapo_seed1"].run_dir / "run_info.json").write_text("{damaged")  # → "?" for its machine, no crash
@@ -269,11 +284,11 @@ def test_default_threads_runner_setting_then_omp_num_threads_then_cores(tmp_path
 
 
 def test_report_one_machine_has_no_mixed_hardware_note(tmp_path):
-    cfg, specs = _study(tmp_path, "report.window=1")
+    cfg, specs = _study(tmp_path, "report.window=1", AUTO_DTYPE)
     for s in specs:
         _write_run(s.run_dir, [_row(1, 0.0), _row(2, 1.0)], [1, 2])
         (s.run_dir / "run_info.json").write_text(json.dumps({"launches": [{"machine": "box, torch 2"}]}))
-        (s.run_dir / "config.json").write_text(json.dumps({"model": {"compute_dtype": "float32"}}))
+        (s.run_dir / "config.json").write_text(json.dumps(_recorded(s, compute_dtype="float32")))
     md = Path(write_report(cfg, specs)).read_text()
     assert "| stapo_seed0 | 2 | 2 | 3600.0 | ? | float32 | box |" in md
     assert "more than one machine" not in md
@@ -348,7 +363,7 @@ def test_final_eval_state_and_report(tmp_path):
     r = final[("final_eval[t1.0_p1.0]", "stapo")]  # seed 0 only: 0.5; paired with grpo seed 0: 0.5 − 0.25
     assert (r["n_seeds"], float(r["final_mean"]), float(r["diff_mean"]), r["n_pairs"]) == ("1", 0.5, 0.25, "1")
     # one pair: the report shows no interval (a bootstrap of one value would print [0.25, 0.25])
-    assert "| final evaluation avg@N (t1.0_p1.0) | stapo | 1 | 0.5 | n/a | 0.25 | n/a | 1 |" in \
+    assert "| final evaluation avg@N (t1.0_p1.0) | stapo | 1 of 2 | 0.5 | n/a | 0.25 | n/a | 1 |" in \
         (Path(cfg.output_dir) / "report.md").read_text()
     # sampling error: SEs 0.02 and 0.04 → median 0.03; resolvable = 1.96 · √2 · 0.03 = 2.772 · 0.03 = 0.0832;
     # arith_hard reports no SE, so it has no row

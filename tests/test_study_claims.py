@@ -95,7 +95,8 @@ def test_claims_on_hand_written_runs(tmp_path):
                acc=0.1 + 0.2 * seed)
     claims_list, runs = evaluate_claims(cfg, specs, roles=ROLES)
     claims = {c.id: c for c in claims_list}
-    assert runs == {"finished": [s.name for s in specs], "unfinished": [], "unevaluated": [], "total": 6}
+    assert runs == {"finished": [s.name for s in specs], "unfinished": [], "excluded": {}, "unevaluated": [],
+                    "total": 6}
 
     c1 = claims["C1"]
     assert [s.values for s in c1.subclaims] == [[0.0, 0.0, 0.0]] and c1.verdict == "reproduced"
@@ -106,7 +107,8 @@ def test_claims_on_hand_written_runs(tmp_path):
     c2 = {s.name: s for s in claims["C2"].subclaims}
     d = c2["‖∇‖ low_p_low_h − high_p_high_h"]
     assert d.values == [1.0] * 3 and d.labels == ["seed 0", "seed 1", "seed 2"] and d.result == "reproduced"
-    assert c2["‖∇‖ low_p_low_h − the largest other quadrant's"].values == [1.0] * 3  # vs 1.0 and 0.5; low_p_high_h empty
+    # vs 1.0 and 0.5; low_p_high_h empty
+    assert c2["‖∇‖ low_p_low_h − the largest other quadrant's"].values == [1.0] * 3
     # ΔH per seed 0.01, 0.02, 0.03 (both runs of a seed alike): mean 0.02, s = 0.01,
     # half = 4.3027 · 0.01 / √3 = 0.02484 → [−0.0048, 0.0448] contains 0 → inconclusive (3 replicates, not 6 runs)
     dh = c2["ΔH of low_p_low_h tokens"]
@@ -196,10 +198,26 @@ def test_claims_refuse_a_wrong_output_dir_a_misspelled_benchmark_and_a_bad_role(
     assert "'GRPO' is not a method of the study (methods: stapo, grpo)" in capsys.readouterr().err
     assert main([*base[:2], "--role", "ppo=grpo", *base[2:]]) == 2  # not one of the paper's methods
     assert "PAPER one of stapo, grpo, justrl" in capsys.readouterr().err
-    # a role mapped to another method is used: justrl → grpo makes C3's late-rise sub-claim tested on grpo's runs
-    assert main([*base[:2], "--role", "justrl=grpo", *base[2:]]) == 0
-    c3 = next(c for c in json.loads((tmp_path / "study" / "claims.json").read_text())["claims"] if c["id"] == "C3")
+    # a role mapped to a method of another objective is refused in one line naming both objectives ...
+    assert main([*base[:2], "--role", "justrl=grpo", *base[2:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "role justrl is mapped to method grpo, whose run grpo_seed0 trains objective " \
+        "'grpo', not 'justrl'" in err and "--allow-objective justrl" in err
+    assert main([*base[:2], "--allow-objective", "ppo", *base[2:]]) == 2
+    assert "--allow-objective 'ppo': expected one of the paper's methods" in capsys.readouterr().err
+    # ... and used when the user says it is intended: justrl → grpo makes C3's late-rise sub-claim tested on grpo's
+    # runs, and claims.md / claims.json record the mapping and the allowance
+    assert main([*base[:2], "--role", "justrl=grpo", "--allow-objective", "justrl", *base[2:]]) == 0
+    data = json.loads((tmp_path / "study" / "claims.json").read_text())
+    c3 = next(c for c in data["claims"] if c["id"] == "C3")
     assert any(s["name"].startswith("grpo: final entropy − the smoothed minimum") for s in c3["subclaims"])
+    justrl = next(r for r in data["roles"] if r["role"] == "justrl")
+    assert justrl == {"role": "justrl", "method": "grpo", "set_by": "--role", "in_study": True,
+                      "objectives": ["grpo"], "expected": "justrl", "allowed": True}
+    md = (tmp_path / "study" / "claims.md").read_text()
+    assert ("Roles (the paper's method → the study's method whose runs play it; `--role PAPER=METHOD` changes one): "
+            "stapo → stapo, grpo → grpo, justrl → grpo (--role) (trains grpo, not justrl: allowed by "
+            "--allow-objective justrl), entropy20 → entropy20 (no such method in the study),") in md
 
 
 def test_claims_stop_on_a_damaged_final_evaluation(tmp_path, capsys):
@@ -237,7 +255,7 @@ def test_c5_matched_rate_pools_each_masks_own_keys(tmp_path):
         rows = [{"step": i, "actor/entropy": 1.0, "actor/s2t_random/num_masked": 3.0 if i == 1 else 0.0,
                  "actor/s2t_random/num_response_tokens": 20.0} for i in range(1, 5)]
         _write(by[f"grpo_seed{seed}"].run_dir, rows, acc=0.5)
-    c5 = {c.id: c for c in evaluate_claims(cfg, specs, roles=roles)[0]}["C5"]
+    c5 = {c.id: c for c in evaluate_claims(cfg, specs, roles=roles, allow_objective={"random"})[0]}["C5"]
     assert c5.info["pooled masked fraction (Σ masked / Σ response tokens): stapo"] == pytest.approx(0.05)
     assert c5.info["pooled masked fraction (Σ masked / Σ response tokens): grpo"] == pytest.approx(0.0375)
 
@@ -264,3 +282,117 @@ def test_claims_name_finished_runs_without_a_final_evaluation(tmp_path):
     (by["stapo_seed0"].run_dir / "final_eval" / "results.json").write_text(
         (by["stapo_seed1"].run_dir / "final_eval" / "results.json").read_text())
     assert "All 4 runs finished and evaluated." in write_claims(cfg, specs, roles=ROLES).read_text()
+
+
+# --- verdicts from clean data only: runs excluded with their reason --------------------------------------------
+
+def _clean_study(tmp_path):
+    """stapo: both seeds entropy 1, 1, 0.9, 0.9 (ratio 0.9), avg@N 0.5; grpo seed 0: 1, 0.5, 0.1, 0.1 (ratio 0.1),
+    avg@N 0.25. grpo seed 1 is left to the test."""
+    cfg, specs, by = _tiny(tmp_path)
+    for seed in (0, 1):
+        _write(by[f"stapo_seed{seed}"].run_dir, [_row(1, 1.0), _row(2, 1.0), _row(3, 0.9), _row(4, 0.9)], acc=0.5)
+    _write(by["grpo_seed0"].run_dir, [_row(1, 1.0), _row(2, 0.5), _row(3, 0.1), _row(4, 0.1)], acc=0.25)
+    return cfg, specs, by
+
+
+@pytest.mark.parametrize("bad, text", [("nan", "NaN"), ("inf", "+inf"), (None, "NaN"), (1e308, "+inf"),
+                                       (float("nan"), "NaN")], ids=["nan", "inf", "old null", "old 1e308", "NaN token"])
+def test_claims_exclude_a_run_with_non_finite_values_in_its_final_window(tmp_path, bad, text):
+    # grpo seed 1 diverged at step 3: entropy non-finite at steps 3–4, as metrics.jsonl writes it ("nan", "inf"),
+    # as it did before (null, a clamped 1e308) or as json.dumps writes a float NaN. Before, its final entropy
+    # silently came from steps 1–2 (0.95 → ratio 0.95), or averaged 1e308 in, and it counted as a replicate.
+    cfg, specs, by = _clean_study(tmp_path)
+    _write(by["grpo_seed1"].run_dir, [_row(1, 1.0), _row(2, 0.9), _row(3, bad), _row(4, bad)], acc=0.3)
+    claims, runs = evaluate_claims(cfg, specs, roles=ROLES)
+    why = f"actor/entropy is {text} at step 3 (2 non-finite values at steps 3–4)"
+    assert runs["excluded"] == {"grpo_seed1": why}
+    assert "grpo_seed1" not in runs["finished"] and runs["unfinished"] == []
+    c3 = {s.name: s for s in {c.id: c for c in claims}["C3"].subclaims}
+    g = c3["GRPO final / initial entropy (collapse)"]
+    assert g.values == pytest.approx([0.1]) and g.labels == ["seed 0"] and g.missing == ["seed 1"]
+    c4 = {c.id: c for c in claims}["C4"]  # the final evaluation of an excluded run is left out too: 0.5 − 0.25
+    assert [s.values for s in c4.subclaims] == [pytest.approx([0.25])] and c4.short_of_plan == "1 of 2 planned seeds"
+    md = write_claims(cfg, specs, roles=ROLES).read_text()
+    assert md.startswith("# The paper's claims on study tiny_test — 1 run excluded\n")
+    assert "**EXCLUDED: 1 run** whose data are not clean" in md and f"- grpo_seed1: {why}" in md
+    assert "| C3: GRPO's entropy collapses, JustRL's and 20-Entropy's rise late, STAPO's stays stable | " \
+           "**inconclusive** (from 1 of 2 planned seeds) |" in md
+    assert "| GRPO final / initial entropy (collapse) | < 0.5 | 1 of 2 | 0.1 | [n/a, n/a] | seed 0: 0.1 | " \
+           "inconclusive (missing: seed 1) |" in md
+    data = json.loads((tmp_path / "study" / "claims.json").read_text())
+    assert data["runs"]["excluded"] == {"grpo_seed1": why}
+    c3j = next(c for c in data["claims"] if c["id"] == "C3")
+    assert c3j["short_of_plan"] == "1 of 2 planned seeds"
+    assert c3j["subclaims"][0]["planned"] == ["seed 0", "seed 1"] and c3j["subclaims"][0]["missing"] == ["seed 1"]
+
+
+def test_claims_exclude_a_run_with_missing_steps(tmp_path):
+    # grpo seed 1's row of step 3 was deleted by hand: before, "finished" (its last row is step 4) and its final
+    # window held step 4 alone
+    cfg, specs, by = _clean_study(tmp_path)
+    _write(by["grpo_seed1"].run_dir, [_row(1, 1.0), _row(2, 0.9), _row(4, 0.1)], acc=0.3)
+    _, runs = evaluate_claims(cfg, specs, roles=ROLES)
+    assert runs["excluded"] == {"grpo_seed1": "metrics.jsonl has no rows for step 3 of 1–4 (deleted or lost rows)"}
+
+
+def _recorded(spec, run_dir=None):
+    """The run's config.json as train.py writes it: its resolved config (the study's plan for it)."""
+    from stapo.config import to_dict
+
+    (run_dir or spec.run_dir).joinpath("config.json").write_text(json.dumps(to_dict(spec.train)))
+
+
+@pytest.mark.parametrize("checks", ["study", "content only"])
+def test_claims_count_a_copied_or_linked_run_once(tmp_path, monkeypatch, checks):
+    # stapo_seed1 is a copy of stapo_seed0's folder, grpo_seed1 a symlink to grpo_seed0's: one run each, not two
+    # seeds (before, both counted: "all 4 runs finished", two identical replicates). "content only": without the
+    # study's identity checks (stapo.study.runner.run_identity_problems) the report's own duplicate check decides.
+    import shutil
+
+    import stapo.study.runner as runner
+
+    if checks == "content only":
+        monkeypatch.delattr(runner, "run_identity_problems", raising=False)
+    cfg, specs, by = _tiny(tmp_path)
+    for name in ("stapo_seed0", "grpo_seed0"):
+        _write(by[name].run_dir, [_row(1, 1.0), _row(2, 0.5), _row(3, 0.2), _row(4, 0.2)], acc=0.5)
+        _recorded(by[name])
+    shutil.copytree(by["stapo_seed0"].run_dir, by["stapo_seed1"].run_dir)
+    by["grpo_seed1"].run_dir.symlink_to(by["grpo_seed0"].run_dir, target_is_directory=True)
+    claims, runs = evaluate_claims(cfg, specs, roles=ROLES)
+    assert list(runs["excluded"]) == ["stapo_seed1", "grpo_seed1"] and runs["finished"] == ["stapo_seed0",
+                                                                                             "grpo_seed0"]
+    assert "the same run as stapo_seed0" in runs["excluded"]["stapo_seed1"]
+    assert f"is a symlink to {by['grpo_seed0'].run_dir}" in runs["excluded"]["grpo_seed1"]
+    c3 = {s.name: s for s in {c.id: c for c in claims}["C3"].subclaims}
+    assert c3["STAPO − GRPO final entropy"].labels == ["seed 0"]
+
+
+def test_claims_record_the_role_mapping(tmp_path):
+    cfg, specs, by = _clean_study(tmp_path)
+    md = write_claims(cfg, specs).read_text()  # the default roles: the study's method names
+    assert ("Roles (the paper's method → the study's method whose runs play it; `--role PAPER=METHOD` changes one): "
+            "stapo → stapo, grpo → grpo, justrl → justrl (no such method in the study), entropy20 → entropy20 (no "
+            "such method in the study), random → stapo_random (no such method in the study), high_entropy → "
+            "stapo_high_entropy (no such method in the study), fullmask → justrl_fullmask (no such method in the "
+            "study).") in md
+    roles = json.loads((tmp_path / "study" / "claims.json").read_text())["roles"]
+    assert roles[0] == {"role": "stapo", "method": "stapo", "set_by": "default", "in_study": True,
+                        "objectives": ["stapo"], "expected": "stapo", "allowed": False}
+    # the objective a run recorded counts, not the plan's: grpo_seed0's config.json says it trained stapo
+    (by["grpo_seed0"].run_dir / "config.json").write_text(json.dumps({"algorithm": {"objective": "stapo"}}))
+    from stapo.study.claims import ClaimsError
+
+    with pytest.raises(ClaimsError, match="role grpo is mapped to method grpo, whose run grpo_seed0 trains "
+                                          "objective 'stapo', not 'grpo'"):
+        evaluate_claims(cfg, specs)
+
+
+def test_claims_overrides_may_follow_the_options(tmp_path, capsys):
+    cfg, specs, by = _clean_study(tmp_path)
+    _write(by["grpo_seed1"].run_dir, [_row(1, 1.0), _row(2, 0.5), _row(3, 0.1), _row(4, 0.1)], acc=0.25)
+    # before, the overrides after --benchmark were "unrecognized arguments" (exit 2)
+    assert main(["--config", str(TINY), f"output_dir={tmp_path / 'study'}", "seeds=[0,1]", "--benchmark",
+                 "arith_test", *EVAL, "overrides=[trainer.total_steps=4,trainer.save_every=1]"]) == 0
+    assert (tmp_path / "study" / "claims.md").is_file()

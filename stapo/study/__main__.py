@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                       "to DIR, keeping the layout, and exit (read-only, like --report-only)")
     p.add_argument("--verbose", action="store_true", help="show the runs' own output here (default: only in "
                    "<output_dir>/logs/<run>.log)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config, e.g. seeds=[0]")
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config, e.g. seeds=[0] "
+                   "(before, between or after the options)")
+    args = p.parse_intermixed_args(argv)  # `--report-only seeds=[0]` as well as `seeds=[0] --report-only`
     sigterm_as_interrupt()
     try:  # the imports (torch) take seconds: Ctrl-C / SIGTERM then is one line, not an import traceback
         from stapo.config import ConfigError
@@ -56,9 +57,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.export:
+        from stapo.preflight import check_writable
         from stapo.study.runner import export_study
 
-        written = export_study(cfg, Path(args.export))
+        dest, src = Path(args.export).resolve(), Path(cfg.output_dir).resolve()
+        if dest == src or dest.is_relative_to(src / "runs"):
+            print(f"stapo.study: --export {args.export}: that is the study's own folder (output_dir {cfg.output_dir}"
+                  f"{'' if dest == src else ', its runs/'}); export into another folder, e.g. "
+                  f"results/{cfg.name}/grid", file=sys.stderr)
+            return 2
+        try:
+            check_writable(dest, "--export")
+            written = export_study(cfg, Path(args.export))
+        except ConfigError as e:
+            print(f"stapo.study: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # a failed copy (a full disk): the file and the reason, not a traceback
+            print(f"stapo.study: --export {args.export}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
         print(f"exported {len(written)} files to {args.export}")
         return 0
     rc = 0
@@ -70,12 +86,21 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             report = write_report(cfg, specs)
         else:
+            from stapo.preflight import check_writable
+
+            check_writable(cfg.output_dir, "output_dir")  # a read-only study folder: one line, before the lock
             with RunLock(cfg.output_dir, "stapo.study"):
                 rc = run_grid(cfg, specs, verbose=args.verbose)
                 report = write_report(cfg, specs)
     except (RunLockError, CorruptJsonlError) as e:  # a second runner; a damaged metrics line (file and line)
         print(f"stapo.study: {e}", file=sys.stderr)
         return 2
+    except ConfigError as e:  # the study folder cannot be written (read-only, no space): named
+        print(f"stapo.study: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a failed read or write of a study file that the checks did not foresee (named)
+        print(f"stapo.study: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:  # between runs or while writing the report
         print("stapo.study: interrupted; rerun the same command to resume the study", file=sys.stderr)
         return 128 + int(getattr(e, "signum", 2))

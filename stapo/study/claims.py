@@ -27,6 +27,11 @@ The sub-claims (paper: METHOD §4, §8, §9; roles map the paper's methods to th
 - C5 masking: STAPO − random masking > 0 and random − high-entropy masking > 0 (final avg@N, each setting, paired
   by seed); JustRL-FullMask's final/initial entropy < 0.5 (collapse). Also reported: the masked fractions of
   STAPO and random masking (matched rate).
+
+Only clean runs are read (:func:`stapo.study.report.run_exclusions`: the report's exclusions, each named with its
+reason in claims.md / claims.json); a verdict drawn from fewer seeds than the plan says so beside it. The role
+mapping is written into both files, and a role mapped to a method whose runs train another objective than the
+paper's method is refused unless ``--allow-objective`` says it is intended (:func:`role_table`).
 """
 from __future__ import annotations
 
@@ -36,21 +41,28 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.keys import QUADRANTS
-from stapo.study.report import Series, as_number, collect, final_results, pooled_quadrant_stat
+from stapo.study.report import (Series, _run_config, as_number, check_output_writable, collect, final_results,
+                                pooled_quadrant_stat, read_runs, run_exclusions, writing)
 from stapo.study.stats import moving_average, t_band, window_steps
 
-__all__ = ["ROLES", "SubClaim", "Claim", "ClaimsError", "evaluate_claims", "write_claims", "main"]
+__all__ = ["ROLES", "ROLE_OBJECTIVES", "SubClaim", "Claim", "ClaimsError", "role_table", "evaluate_claims",
+           "write_claims", "main"]
 
 #: The paper's methods → the study's method names (configs/study/cpu_reproduction.yaml).
 ROLES: dict[str, str] = {"stapo": "stapo", "grpo": "grpo", "justrl": "justrl", "entropy20": "entropy20",
                          "random": "stapo_random", "high_entropy": "stapo_high_entropy",
                          "fullmask": "justrl_fullmask"}
+#: The objective (``algorithm.objective``) of each of the paper's methods: a role mapped to a method whose runs train
+#: another one is refused unless allowed (:func:`role_table`).
+ROLE_OBJECTIVES: dict[str, str] = {"stapo": "stapo", "grpo": "grpo", "justrl": "justrl", "entropy20": "entropy20",
+                                   "random": "stapo_random", "high_entropy": "stapo_high_entropy",
+                                   "fullmask": "justrl_fullmask"}
 BASELINES = ("grpo", "justrl", "entropy20")
 COLLAPSE = 0.5  # final / initial entropy below this is a collapse
 RARE = 1e-4  # 0.01 %: the paper's "mostly < 0.01 %"
@@ -63,6 +75,9 @@ class SubClaim:
     Attributes:
         name: what is measured, in words; side: ">" or "<" (the paper's direction); threshold: the bound.
         values: the replicates' values (NaN left out); labels: their seeds.
+        planned: the labels of the replicates the study's plan gives this sub-claim (its methods' seeds), None when
+            not known; ``missing`` the planned ones without a value (a run unfinished, excluded or without the
+            quantity), said beside the result: a verdict from fewer seeds than planned says so.
         mean, low, high: the mean and 95 % t-interval over the replicates (NaN with fewer than 2 for the bounds).
         result: "reproduced" | "not reproduced" | "inconclusive" | "not tested" (no replicate has a value).
         note: a caveat shown beside the result (e.g. all replicates equal: a zero-width interval).
@@ -73,6 +88,8 @@ class SubClaim:
     threshold: float
     values: list[float]
     labels: list[str]
+    planned: list[str] | None = None
+    missing: list[str] = field(default_factory=list)
     mean: float = math.nan
     low: float = math.nan
     high: float = math.nan
@@ -82,6 +99,7 @@ class SubClaim:
     def __post_init__(self) -> None:
         keep = [(v, lab) for v, lab in zip(self.values, self.labels) if v == v]
         self.values, self.labels = [v for v, _ in keep], [lab for _, lab in keep]
+        self.missing = [lab for lab in self.planned or [] if lab not in self.labels]
         if not self.values:
             self.result = "not tested"
             return
@@ -110,6 +128,14 @@ class Claim:
     subclaims: list[SubClaim]
     info: dict[str, Any] = field(default_factory=dict)
     untested: list[str] = field(default_factory=list)
+
+    @property
+    def short_of_plan(self) -> str:
+        """``"n of m planned seeds"`` for each distinct shortfall of the tested sub-claims (fewer replicates than the
+        study plans, :attr:`SubClaim.missing`), joined by ", "; ``""`` when every one has its planned seeds."""
+        gaps = [f"{len(s.values)} of {len(s.values) + len(s.missing)}" for s in self.subclaims
+                if s.missing and s.result != "not tested"]
+        return ", ".join(dict.fromkeys(gaps)) + " planned seeds" if gaps else ""
 
     @property
     def verdict(self) -> str:
@@ -212,32 +238,100 @@ def _finished(specs: list[RunSpec], rows: dict[str, list]) -> list[RunSpec]:
     return [s for s in specs if rows.get(s.name) and rows[s.name][-1].get("step", 0) >= s.total_steps]
 
 
-def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "arith_test",
-                    roles: dict[str, str] | None = None) -> tuple[list[Claim], dict[str, Any]]:
-    """C1–C5 on the study's finished runs (nothing is written). ``benchmark``: the held-out benchmark of C4/C5;
-    ``roles``: the paper's methods → the study's method names (default :data:`ROLES`).
+def _objective(spec: RunSpec) -> str:
+    """The objective a run trains: its recorded ``config.json``'s ``algorithm.objective``, the plan's when the run
+    has not recorded one (no folder yet)."""
+    algo = _run_config(spec.run_dir).get("algorithm")
+    recorded = algo.get("objective") if isinstance(algo, dict) else None
+    return recorded if isinstance(recorded, str) else str(spec.train.algorithm.objective)
 
-    Only runs whose metrics reach ``trainer.total_steps`` are read (a run still training is listed, not used). A
-    sub-claim whose methods have no finished run is listed as untested in its claim.
+
+def role_table(cfg: StudyConfig, specs: list[RunSpec], roles: dict[str, str],
+               allow_objective: Collection[str] = ()) -> list[dict[str, Any]]:
+    """The role mapping as written into claims.md / claims.json, checked against what the runs train.
+
+    Args:
+        roles: the paper's methods → the study's method names (:data:`ROLES` with the ``--role`` changes).
+        allow_objective: roles whose method may train another objective than :data:`ROLE_OBJECTIVES` says (the
+            user says it is intended, e.g. a variant of GRPO standing in for GRPO).
 
     Returns:
-        ``(claims, runs)``: runs = ``{"finished": [names], "unfinished": [names], "unevaluated": [finished runs
-        without a final evaluation of their last checkpoint, left out of C4/C5], "total": n}``.
+        One dict per role, in :data:`ROLES` order: ``role``, ``method``, ``set_by`` (``"default"`` or
+        ``"--role"``), ``in_study`` (the method is one of the study's), ``objectives`` (what its runs train:
+        recorded config.json, else the plan), ``expected`` (the role's objective) and ``allowed`` (another
+        objective, allowed by ``allow_objective``).
 
     Raises:
-        ClaimsError: no run of the study has logged a step, or ``benchmark`` is not among the final evaluations'.
+        ClaimsError: a role's runs train another objective than the role's and the role is not in
+            ``allow_objective``: one line naming the role, the method, a run and both objectives.
+    """
+    table, refused = [], []
+    for role, method in roles.items():
+        found: dict[str, str] = {}  # objective → the first run that trains it
+        for s in specs:
+            if s.method == method:
+                found.setdefault(_objective(s), s.name)
+        expected = ROLE_OBJECTIVES[role]
+        other = {obj: name for obj, name in found.items() if obj != expected}
+        if other and role not in allow_objective:
+            obj, name = next(iter(other.items()))
+            refused.append(f"role {role} is mapped to method {method}, whose run {name} trains objective {obj!r}, "
+                           f"not {expected!r}: map {role} to a method of objective {expected} with --role "
+                           f"{role}=METHOD, or pass --allow-objective {role} if the stand-in is intended")
+        table.append({"role": role, "method": method, "set_by": "default" if ROLES.get(role) == method else "--role",
+                      "in_study": method in cfg.methods, "objectives": list(found), "expected": expected,
+                      "allowed": bool(other)})
+    if refused:
+        raise ClaimsError("; ".join(refused))
+    return table
+
+
+def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "arith_test",
+                    roles: dict[str, str] | None = None,
+                    allow_objective: Collection[str] = ()) -> tuple[list[Claim], dict[str, Any]]:
+    """C1–C5 on the study's finished runs (nothing is written). ``benchmark``: the held-out benchmark of C4/C5;
+    ``roles``: the paper's methods → the study's method names (default :data:`ROLES`); ``allow_objective``: roles
+    whose method may train another objective than the role's (:func:`role_table`).
+
+    Only runs whose metrics reach ``trainer.total_steps`` are read (a run still training is listed, not used), and
+    of those only the ones whose data are clean (:func:`stapo.study.report.run_exclusions`: no NaN / ±inf in a metric
+    read, no missing steps, the planned run in its own folder; the report leaves out the same runs). A sub-claim
+    whose methods have no finished run is listed as untested in its claim; one with fewer replicates than the plan
+    gives names the missing seeds (:attr:`SubClaim.missing`).
+
+    Returns:
+        ``(claims, runs)``: runs = ``{"finished": [the finished runs read], "unfinished": [names], "excluded":
+        {name: reason}, "unevaluated": [runs read without a final evaluation of their last checkpoint, left out of
+        C4/C5], "total": n}``.
+
+    Raises:
+        ClaimsError: no run of the study has logged a step, ``benchmark`` is not among the final evaluations', or a
+            role's runs train another objective than the role's (not in ``allow_objective``).
         stapo.tracking.CorruptJsonlError: a damaged metrics line or results.json (one line naming the file).
     """
     roles = dict(ROLES if roles is None else roles)
-    _, all_rows = collect(cfg, specs)  # a torn last line is noted once, here
+    role_table(cfg, specs, roles, allow_objective)  # refuses a role whose runs train another objective
+    all_rows = read_runs(specs)  # a torn last line is noted once, here
     if not any(all_rows.values()):
         raise ClaimsError(f"no runs with logged steps under {Path(cfg.output_dir) / 'runs'} (is output_dir right? "
                           f"the study has {len(specs)} runs: {', '.join(s.name for s in specs[:3])}, …)")
-    done = _finished(specs, all_rows)
-    runs = {"finished": [s.name for s in done], "unfinished": [s.name for s in specs if s not in done],
+    excluded = run_exclusions(specs, all_rows)
+    finished = _finished(specs, all_rows)
+    done = [s for s in finished if s.name not in excluded]
+    runs = {"finished": [s.name for s in done],
+            "unfinished": [s.name for s in specs if s not in finished],
+            "excluded": excluded,
             "unevaluated": [s.name for s in done if cfg.final_eval.enabled and final_results(s) is None],
             "total": len(specs)}
-    series, rows = collect(cfg, done, say=lambda _msg: None) if done else ({}, {})
+    series, rows = collect(cfg, done, say=lambda _msg: None, rows={s.name: all_rows[s.name] for s in done}) \
+        if done else ({}, {})
+
+    def plan(*methods: str) -> list[str]:
+        """The seeds the study plans for every one of ``methods`` (a sub-claim's planned replicates)."""
+        seeds = [s.seed for s in specs if s.method == methods[0]]
+        for m in methods[1:]:
+            seeds = [sd for sd in seeds if any(s.method == m and s.seed == sd for s in specs)]
+        return [f"seed {sd}" for sd in dict.fromkeys(seeds)]
     w, smooth = cfg.report.window, cfg.report.smooth
     has = {role: any(s.method == m and rows.get(s.name) for s in done) for role, m in roles.items()}
     lacks = lambda *rs: "no finished run of " + ", ".join(roles[r] for r in rs if not has[r])  # noqa: E731
@@ -252,7 +346,7 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
         mf = _by_seed(series, "masked_frac", roles["stapo"])
         subs.append(SubClaim("median over steps of STAPO's masked fraction", "<", RARE,
                              [float(np.nanmedian(v[1:])) if (~np.isnan(v[1:])).any() else math.nan
-                              for v in mf.values()], [f"seed {s}" for s in mf]))
+                              for v in mf.values()], [f"seed {s}" for s in mf], plan(roles["stapo"])))
         info["STAPO pooled masked fraction (Σ masked / Σ response tokens over all steps and seeds)"] = \
             _pooled_fraction(rows, done, roles["stapo"], "actor/s2t/num_masked", "actor/s2t/num_response_tokens")
         for role, m in roles.items():
@@ -284,24 +378,27 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
         return out
 
     def largest_other(run: dict[str, float]) -> float:
-        others = [run[f"{q}/grad_norm"] for q in QUADRANTS if q != "low_p_low_h" and run[f"{q}/grad_norm"] == run[f"{q}/grad_norm"]]
+        others = [run[f"{q}/grad_norm"] for q in QUADRANTS
+                  if q != "low_p_low_h" and run[f"{q}/grad_norm"] == run[f"{q}/grad_norm"]]
         return max(others) if others else math.nan
 
     if per_run:
         labels = [f"seed {sd}" for sd in seeds]
+        planned = [f"seed {sd}" for sd in dict.fromkeys(s.seed for s in specs)]
         subs.append(SubClaim("‖∇‖ low_p_low_h − high_p_high_h", ">", 0.0,
-                             seed_means(lambda r: r["low_p_low_h/grad_norm"] - r["high_p_high_h/grad_norm"]), labels))
+                             seed_means(lambda r: r["low_p_low_h/grad_norm"] - r["high_p_high_h/grad_norm"]), labels,
+                             planned))
         subs.append(SubClaim("‖∇‖ low_p_low_h − the largest other quadrant's", ">", 0.0,
-                             seed_means(lambda r: r["low_p_low_h/grad_norm"] - largest_other(r)), labels))
+                             seed_means(lambda r: r["low_p_low_h/grad_norm"] - largest_other(r)), labels, planned))
         subs.append(SubClaim("ΔH of low_p_low_h tokens", ">", 0.0,
-                             seed_means(lambda r: r["low_p_low_h/entropy_change"]), labels))
+                             seed_means(lambda r: r["low_p_low_h/entropy_change"]), labels, planned))
         with np.errstate(all="ignore"):
             ratio = np.array([r["low_p_low_h/grad_norm"] / r["high_p_high_h/grad_norm"] for r in per_run.values()])
         ratio = ratio[~np.isnan(ratio)]
         info["‖∇‖ ratio low_p_low_h / high_p_high_h (mean of the per-run ratios)"] = \
             float(ratio.mean()) if ratio.size else math.nan
-        info["runs with low_p_low_h tokens in the first steps"] = \
-            f"{sum(r['low_p_low_h/grad_norm'] == r['low_p_low_h/grad_norm'] for r in per_run.values())} of {len(per_run)}"
+        with_tokens = sum(r["low_p_low_h/grad_norm"] == r["low_p_low_h/grad_norm"] for r in per_run.values())
+        info["runs with low_p_low_h tokens in the first steps"] = f"{with_tokens} of {len(per_run)}"
         for q in QUADRANTS:
             vals = [r[f"{q}/grad_norm"] for r in per_run.values() if r[f"{q}/grad_norm"] == r[f"{q}/grad_norm"]]
             info[f"‖∇‖ {q} (mean over runs)"] = float(np.mean(vals)) if vals else math.nan
@@ -321,7 +418,8 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
     else:
         if has["grpo"]:
             subs.append(SubClaim("GRPO final / initial entropy (collapse)", "<", COLLAPSE,
-                                 list(ratio["grpo"].values()), [f"seed {s}" for s in ratio["grpo"]]))
+                                 list(ratio["grpo"].values()), [f"seed {s}" for s in ratio["grpo"]],
+                                 plan(roles["grpo"])))
         else:
             untested.append(f"GRPO's collapse: {lacks('grpo')}")
         for role in ("justrl", "entropy20"):
@@ -329,16 +427,18 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
                 e = ent[role]
                 subs.append(SubClaim(f"{roles[role]}: final entropy − the smoothed minimum before the final window "
                                      "(late rise)", ">", 0.0, [_late_rise(v, w, smooth) for v in e.values()],
-                                     [f"seed {s}" for s in e]))
+                                     [f"seed {s}" for s in e], plan(roles[role])))
             else:
                 untested.append(f"{roles[role]}'s late rise: {lacks(role)}")
         if has["stapo"]:
             subs.append(SubClaim("STAPO final / initial entropy (no collapse)", ">", COLLAPSE,
-                                 list(ratio["stapo"].values()), [f"seed {s}" for s in ratio["stapo"]]))
+                                 list(ratio["stapo"].values()), [f"seed {s}" for s in ratio["stapo"]],
+                                 plan(roles["stapo"])))
         else:
             untested.append(f"STAPO's stability: {lacks('stapo')}")
         if has["stapo"] and has["grpo"]:
-            subs.append(SubClaim("STAPO − GRPO final entropy", ">", 0.0, *_paired(final["stapo"], final["grpo"])))
+            subs.append(SubClaim("STAPO − GRPO final entropy", ">", 0.0, *_paired(final["stapo"], final["grpo"]),
+                                 plan(roles["stapo"], roles["grpo"])))
         else:
             untested.append(f"STAPO − GRPO final entropy: {lacks('stapo', 'grpo')}")
     for role, m in roles.items():
@@ -361,7 +461,8 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
             for role in BASELINES:
                 if has[role]:
                     subs.append(SubClaim(f"{setting}: STAPO − {roles[role]} avg@N", ">", 0.0,
-                                         *_paired(mine, _final_eval(series, setting, roles[role]))))
+                                         *_paired(mine, _final_eval(series, setting, roles[role])),
+                                         plan(roles["stapo"], roles[role])))
             for role in ("stapo", *BASELINES):
                 vals = list(_final_eval(series, setting, roles[role]).values()) if has[role] else []
                 if vals:
@@ -377,10 +478,11 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
                if has[role]}
         if "stapo" in acc and "random" in acc:
             subs.append(SubClaim(f"{setting}: STAPO − random masking avg@N", ">", 0.0,
-                                 *_paired(acc["stapo"], acc["random"])))
+                                 *_paired(acc["stapo"], acc["random"]), plan(roles["stapo"], roles["random"])))
         if "random" in acc and "high_entropy" in acc:
             subs.append(SubClaim(f"{setting}: random − high-entropy masking avg@N", ">", 0.0,
-                                 *_paired(acc["random"], acc["high_entropy"])))
+                                 *_paired(acc["random"], acc["high_entropy"]),
+                                 plan(roles["random"], roles["high_entropy"])))
         for role, a in acc.items():
             info[f"{setting}: {roles[role]} avg@N (mean over seeds)"] = float(np.mean(list(a.values())))
     if not settings:
@@ -392,7 +494,8 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
             untested.append(f"random − high-entropy masking: {lacks('random', 'high_entropy')}")
     if has["fullmask"] and not short:
         subs.append(SubClaim("JustRL-FullMask final / initial entropy (collapse)", "<", COLLAPSE,
-                             list(ratio["fullmask"].values()), [f"seed {s}" for s in ratio["fullmask"]]))
+                             list(ratio["fullmask"].values()), [f"seed {s}" for s in ratio["fullmask"]],
+                             plan(roles["fullmask"])))
     else:
         untested.append(f"JustRL-FullMask's collapse: {too_short if short else lacks('fullmask')}")
     for role in ("stapo", "random", "high_entropy"):
@@ -409,23 +512,53 @@ def _fmt(x: float) -> str:
 
 
 def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "arith_test",
-                 roles: dict[str, str] | None = None) -> Path:
+                 roles: dict[str, str] | None = None, allow_objective: Collection[str] = ()) -> Path:
     """Write ``claims.md`` and ``claims.json`` to the study's output folder; returns the .md path. While some runs
-    are unfinished both say PARTIAL and name them. Raises as :func:`evaluate_claims`."""
-    claims, runs = evaluate_claims(cfg, specs, benchmark=benchmark, roles=roles)
+    are unfinished both say PARTIAL and name them; both name the excluded runs with their reasons, the role mapping,
+    and beside each verdict drawn from fewer seeds than planned, how many.
+
+    Raises:
+        stapo.config.ConfigError: the output folder cannot be written (checked first; one line naming it).
+        OSError: a write failed all the same (the message names the file).
+        ClaimsError, stapo.tracking.CorruptJsonlError: as :func:`evaluate_claims`.
+    """
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_writable(out, "the claims")
+    roles = dict(ROLES if roles is None else roles)
+    claims, runs = evaluate_claims(cfg, specs, benchmark=benchmark, roles=roles, allow_objective=allow_objective)
+    table = role_table(cfg, specs, roles, allow_objective)
     partial = bool(runs["unfinished"] or runs["unevaluated"])
-    lines = [f"# The paper's claims on study {cfg.name}" + (" — PARTIAL" if partial else ""), ""]
+    excluded = runs["excluded"]
+    lines = [f"# The paper's claims on study {cfg.name}" + (" — PARTIAL" if partial else "")
+             + (f" — {len(excluded)} run{'s' if len(excluded) > 1 else ''} excluded" if excluded else ""), ""]
     if runs["unfinished"]:
-        lines += [f"**PARTIAL: {len(runs['finished'])} of {runs['total']} runs finished**; the claims read the "
-                  f"finished ones only. Not finished (left out): {', '.join(runs['unfinished'])}.", ""]
+        lines += [f"**PARTIAL: {runs['total'] - len(runs['unfinished'])} of {runs['total']} runs finished**; the "
+                  f"claims read the finished ones only. Not finished (left out): {', '.join(runs['unfinished'])}.",
+                  ""]
     if runs["unevaluated"]:
         lines += [f"**PARTIAL: {len(runs['unevaluated'])} finished run(s) without a final evaluation** of their last "
                   f"checkpoint (left out of C4 and C5; rerun the study to evaluate them): "
                   f"{', '.join(runs['unevaluated'])}.", ""]
     if not partial:
-        lines += [f"All {runs['total']} runs finished" + (" and evaluated." if cfg.final_eval.enabled else "."), ""]
+        lines += [f"All {runs['total']} runs finished" + (f"; {len(excluded)} excluded (below)." if excluded else
+                                                         " and evaluated." if cfg.final_eval.enabled else "."), ""]
+    if excluded:
+        lines += [f"**EXCLUDED: {len(excluded)} run{'s' if len(excluded) > 1 else ''}** whose data are not clean, "
+                  "left out of every claim (and out of the study report); each verdict drawn from fewer seeds than "
+                  "planned says so beside it:", ""]
+        lines += [f"- {name}: {why}" for name, why in excluded.items()] + [""]
+
+    def role_text(r: dict[str, Any]) -> str:
+        text = f"{r['role']} → {r['method']}" + (" (--role)" if r["set_by"] == "--role" else "")
+        if not r["in_study"]:
+            text += " (no such method in the study)"
+        elif r["allowed"]:
+            text += (f" (trains {', '.join(r['objectives'])}, not {r['expected']}: allowed by --allow-objective "
+                     f"{r['role']})")
+        return text
+
+    lines += ["Roles (the paper's method → the study's method whose runs play it; `--role PAPER=METHOD` changes "
+              "one): " + ", ".join(role_text(r) for r in table) + ".", ""]
     lines += ["Each sub-claim: one value per replicate (a seed; for C2 the mean over that seed's runs), the mean and "
               "its 95 % Student-t interval over the replicates; **reproduced** when the whole interval is on the "
               "paper's side of the threshold, **not reproduced** when it is wholly on the other side, "
@@ -433,25 +566,33 @@ def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "ar
               "sub-claims are tested and reproduced, not reproduced when any is not reproduced, inconclusive "
               "otherwise. Rules: `stapo/study/claims.py`; docs/study.md#claims.", "",
               "| claim | verdict |", "|---|---|"]
-    lines += [f"| {c.id}: {c.statement} | **{c.verdict}** |" for c in claims]
+    short = {c.id: f" (from {c.short_of_plan})" if c.short_of_plan else "" for c in claims}
+    lines += [f"| {c.id}: {c.statement} | **{c.verdict}**{short[c.id]} |" for c in claims]
     for c in claims:
-        lines += ["", f"## {c.id}: {c.statement} — {c.verdict}", ""]
+        lines += ["", f"## {c.id}: {c.statement} — {c.verdict}{short[c.id]}", ""]
         if c.subclaims:
             lines += ["| sub-claim | claimed | n | mean | 95 % CI | values | result |", "|---|---|---|---|---|---|---|"]
             for s in c.subclaims:
                 vals = ", ".join(f"{lab}: {_fmt(v)}" for v, lab in zip(s.values, s.labels))
-                note = f" ({s.note})" if s.note else ""
-                lines.append(f"| {s.name} | {s.side} {_fmt(s.threshold)} | {len(s.values)} | {_fmt(s.mean)} | "
+                notes = [s.note] if s.note else []
+                if s.missing:
+                    notes.append(f"missing: {', '.join(s.missing)}")
+                note = f" ({'; '.join(notes)})" if notes else ""
+                n = f"{len(s.values)} of {len(s.values) + len(s.missing)}" if s.missing else f"{len(s.values)}"
+                lines.append(f"| {s.name} | {s.side} {_fmt(s.threshold)} | {n} | {_fmt(s.mean)} | "
                              f"[{_fmt(s.low)}, {_fmt(s.high)}] | {vals} | {s.result}{note} |")
         if c.untested:
             lines += [""] + [f"- Not tested: {u}." for u in c.untested]
         if c.info:
             lines += [""] + [f"- {k}: {_fmt(v) if isinstance(v, float) else v}" for k, v in c.info.items()]
-    (out / "claims.md").write_text("\n".join(lines) + "\n")
-    payload = {"study": cfg.name, "partial": partial, "runs": runs, "benchmark": benchmark,
-               "claims": [{"id": c.id, "statement": c.statement, "verdict": c.verdict, "info": c.info,
-                           "untested": c.untested, "subclaims": [asdict(s) for s in c.subclaims]} for c in claims]}
-    (out / "claims.json").write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
+    with writing(out / "claims.md"):
+        (out / "claims.md").write_text("\n".join(lines) + "\n")
+    payload = {"study": cfg.name, "partial": partial, "runs": runs, "benchmark": benchmark, "roles": table,
+               "claims": [{"id": c.id, "statement": c.statement, "verdict": c.verdict,
+                           "short_of_plan": c.short_of_plan, "info": c.info, "untested": c.untested,
+                           "subclaims": [asdict(s) for s in c.subclaims]} for c in claims]}
+    with writing(out / "claims.json"):
+        (out / "claims.json").write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
     return out / "claims.md"
 
 
@@ -467,9 +608,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--benchmark", default="arith_test", help="the held-out benchmark of C4 and C5")
     p.add_argument("--role", action="append", default=[], metavar="PAPER=METHOD",
                    help=f"map one of the paper's methods ({', '.join(ROLES)}) to a method of the study (repeatable; "
-                        "default: the names of configs/study/cpu_reproduction.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config")
-    args = p.parse_args(argv)
+                        "default: the names of configs/study/cpu_reproduction.yaml); written into claims.md/json")
+    p.add_argument("--allow-objective", action="append", default=[], metavar="PAPER",
+                   help="let the method of role PAPER train another objective than the paper's method (refused "
+                        "otherwise, e.g. --role grpo=my_method whose runs train stapo); repeatable, recorded")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config (anywhere on the "
+                   "command line)")
+    args = p.parse_intermixed_args(argv)  # overrides before, between or after the options
     try:
         cfg = load_study_config(args.config, args.overrides)
         roles = dict(ROLES)
@@ -481,10 +626,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise ClaimsError(f"--role {item!r}: {method!r} is not a method of the study "
                                   f"(methods: {', '.join(cfg.methods)})")
             roles[paper] = method
-        path = write_claims(cfg, run_specs(cfg), benchmark=args.benchmark, roles=roles)
+        unknown = [r for r in args.allow_objective if r not in ROLES]
+        if unknown:
+            raise ClaimsError(f"--allow-objective {unknown[0]!r}: expected one of the paper's methods "
+                              f"({', '.join(ROLES)})")
+        path = write_claims(cfg, run_specs(cfg), benchmark=args.benchmark, roles=roles,
+                            allow_objective=args.allow_objective)
     except (ConfigError, CorruptJsonlError, ClaimsError) as e:
         print(f"stapo.study.claims: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a failed read or write of a run or claims file (the message names it)
+        print(f"stapo.study.claims: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}", file=sys.stderr)
+        return 1
     print(path.read_text().split("\n## ")[0].rstrip())
     print(f"claims: {path}")
     return 0

@@ -5,9 +5,14 @@ Written to the study's output folder: ``report.md``, ``curves.png`` (one panel p
 method, metric and step: seeds, mean, band) and ``final.csv`` (per method and metric: the final value over seeds
 and the paired difference to the reference method). Reads each run's ``metrics.jsonl`` (and the final
 evaluation's ``results.json``); every metric key it reads is in :data:`METRICS` / :data:`COST_KEYS`.
+
+Only clean data enter the numbers: a run with a non-finite value of a metric read, missing steps, or a folder that is
+not the planned run or not a run of its own is listed as excluded with its reason and left out of every statistic
+(:func:`run_exclusions`; the claims, :mod:`stapo.study.claims`, leave out the same runs).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import fnmatch
 import json
@@ -17,7 +22,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 
@@ -26,10 +31,11 @@ from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.runner import default_threads, evaluated_step
 from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
-from stapo.tracking import CorruptJsonlError, read_jsonl_rows
+from stapo.tracking import CorruptJsonlError, decode_value, read_jsonl_rows
 
-__all__ = ["METRICS", "LABELS", "COST_KEYS", "Series", "as_number", "collect", "eval_se_rows", "final_results",
-           "pooled_quadrant_stat", "write_report"]
+__all__ = ["METRICS", "LABELS", "COST_KEYS", "CHECKED_KEYS", "INF_CHECKED_KEYS", "Series", "as_number", "collect",
+           "read_runs", "run_exclusions", "identity_problems", "check_output_writable", "writing", "eval_se_rows",
+           "final_results", "pooled_quadrant_stat", "write_report"]
 
 
 
@@ -66,7 +72,7 @@ def _read_rows(run_dir: Path, say: Callable[[str], None]) -> list[dict[str, Any]
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    rows, torn = read_jsonl_rows(path)
+    rows, torn = _load_metrics(path)
     total = _configured_steps(run_dir)
     by_step: dict[int, dict[str, Any]] = {}
     # a repeated step (a crashed attempt's row before the resume truncated it): the last one
@@ -85,6 +91,171 @@ def _read_rows(run_dir: Path, say: Callable[[str], None]) -> list[dict[str, Any]
         say(f"{path}: a torn last line ({torn} bytes, an interrupted write) is left out; {run_dir.name} is reported "
             f"to step {last}")
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _load_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a run's ``metrics.jsonl`` and the bytes of its torn last line, in file order (the one place the
+    study reads that file): :func:`stapo.tracking.read_jsonl_rows`, every value but ``step`` decoded as
+    :func:`stapo.tracking.read_metrics` does (:func:`stapo.tracking.decode_value`: ``"nan"``, ``"inf"``,
+    ``"-inf"`` and the older ``null`` / ``±1e308`` → ``math.nan`` / ``±math.inf``)."""
+    rows, torn = read_jsonl_rows(path)
+    return [{k: (v if k == "step" else decode_value(v)) for k, v in r.items()} for r in rows], torn
+
+
+#: The metrics.jsonl keys (:mod:`fnmatch` patterns) that the report and the claims read and that must be finite at
+#: every step a run logged them: a NaN (``null`` in metrics.jsonl, docs/metrics.md) or ±inf in any of them makes the
+#: run's data unclean (:func:`run_exclusions`): the report's metrics, the response-token count and the mask counts
+#: of the pooled fractions.
+CHECKED_KEYS: tuple[str, ...] = (*dict.fromkeys(k for keys in METRICS.values() for k in keys),
+                                 COST_KEYS["response_tokens"], "actor/*/num_masked", "actor/*/num_response_tokens",
+                                 "s2t/would_mask/num_masked")
+#: Keys read whose NaN has a meaning — a quadrant without tokens at a step (docs/metrics.md) — so that only ±inf
+#: makes a run unclean.
+INF_CHECKED_KEYS: tuple[str, ...] = ("s2t/quadrant/*",)
+
+
+def _nonfinite_problem(rows: list[dict[str, Any]]) -> str | None:
+    """The first non-finite value of a :data:`CHECKED_KEYS` key (NaN or ±inf) or of an :data:`INF_CHECKED_KEYS` key
+    (±inf) in a run's rows, as one phrase with the count of all such values; None when there is none.
+
+    Worked example: ``actor/entropy`` NaN at steps 58–60 → ``"actor/entropy is NaN at step 58 (3 non-finite values
+    at steps 58–60)"``."""
+    kinds: dict[str, int] = {}  # key → 0 not read, 1 must be finite, 2 must not be infinite
+    found: list[tuple[int, str, float]] = []  # (step, key, value)
+    for r in rows:
+        for k, v in r.items():
+            kind = kinds.get(k)
+            if kind is None:
+                kind = kinds[k] = (0 if k == "step" else 1 if any(fnmatch.fnmatchcase(k, p) for p in CHECKED_KEYS)
+                                   else 2 if any(fnmatch.fnmatchcase(k, p) for p in INF_CHECKED_KEYS) else 0)
+            if not kind:
+                continue
+            x = math.nan if v is None else float(v)  # a number (:func:`_read_rows`; null: an older file's NaN)
+            if math.isinf(x) or (kind == 1 and math.isnan(x)):
+                found.append((r["step"], k, x))
+    if not found:
+        return None
+    step, key, x = found[0]
+    text = "NaN" if math.isnan(x) else "+inf" if x > 0 else "-inf"
+    steps = sorted({f[0] for f in found})
+    more = (f" ({len(found)} non-finite values at steps {steps[0]}–{steps[-1]})" if len(steps) > 1 else
+            f" ({len(found)} non-finite values)" if len(found) > 1 else "")
+    return f"{key} is {text} at step {step}{more}"
+
+
+def _spans(steps: list[int]) -> str:
+    """Increasing integers as ranges: [3, 4, 5, 9] → ``"3–5, 9"``."""
+    runs: list[list[int]] = []  # [first, last] of each range
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}–{b}" if b > a else str(a) for a, b in runs)
+
+
+def _gap_problem(rows: list[dict[str, Any]]) -> str | None:
+    """The training steps missing between step 1 and a run's last logged step (rows deleted by hand or lost), as one
+    phrase; None when every step is there. A run writes one row per step, in order, and a resume redoes the rows
+    after its checkpoint, so a finished or interrupted run has none missing."""
+    steps = {r["step"] for r in rows if r["step"] >= 1}
+    if not steps:
+        return None
+    missing = sorted(set(range(1, max(steps) + 1)) - steps)
+    if not missing:
+        return None
+    return (f"metrics.jsonl has no rows for step{'s' if len(missing) > 1 else ''} {_spans(missing)} of 1–{max(steps)} "
+            f"(deleted or lost rows)")
+
+
+def _names_itself(run_dir: Path) -> bool:
+    """Whether the run's ``config.json`` names the folder it is in (``trainer.run_name``): a copy placed elsewhere
+    keeps the name of the run it was copied from."""
+    trainer = _run_config(run_dir).get("trainer")
+    return isinstance(trainer, dict) and trainer.get("run_name") == run_dir.name
+
+
+def _duplicates(specs: list[RunSpec]) -> dict[str, str]:
+    """Runs that are another run's folder or a copy of it, by content: a run folder that is a symlink, or two runs
+    with byte-identical ``config.json`` and ``metrics.jsonl`` (every row, each step's wall time included). Of an
+    original and its copies the copies are named (their config.json names another folder); when that cannot be
+    told, every one of them. Returns ``run name → reason``."""
+    import hashlib
+
+    out: dict[str, str] = {}
+    groups: dict[str, list[RunSpec]] = {}
+    for s in specs:
+        d = s.run_dir
+        if d.is_symlink():
+            out[s.name] = (f"the run folder {d} is a symlink to {os.readlink(d)}: a run counts once, in its own "
+                           f"folder (a duplicate, not an independent seed)")
+            continue
+        try:
+            digest = hashlib.sha256((d / "config.json").read_bytes()).hexdigest() + \
+                hashlib.sha256((d / "metrics.jsonl").read_bytes()).hexdigest()
+        except OSError:
+            continue
+        groups.setdefault(digest, []).append(s)
+    for group in groups.values():
+        originals = [s for s in group if _names_itself(s.run_dir)]
+        for s in group:
+            if len(group) > 1 and not (len(originals) == 1 and s is originals[0]):
+                others = ", ".join(o.name for o in group if o is not s)
+                out[s.name] = (f"the same run as {others} (identical config.json and metrics.jsonl): a copy counts "
+                               f"once, not as an independent seed")
+    return out
+
+
+def identity_problems(specs: list[RunSpec]) -> dict[str, str]:
+    """Runs whose folder is not the run the study planned, or not a run of its own: ``run name → reason`` (one
+    line). With the study's identity checks (:func:`stapo.study.runner.run_identity_problems`: a recorded config
+    that differs from the plan, a config.json edited after its fingerprint, a symlink or a copy of another run)
+    those; without them, the duplicates by content (:func:`_duplicates`). Reads only; the model folder and the
+    training data are not hashed (the runs are reported as they were trained)."""
+    try:
+        from stapo.study.runner import run_identity_problems
+    except ImportError:
+        return _duplicates(specs)
+    out: dict[str, str] = {}
+    for s in specs:
+        lines = run_identity_problems(s, specs, check_inputs=False)
+        if lines:
+            out[s.name] = "; ".join(line.removeprefix(f"{s.name}: ") for line in lines)
+    return out
+
+
+def run_exclusions(specs: list[RunSpec], rows: dict[str, list]) -> dict[str, str]:
+    """The runs whose data the report and the claims must not use, each with its reason (one line): a non-finite
+    value of a metric they read at any logged step (:func:`_nonfinite_problem`: a diverged run's NaN entropy, an
+    infinite gradient norm), steps missing from its metrics (:func:`_gap_problem`), or a folder that is not the
+    planned run or not a run of its own (:func:`identity_problems`). Only runs with logged rows are looked at (the
+    others are read by nothing).
+
+    Args:
+        specs: the study's runs; rows: ``run name → metrics rows`` (:func:`read_runs`).
+
+    Returns:
+        ``run name → reason`` in grid order; the reasons of one run joined by ``"; "``.
+    """
+    read = [s for s in specs if rows.get(s.name)]
+    identity = identity_problems(specs) if read else {}
+    out: dict[str, str] = {}
+    for s in read:
+        why = [p for p in (identity.get(s.name), _nonfinite_problem(rows[s.name]), _gap_problem(rows[s.name])) if p]
+        if why:
+            out[s.name] = "; ".join(why)
+    return out
+
+
+def read_runs(specs: list[RunSpec], say: Callable[[str], None] | None = None) -> dict[str, list]:
+    """``run name → metrics rows`` of every run (:func:`_read_rows`); ``say`` gets the one-line notes (default
+    stderr).
+
+    Raises:
+        stapo.tracking.CorruptJsonlError: as :func:`_read_rows`.
+    """
+    say = say or (lambda line: print(f"stapo.study: {line}", file=sys.stderr, flush=True))
+    return {s.name: _read_rows(s.run_dir, say) for s in specs}
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:
@@ -203,12 +374,16 @@ def eval_se_rows(specs: list[RunSpec], confidence: float = 0.95) -> list[dict[st
     return rows
 
 
-def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] | None = None
+def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] | None = None,
+            exclude: Collection[str] = (), rows: dict[str, list] | None = None
             ) -> tuple[dict[str, dict[str, Series]], dict[str, list]]:
     """Read every run folder of the study (nothing is written).
 
     Args:
         say: where the one-line notes go (a torn last line left out); default stderr.
+        exclude: names of runs whose rows are read (and returned) but left out of every series, final evaluations
+            included (:func:`run_exclusions`).
+        rows: the runs' rows when already read (:func:`read_runs`); default: read here.
 
     Returns:
         ``(series, rows)``: ``series[name][method]`` a :class:`Series` (names in :data:`METRICS` order, pattern
@@ -217,14 +392,14 @@ def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] |
     Raises:
         stapo.tracking.CorruptJsonlError: a run's metrics.jsonl has a damaged line that is not a torn last line.
     """
-    say = say or (lambda line: print(f"stapo.study: {line}", file=sys.stderr, flush=True))
-    rows = {s.name: _read_rows(s.run_dir, say) for s in specs}
+    rows = read_runs(specs, say) if rows is None else rows
     t_max = max([s.total_steps for s in specs] + [r[-1]["step"] for r in rows.values() if r])
     steps = np.arange(0, t_max + 1)  # [T + 1] column j = step j
     wanted = cfg.report.metrics or list(METRICS)
     series: dict[str, dict[str, Series]] = {}
+    kept = [s for s in specs if s.name not in exclude]
     for method in cfg.methods:
-        runs = [s for s in specs if s.method == method and rows[s.name]]
+        runs = [s for s in kept if s.method == method and rows[s.name]]
         seeds = [s.seed for s in runs]
         logged = set().union(*[set(r) for s in runs for r in rows[s.name]]) if runs else set()
         for name in wanted:
@@ -247,7 +422,7 @@ def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] |
                                 used.append(key)
                 series.setdefault(sname, {})[method] = Series(sname, used, seeds, steps, vals)
         if cfg.final_eval.enabled:
-            evals = {s.seed: _final_eval(s) for s in specs if s.method == method}
+            evals = {s.seed: _final_eval(s) for s in kept if s.method == method}
             for setting in sorted({k for e in evals.values() for k in e}):
                 done = [seed for seed, e in evals.items() if setting in e]
                 vals = np.full((len(done), t_max + 1), np.nan)  # [S, T + 1], the value at the last step
@@ -391,15 +566,46 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
 
 
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Re-raise an OSError of the block as one naming ``path`` (:func:`stapo.preflight.write_error`: same type and
+    errno), e.g. ``[Errno 28] cannot write runs/study/x/final.csv: No space left on device``."""
+    try:
+        yield
+    except OSError as e:
+        from stapo.preflight import write_error
+
+        raise write_error(e, path) from None
+
+
+def check_output_writable(out: Path, what: str) -> None:
+    """Whether ``what`` (``"the report"``, ``"the claims"``) can be written into the study folder ``out``
+    (:func:`stapo.preflight.check_writable`: a probe file written and removed; nothing is created).
+
+    Raises:
+        stapo.config.ConfigError: it cannot (a read-only folder or file system, permissions, no space): one line
+            naming the folder, the operating system's reason and what to do.
+    """
+    from stapo.config import ConfigError
+    from stapo.preflight import check_writable
+
+    try:
+        check_writable(out, "output_dir")
+    except ConfigError as e:
+        raise ConfigError(f"{e} (the study writes {what} into its own folder, beside its runs: for a read-only "
+                          f"study, copy its folder somewhere writable and pass output_dir=<the copy>)") from None
+
+
 def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
     tmp = _tmp(path)
-    with tmp.open("w", newline="") as f:
+    with writing(path), tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for row in rows:
             w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else
                             f"{v:.10g}" if isinstance(v, float) else v) for k, v in row.items()})
-    os.replace(tmp, path)
+    with writing(path):
+        os.replace(tmp, path)
 
 
 def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
@@ -445,9 +651,10 @@ def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
                  f"range ± 50 %; wider bands are cut, curves.csv has them whole)", fontsize=11)
     fig.tight_layout()
     tmp = _tmp(path)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    with writing(path):
+        fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        os.replace(tmp, path)
     return True
 
 
@@ -555,16 +762,26 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
     (each file replaced atomically) from whatever runs exist; returns the path of ``report.md``. Reads the run
     folders only (nothing under ``runs/`` is written), so it may run beside a working runner.
 
+    Runs whose data are not clean (:func:`run_exclusions`) are listed with their reason and left out of the
+    curves, the final values and differences, the token taxonomy and the sampling error (their steps still count in
+    the cost); the claims leave out the same runs.
+
     Args:
         say: where one-line notes go (:func:`collect`); default stderr.
 
     Raises:
         stapo.tracking.CorruptJsonlError: a run's metrics.jsonl has a damaged line that is not a torn last line
             (one line naming the file and line; nothing is written).
+        stapo.config.ConfigError: the output folder cannot be written (read-only, no space): one line naming it
+            (:func:`check_output_writable`; checked before anything is read).
+        OSError: a write failed all the same (a full disk): the message names the file (:func:`writing`).
     """
     out = Path(cfg.output_dir)
-    series, rows = collect(cfg, specs, say)
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_writable(out, "the report")
+    rows = read_runs(specs, say)
+    excluded = run_exclusions(specs, rows)
+    kept = [s for s in specs if s.name not in excluded]
+    series, _ = collect(cfg, specs, exclude=excluded, rows=rows)
     curves = _curve_rows(cfg, series)
     finals = _final_rows(cfg, series)
     _write_csv(out / "curves.csv", curves, ["metric", "method", "step", "n_seeds", "mean", "ci_low", "ci_high"])
@@ -590,12 +807,13 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
               "|---|---|---|---|---|---|---|"]
     hardware = {s.name: _hardware(s.run_dir) for s in specs}
     for s in specs:
-        last = rows[s.name][-1]["step"] if rows[s.name] else 0
+        logged = sum(x["step"] >= 1 for x in rows[s.name])  # training steps with a row (a gap is not counted)
         times = [as_number(x[COST_KEYS["step_time"]]) for x in rows[s.name] if COST_KEYS["step_time"] in x]
         per_step = f"{sum(times) / len(times):.1f}" if times else "n/a"
         machine, dtype = hardware[s.name]
         threads = (launches[s.name] or [(0, None)])[-1][1] or "?"  # the last launch's
-        lines.append(f"| {s.name} | {last} | {s.total_steps} | {per_step} | {threads} | {dtype} | {machine} |")
+        name = f"{s.name} (excluded)" if s.name in excluded else s.name
+        lines.append(f"| {name} | {logged} | {s.total_steps} | {per_step} | {threads} | {dtype} | {machine} |")
     mixed = {h for n, h in hardware.items() if rows[n]}
     if len({d for _, d in mixed}) > 1 or len({m for m, _ in mixed}) > 1:
         lines += ["", "The runs were trained on more than one machine or compute dtype (above): the seeds of a "
@@ -615,6 +833,12 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
     if unevaluated:
         lines += ["", "Finished without a final evaluation of their last checkpoint (left out of the final-evaluation "
                       f"rows; rerun the study to evaluate them): {', '.join(unevaluated)}."]
+    if excluded:
+        lines += ["", f"**Excluded: {len(excluded)} run{'s' if len(excluded) > 1 else ''}** whose data are not clean, "
+                      "left out of everything below (curves, final values, differences, token taxonomy, sampling "
+                      "error; their steps count in the cost) and out of the claims; the seeds columns say how many "
+                      "of a method's planned seeds remain:", ""]
+        lines += [f"- {name}: {why}" for name, why in excluded.items()]
     lines += ["", "## Curves", "",
               f"Mean over seeds per method and step, band: the {conf} t-interval over seeds "
               f"(mean ± t_{{{(1 + r.confidence) / 2:.3g}, n−1}} · s/√n)"
@@ -646,18 +870,21 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
             diff, ci = _fmt(row["diff_mean"]), "n/a"
         else:
             diff, ci = _fmt(row["diff_mean"]), f"[{_fmt(row['diff_ci_low'])}, {_fmt(row['diff_ci_high'])}]"
-        lines.append(f"| {_label(row['metric'])} | {row['method']} | {row['n_seeds']} | {_fmt(row['final_mean'])} "
+        planned = sum(s.method == row["method"] for s in specs)
+        n = f"{row['n_seeds']} of {planned}" if row["n_seeds"] < planned else row["n_seeds"]
+        lines.append(f"| {_label(row['metric'])} | {row['method']} | {n} | {_fmt(row['final_mean'])} "
                      f"| {_fmt(half, 3)} | {diff} | {ci} | {row['n_pairs'] or '—'} |")
     absent = [f"{name} ({', '.join(m for m in cfg.methods if m not in series.get(name, {}))})"
               for name in (r.metrics or METRICS) if "*" not in METRICS[name][0]
               and any(m not in series.get(name, {}) for m in cfg.methods)]
-    quadrants = _quadrant_rows(cfg, specs, rows)
+    quadrants = _quadrant_rows(cfg, kept, rows)
     if quadrants and all(q["share"] != q["share"] for q in quadrants):  # every share NaN: no Â > 0 token anywhere
         lines += ["", "## Token taxonomy", "", "No response token had Â > 0 in the steps read (every group's rewards "
                   "were equal or below their mean), so the quadrant table is empty and is not shown."]
         quadrants = []
     if not quadrants:
-        (out / "quadrants.csv").unlink(missing_ok=True)  # no stale table from an earlier report
+        with writing(out / "quadrants.csv"):
+            (out / "quadrants.csv").unlink(missing_ok=True)  # no stale table from an earlier report
     if quadrants:
         _write_csv(out / "quadrants.csv", quadrants, ["method", "phase", "quadrant", "n_seeds", "last_step",
                                                       *QUADRANT_STATS, "tokens"])
@@ -671,7 +898,7 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                   "| method | phase | quadrant | share | ‖∇‖ | ΔH | tokens |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {q['method']} | {q['phase']} | {q['quadrant']} | {_fmt(q['share'])} | {_fmt(q['grad_norm'])} "
                   f"| {_fmt(q['entropy_change'])} | {_fmt(q['tokens'], 6)} |" for q in quadrants]
-    se_rows = eval_se_rows(specs, r.confidence) if cfg.final_eval.enabled else []
+    se_rows = eval_se_rows(kept, r.confidence) if cfg.final_eval.enabled else []
     if se_rows:
         lines += ["", "## Final evaluation: sampling error", "",
                   "A run's final avg@N is measured on a finite set of problems: SE = its standard error over problems "
@@ -684,7 +911,7 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
         lines += [f"| {e['setting']} | {e['benchmark']} | {e['runs']} | {e['problems']} | {e['samples']} "
                   f"| {_fmt(e['se_min'], 3)} | {_fmt(e['se_median'], 3)} | {_fmt(e['se_max'], 3)} "
                   f"| {_fmt(e['resolvable'], 3)} |" for e in se_rows]
-    notes = _pairing_notes(cfg, specs)
+    notes = _pairing_notes(cfg, kept)
     if cost["threads_assumed"]:
         notes.append(f"threads not recorded (run_info.json missing, damaged or without a thread count): "
                      f"{', '.join(cost['threads_assumed'])}; the cost line counts their steps at "
@@ -697,6 +924,7 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
         lines += [f"- not logged: {a}" for a in absent]
         lines += [f"- {n}" for n in notes]
     tmp = _tmp(out / "report.md")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out / "report.md")
+    with writing(out / "report.md"):
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, out / "report.md")
     return out / "report.md"
