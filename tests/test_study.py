@@ -839,9 +839,11 @@ def test_an_exported_study_is_reported_and_its_finished_runs_are_not_retrained(t
     st = run_status(specs2[0])
     assert st.action == "skip" and "checkpoints not kept" in st.reason
     assert study_runner.eval_status(specs2[0]).action == "done"
-    # without the marker (or with a smaller step) the same folder would be restarted: the marker is what counts
+    # a marker of a smaller step (the study's total_steps raised since): the run cannot be continued without its
+    # checkpoints and is refused as changed, never restarted (which deleted the folder, final evaluation included)
     (dest / run / "finished.json").write_text(json.dumps({"steps": 1}))
-    assert run_status(specs2[0]).action == "restart"
+    st = run_status(specs2[0])
+    assert st.action == "changed" and "cannot be continued" in st.reason and "--rerun-changed" in st.reason
 
 
 def test_eval_after_each_run_interleaves_the_grid(tmp_path, monkeypatch):

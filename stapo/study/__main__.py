@@ -5,9 +5,13 @@
     python -m stapo.study --config configs/study/cpu_methods.yaml --report-only
 
 Rerunning the same command resumes the study: finished runs are skipped, interrupted ones resume from their last
-checkpoint, finished final evaluations are reused. --report-only only reads the runs (allowed while a runner works
-in the folder). Exit codes: 0 all runs finished; 1 a run failed (the others ran; rerun to retry); 2 a bad study
-config, a locked study folder or a damaged metrics.jsonl line (named); 130 / 143 interrupted (Ctrl-C / SIGTERM).
+checkpoint (also past a raised trainer.total_steps), finished final evaluations are reused. A run folder that is not
+the run the study would make now (its recorded config differs from the plan, config.json edited, model or data
+changed, a symlink or copy of another run) is refused before anything runs; --rerun-changed trains such runs afresh,
+moving their old folders to <output_dir>/superseded/ (nothing is ever deleted). --report-only only reads the runs
+(allowed while a runner works in the folder). Exit codes: 0 all runs finished; 1 a run failed (the others ran; rerun
+to retry); 2 a bad study config, a locked study folder, a damaged metrics.jsonl line (named) or runs that differ from
+the plan (named); 130 / 143 interrupted (Ctrl-C / SIGTERM).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--export", metavar="DIR", help="copy the runs' small files (metrics, configs, finished markers, "
                       "validation and final-evaluation results; no checkpoints, W&B files, rollouts or generations) "
                       "to DIR, keeping the layout, and exit (read-only, like --report-only)")
+    p.add_argument("--rerun-changed", action="store_true", help="train afresh the runs whose folders differ from "
+                   "the plan (refused without it), moving their old folders to <output_dir>/superseded/ (kept)")
     p.add_argument("--verbose", action="store_true", help="show the runs' own output here (default: only in "
                    "<output_dir>/logs/<run>.log)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the study config, e.g. seeds=[0] "
@@ -38,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         from stapo.runlock import RunLock, RunLockError
         from stapo.study.config import load_study_config, run_specs
         from stapo.study.report import write_report
-        from stapo.study.runner import describe_plan, run_grid
+        from stapo.study.runner import RunIdentityError, describe_plan, run_grid
         from stapo.tracking import CorruptJsonlError
 
         cfg = load_study_config(args.config, args.overrides)
@@ -51,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(getattr(e, "signum", 2))
     if args.dry_run:
         try:
-            print(describe_plan(cfg, specs))
+            print(describe_plan(cfg, specs, rerun_changed=args.rerun_changed))
         except CorruptJsonlError as e:  # a damaged metrics line (file and line): the runner would stop on it too
             print(f"stapo.study: {e}", file=sys.stderr)
             return 2
@@ -90,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
 
             check_writable(cfg.output_dir, "output_dir")  # a read-only study folder: one line, before the lock
             with RunLock(cfg.output_dir, "stapo.study"):
-                rc = run_grid(cfg, specs, verbose=args.verbose)
+                rc = run_grid(cfg, specs, verbose=args.verbose, rerun_changed=args.rerun_changed)
                 report = write_report(cfg, specs)
-    except (RunLockError, CorruptJsonlError) as e:  # a second runner; a damaged metrics line (file and line)
+    except (RunLockError, CorruptJsonlError, RunIdentityError) as e:  # a second runner; a damaged metrics line
+        # (file and line); runs that are not what the study would make now (each named, with the keys)
         print(f"stapo.study: {e}", file=sys.stderr)
         return 2
     except ConfigError as e:  # the study folder cannot be written (read-only, no space): named

@@ -716,12 +716,20 @@ def _launch_threads(run_dir: Path) -> list[tuple[int, int | None]]:
 
 def _pairing_notes(cfg: StudyConfig, specs: list[RunSpec]) -> list[str]:
     """Keys that decide the prompts and their rollouts and differ between methods (then pairs do not share
-    prompts)."""
-    from stapo.config import _flatten, to_dict
+    prompts), read from what each run recorded (its ``config.json``; keys it predates at their schema default) and
+    from the study's plan only for a run without one — the notes describe the runs reported, not a plan that was
+    changed since."""
+    from stapo.config import TrainConfig, _flatten, to_dict
+
+    default = _flatten(to_dict(TrainConfig()))
+
+    def recorded(spec: RunSpec) -> dict[str, Any]:
+        cfg_json = _run_config(spec.run_dir)
+        return {**default, **_flatten(cfg_json)} if cfg_json else _flatten(to_dict(spec.train))
 
     notes = []
     for seed in dict.fromkeys(s.seed for s in specs):
-        flat = {s.method: _flatten(to_dict(s.train)) for s in specs if s.seed == seed}
+        flat = {s.method: recorded(s) for s in specs if s.seed == seed}
         keys = sorted({k for f in flat.values() for k in f if k.startswith(("data.", "rollout.n", "trainer.seed",
                                                                              "trainer.total_steps"))
                        and not k.startswith("data.root")})

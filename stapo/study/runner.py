@@ -6,8 +6,13 @@ order. Before each run its folder decides what to do (:func:`run_status`):
 
 - ``skip``: finished — ``metrics.jsonl`` reaches ``trainer.total_steps`` and the checkpoint of that step exists;
 - ``resume``: a complete checkpoint of an earlier step exists — ``train.py ... --resume`` continues from it;
-- ``restart``: the folder holds no complete checkpoint (killed before its first save): it is deleted (one line
-  says so; nothing in it could be resumed) and the run starts afresh;
+- ``restart``: the folder holds no complete checkpoint and no finished run (killed before its first save): it is
+  moved to ``<output_dir>/superseded/`` (one line says so; never deleted) and the run starts afresh;
+- ``changed``: the folder holds a run that is not the one the study would run now (:func:`run_identity_problems`:
+  its recorded config differs from the plan, its config.json was edited, its model or training data changed, it
+  is a symlink to or a copy of another run), or a finished run without its checkpoints whose ``total_steps`` was
+  raised (it cannot be continued): refused before anything runs (:class:`RunIdentityError`), or with
+  ``--rerun-changed`` moved to ``<output_dir>/superseded/`` and trained afresh (:func:`run_grid`);
 - ``new``: no folder yet;
 - ``busy``: another live process (a ``train.py`` left by a runner that was killed, finishing its step; one started by
   hand) holds the run folder's lock: the runner waits for it to exit (one line says so), then decides again — it
@@ -19,7 +24,11 @@ so the plan line and the report name them instead of resuming a run that has not
 
 A damaged line of a run's ``metrics.jsonl`` that is not its torn last line (:class:`stapo.tracking.CorruptJsonlError`)
 decides nothing: the runner (and ``--dry-run``) stops before running anything, in one line naming the file and the
-line — the report's policy. Such a run is never restarted (its folder deleted), resumed or skipped over it.
+line — the report's policy. Such a run is never restarted (its folder moved aside), resumed or skipped over it.
+
+Nothing finished is deleted: a run continued past its old ``total_steps`` resumes from its last checkpoint
+(``trainer.total_steps`` may change on resume); a run that must be trained again goes into a fresh folder and the
+old one is kept under ``<output_dir>/superseded/`` (:data:`SUPERSEDED`).
 
 The same for the optional final evaluation (``final_eval``): done when ``<run>/final_eval/results.json`` exists
 (evaluate.py writes it at the end), else ``evaluate.py`` (which resumes its own generations). Every attempt is appended to
@@ -46,7 +55,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 from stapo.checkpoint_files import latest_checkpoint
 from stapo.runlock import LOCK_NAME, Holder, RunLock, RunLockError
@@ -55,7 +64,8 @@ from stapo.tracking import CorruptJsonlError, read_jsonl_rows
 
 __all__ = ["REPO", "RunStatus", "EvalStatus", "run_status", "eval_status", "train_command", "eval_command",
            "describe_plan", "run_grid", "default_threads", "lock_holder", "exit_text", "ATTEMPTS", "FINISHED",
-           "export_study", "check_metrics"]
+           "export_study", "check_metrics", "run_identity_problems", "RunIdentityError", "SUPERSEDED",
+           "identity_refusal"]
 
 #: The repository root: train.py and evaluate.py live there.
 REPO = Path(__file__).resolve().parents[2]
@@ -65,9 +75,12 @@ EVAL_DIR = "final_eval"
 #: its metrics) alone, so a folder kept without its checkpoints (an exported study, :func:`export_study`) is not
 #: retrained.
 FINISHED = "finished.json"
+#: The folder of ``output_dir`` that run folders are moved to instead of being deleted (``superseded/<run>``,
+#: ``<run>.1``, ...): a run restarted afresh, or one retrained with ``--rerun-changed``.
+SUPERSEDED = "superseded"
 _STEP = re.compile(r"^step_(\d+)$")
 
-Action = Literal["skip", "resume", "restart", "new", "busy"]
+Action = Literal["skip", "resume", "restart", "new", "busy", "changed"]
 #: Seconds between two looks at a busy run folder (:func:`run_grid` waits for its holder to exit).
 BUSY_POLL_S = 2.0
 
@@ -78,7 +91,7 @@ class RunStatus:
 
     Attributes:
         spec: the run.
-        action: ``skip`` | ``resume`` | ``restart`` | ``new`` | ``busy`` (module docstring).
+        action: ``skip`` | ``resume`` | ``restart`` | ``new`` | ``busy`` | ``changed`` (module docstring).
         checkpoint_step: the step of its latest complete checkpoint (0: none).
         logged_step: the last step in its ``metrics.jsonl`` (0: none).
         reason: one phrase for the plan's listing.
@@ -157,8 +170,154 @@ def lock_holder(folder: Path) -> Holder | None:
     return None
 
 
-def run_status(spec: RunSpec) -> RunStatus:
+class RunIdentityError(ValueError):
+    """Runs of a study are not the runs its plan would make (:func:`run_identity_problems`), or a finished run
+    cannot be continued: refused before anything runs, in one line naming each run and why."""
+
+
+def _run_name(run: RunSpec | str | os.PathLike) -> tuple[Path, str, RunSpec | None]:
+    if isinstance(run, RunSpec):
+        return run.run_dir, run.name, run
+    return Path(run), Path(run).name, None
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _names_itself(run_dir: Path) -> bool:
+    """Whether the run's config.json names the folder it sits in (``trainer.run_name``): a copy placed elsewhere
+    keeps the name of the run it was copied from."""
+    from stapo.run_identity import recorded_config
+
+    cfg = recorded_config(run_dir) or {}
+    return isinstance(cfg.get("trainer"), dict) and cfg["trainer"].get("run_name") == run_dir.name
+
+
+def _same_run(a: Path, b: Path) -> str | None:
+    """Why run folders ``a`` and ``b`` hold one run (None: they do not): identical fingerprints (config, model,
+    data, seed), or, for runs without fingerprint.json, identical config.json and metrics.jsonl bytes."""
+    from stapo.fingerprint import read_fingerprint
+
+    fa, fb = read_fingerprint(a), read_fingerprint(b)
+    if fa is not None and fb is not None:
+        parts = ("config", "model", "data", "seed")
+        if all(p in fa for p in parts) and all(fa.get(p) == fb.get(p) for p in parts):
+            return "identical fingerprint.json: config, model, data and seed"
+        return None
+    ca, cb = _read_bytes(a / "config.json"), _read_bytes(b / "config.json")
+    if ca is None or ca != cb:
+        return None
+    ma, mb = _read_bytes(a / "metrics.jsonl"), _read_bytes(b / "metrics.jsonl")
+    return "identical config.json and metrics.jsonl" if ma is not None and ma == mb else None
+
+
+def run_identity_problems(spec_or_run_dir: RunSpec | str | os.PathLike,
+                          others: Sequence[RunSpec | str | os.PathLike] = (), *,
+                          check_inputs: bool = True) -> list[str]:
+    """Why a run folder cannot be counted as the run it stands for: one line per reason, each starting with the
+    run's name; ``[]`` when there is none (or nothing is recorded yet: no folder, no config.json). Reads only.
+
+    For the study runner (a run with a problem is ``changed``: refused, or retrained with ``--rerun-changed``) and
+    for the report and claims, which must not count such a run. Results made before fingerprints existed (no
+    ``fingerprint.json``, e.g. ``results/study_cpu/grid``) are checked by their ``config.json`` alone.
+
+    Args:
+        spec_or_run_dir: a :class:`~stapo.study.config.RunSpec` (its folder is compared with its plan,
+            ``spec.train``) or a run folder (only the checks that need no plan).
+        others: the other runs of the study (specs or folders; the run itself may be among them): a run with
+            the same content as one of them is a duplicate.
+        check_inputs: also compare the recorded ``model`` and ``data`` fingerprint parts with the plan's current
+            model folder and training data (hashing them; big files are cached): False skips it (reading only the
+            run folders).
+
+    Returns:
+        One-line reasons, among:
+
+        - ``<run>: the run folder <dir> is a symlink to <target>: ...`` — a link to another run is no run of its own;
+        - ``<run>: <dir>/config.json is not the config its fingerprint.json records ...`` — edited after the run;
+        - ``<run>: its recorded config differs from the study's plan: actor.lr: 0.001 → 0.002; ...`` —
+          :func:`stapo.run_identity.plan_differences` (``trainer.total_steps`` raised is no difference; keys of
+          :data:`stapo.run_identity.HOW_KEYS` are tolerated);
+        - ``<run>: the model of model.path (...) is not the one it was trained from ...`` / ``... the training data
+          of data.train_file.path (...) changed ...`` — the fingerprint's content parts;
+        - ``<run>: the same run as <other> (identical ...): a copy counts once, not as an independent seed`` —
+          identical fingerprints (config, model, data, seed), or for runs without fingerprints identical
+          config.json and metrics.jsonl. Of an original and its copy only the copy is named (the run whose
+          config.json does not name its own folder); when that cannot be told, both are.
+    """
+    from stapo.config import to_dict
+    from stapo.fingerprint import read_fingerprint
+    from stapo.run_identity import (config_matches_fingerprint, data_part, model_part, plan_differences,
+                                    recorded_config)
+
+    run_dir, name, spec = _run_name(spec_or_run_dir)
+    if not run_dir.is_symlink() and not run_dir.is_dir():
+        return []
+    problems: list[str] = []
+    if run_dir.is_symlink():
+        problems.append(f"{name}: the run folder {run_dir} is a symlink to {os.readlink(run_dir)}: a run counts once, "
+                        f"in its own folder (a duplicate, not an independent seed)")
+    recorded = recorded_config(run_dir)
+    if config_matches_fingerprint(run_dir) is False:
+        problems.append(f"{name}: {run_dir / 'config.json'} is not the config its fingerprint.json records (edited "
+                        f"or replaced after the run wrote it)")
+    if spec is not None and recorded is not None:
+        refused, _ = plan_differences(recorded, to_dict(spec.train))
+        if refused:
+            problems.append(f"{name}: its recorded config differs from the study's plan: {'; '.join(refused)}")
+    fp = read_fingerprint(run_dir)
+    if spec is not None and fp is not None and check_inputs:
+        mc = spec.train.model
+        try:
+            part, folder = model_part(mc.path, mc.cache_dir, convert=False)
+        except OSError:  # not readable here: nothing to compare with
+            part, folder = "id:", None
+        old = str(fp.get("model"))
+        if old != part and not old.startswith("id:") and not part.startswith("id:"):
+            problems.append(f"{name}: the model of model.path ({mc.path}; {folder}) is not the one it was trained "
+                            f"from (its weights or config files changed since: fingerprint.json model)")
+        try:
+            digest, key, what = data_part(spec.train.data)
+        except (OSError, ValueError):  # the plan's training file is not here: nothing to compare with
+            digest = None
+        if digest is not None and fp.get("data") not in (None, digest):
+            problems.append(f"{name}: the training data of {key} ({what}) changed since it was trained "
+                            f"(fingerprint.json data)")
+    for other in others:
+        other_dir, other_name, _ = _run_name(other)
+        if other_name == name or other_dir.absolute() == run_dir.absolute() or not other_dir.is_dir():
+            continue
+        if run_dir.is_symlink() or other_dir.is_symlink():
+            continue  # the link is named above (as its own run's problem)
+        why = _same_run(run_dir, other_dir)
+        if why is None or (_names_itself(run_dir) and not _names_itself(other_dir)):
+            continue
+        problems.append(f"{name}: the same run as {other_name} ({why}): a copy counts once, not as an independent "
+                        f"seed")
+    return problems
+
+
+def _tolerated(spec: RunSpec) -> str:
+    """``; recorded with <key: old → new>, ... (how it is computed, not what: reused)`` for the HOW_KEYS the run's
+    config.json differs from the plan in, else ""."""
+    from stapo.config import to_dict
+    from stapo.run_identity import plan_differences, recorded_config
+
+    recorded = recorded_config(spec.run_dir)
+    how = plan_differences(recorded, to_dict(spec.train))[1] if recorded is not None else []
+    return f"; recorded with {', '.join(how)} (how it is computed, not what: kept)" if how else ""
+
+
+def run_status(spec: RunSpec, others: Sequence[RunSpec] = ()) -> RunStatus:
     """Decide what to do with a run from its folder (nothing is changed on disk; module docstring).
+
+    Args:
+        spec: the run.
+        others: the study's other runs (for :func:`run_identity_problems`'s duplicates; may include ``spec``).
 
     Raises:
         CorruptJsonlError: the run's ``metrics.jsonl`` has a damaged line that is not its torn last line.
@@ -172,12 +331,17 @@ def run_status(spec: RunSpec) -> RunStatus:
         return RunStatus(spec, "busy", ckpt_step, logged,
                          f"busy (pid {holder.pid}): {holder.program} holds the run folder (started "
                          f"{holder.started}); the runner waits for it to exit, then decides", holder)
+    finished = _finished_step(spec.run_dir)
+    kept = ckpt is not None or finished > 0 or (spec.run_dir / EVAL_DIR).exists()  # what a restart would lose
+    problems = run_identity_problems(spec, others) if kept else []
+    if problems:
+        return RunStatus(spec, "changed", ckpt_step, logged, " / ".join(problems))
     if ckpt_step >= total and logged >= total:
-        return RunStatus(spec, "skip", ckpt_step, logged, f"finished (step {ckpt_step}/{total})")
-    if _finished_step(spec.run_dir) >= total and logged >= total:
+        return RunStatus(spec, "skip", ckpt_step, logged, f"finished (step {ckpt_step}/{total})" + _tolerated(spec))
+    if finished >= total and logged >= total:
         return RunStatus(spec, "skip", ckpt_step, logged, f"finished (step {total}/{total}; {FINISHED}, "
-                                                          f"checkpoints not kept)")
-    done_step = max(ckpt_step, _finished_step(spec.run_dir))  # a final checkpoint, or finished.json (exported runs)
+                                                          f"checkpoints not kept)" + _tolerated(spec))
+    done_step = max(ckpt_step, finished)  # a final checkpoint, or finished.json (exported runs)
     if done_step >= total:  # the training is complete, rows after `logged` are lost (a torn last line): never retrain
         lost = f"step {total}" if logged == total - 1 else f"steps {logged + 1}-{total}"
         return RunStatus(spec, "skip", ckpt_step, logged,
@@ -187,20 +351,64 @@ def run_status(spec: RunSpec) -> RunStatus:
     if ckpt is not None:
         return RunStatus(spec, "resume", ckpt_step, logged,
                          f"resume from the checkpoint of step {ckpt_step}/{total} (metrics logged to step {logged})"
-                         + note)
+                         + note + _tolerated(spec))
+    if finished > 0:  # finished at an earlier total_steps, checkpoints not kept (an exported run): cannot continue
+        return RunStatus(spec, "changed", 0, logged,
+                         f"{spec.name}: finished at step {finished}, the study now plans {total} steps, and its "
+                         f"checkpoints are not kept (an exported run): it cannot be continued; copy its checkpoints "
+                         f"back into {spec.run_dir / 'checkpoints'}, or train it afresh with --rerun-changed")
     if spec.run_dir.exists():
         return RunStatus(spec, "restart", 0, logged, f"no complete checkpoint (metrics logged to step {logged}): "
-                                                     f"the folder is deleted and the run starts afresh" + note)
+                                                     f"the folder is moved to {SUPERSEDED}/ and the run starts "
+                                                     f"afresh" + note)
     return RunStatus(spec, "new", 0, 0, "not started")
+
+
+def _move_aside(spec: RunSpec) -> Path:
+    """Move the run folder to ``<output_dir>/superseded/<run>`` (``<run>.1``, ... when taken) → the new place.
+    Never deletes: the folder (its metrics, final evaluation, checkpoints) is kept whole.
+
+    Raises:
+        RunLockError: another live process holds the run folder (nothing is moved).
+    """
+    if not spec.run_dir.is_symlink():
+        RunLock(spec.run_dir).check_free()
+    root = spec.run_dir.parent.parent / SUPERSEDED
+    root.mkdir(parents=True, exist_ok=True)
+    dest, k = root / spec.name, 1
+    while dest.exists() or dest.is_symlink():
+        dest, k = root / f"{spec.name}.{k}", k + 1
+    spec.run_dir.rename(dest)
+    return dest
+
+
+_SHOWN = 6  # runs named in the refusal line (the dry run lists every one)
+
+
+def identity_refusal(cfg: StudyConfig, changed: list[RunStatus]) -> RunIdentityError:
+    """The one-line refusal of the ``changed`` runs (:func:`run_grid` without ``--rerun-changed``)."""
+    out = Path(cfg.output_dir) / SUPERSEDED
+    shown = " / ".join(st.reason for st in changed[:_SHOWN])
+    more = f" / and {len(changed) - _SHOWN} more (--dry-run lists every run)" if len(changed) > _SHOWN else ""
+    return RunIdentityError(
+        f"{len(changed)} run{'s' if len(changed) > 1 else ''} of study {cfg.name} "
+        f"{'are' if len(changed) > 1 else 'is'} not what the study would run now, so nothing is reused: "
+        f"{shown}{more}; set the study's config back, or rerun with --rerun-changed to "
+        f"train {'them' if len(changed) > 1 else 'it'} afresh (the old folders are moved to {out}/, never deleted); "
+        f"nothing was run")
 
 
 def eval_status(spec: RunSpec) -> EvalStatus:
     """The final evaluation's state: its output folder is ``<run_dir>/final_eval``. It is ``done`` only when its
     results.json evaluated the run's final checkpoint (``model.step`` = ``trainer.total_steps``); an evaluation of
     an earlier final step (the study's ``total_steps`` was raised since) is run again (evaluate.py refuses or
-    resumes by its own manifest: a changed model or protocol starts a fresh folder, see :func:`eval_command`)."""
+    resumes by its own manifest: a changed model or protocol starts a fresh folder, see :func:`eval_command`).
+    The evaluation of a ``changed`` run (:func:`run_status`) is never reused: it waits for the run."""
     out = spec.run_dir / EVAL_DIR
     results = out / "results.json"
+    action = run_status(spec).action
+    if action == "changed":
+        return EvalStatus(spec, "wait", out)
     if results.is_file():  # evaluate.py writes it once every generation is graded (its "complete" field means
         try:                # the full protocol: all six benchmarks, no limit — not that the run finished)
             res = json.loads(results.read_text())
@@ -208,7 +416,7 @@ def eval_status(spec: RunSpec) -> EvalStatus:
                 return EvalStatus(spec, "done", out)
         except ValueError:
             pass
-    return EvalStatus(spec, "run" if run_status(spec).action == "skip" else "wait", out)
+    return EvalStatus(spec, "run" if action == "skip" else "wait", out)
 
 
 def _retire_stale_eval(spec: RunSpec, tag: str, say: Callable[[str], None]) -> None:
@@ -292,8 +500,9 @@ def check_metrics(specs: list[RunSpec]) -> None:
         _last_logged_step(spec.run_dir)
 
 
-def describe_plan(cfg: StudyConfig, specs: list[RunSpec]) -> str:
-    """The ``--dry-run`` listing: one line per run (and final evaluation) with its action and command.
+def describe_plan(cfg: StudyConfig, specs: list[RunSpec], rerun_changed: bool = False) -> str:
+    """The ``--dry-run`` listing: one line per run (and final evaluation) with its action and command; a
+    ``changed`` run says whether the runner would refuse it or (``rerun_changed``) move it aside and retrain it.
 
     Raises:
         CorruptJsonlError: a run's ``metrics.jsonl`` has a damaged line that is not its torn last line.
@@ -306,9 +515,14 @@ def describe_plan(cfg: StudyConfig, specs: list[RunSpec]) -> str:
                      f"it is working through this plan; a second runner is refused (--report-only is not)")
     width = max(len(s.name) for s in specs)
     for spec in specs:
-        st = run_status(spec)
-        lines.append(f"  {spec.name:<{width}}  {st.action:<7}  {st.reason}")
-        if st.action not in ("skip", "busy"):
+        st = run_status(spec, specs)
+        what = st.reason
+        if st.action == "changed":
+            what += (f" — moved to {SUPERSEDED}/ and trained afresh (--rerun-changed)" if rerun_changed else
+                     " — refused: the runner stops before running anything (--rerun-changed trains it afresh, "
+                     f"the old folder moved to {SUPERSEDED}/)")
+        lines.append(f"  {spec.name:<{width}}  {st.action:<7}  {what}")
+        if st.action not in ("skip", "busy") and (st.action != "changed" or rerun_changed):
             lines.append(f"  {'':<{width}}  {'':<7}  $ {shlex.join(train_command(st))}")
     if cfg.final_eval.enabled:
         for spec in specs:
@@ -453,8 +667,13 @@ _sleep = time.sleep  # the busy wait's pause (tests replace it to release the lo
 
 
 def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
-             say: Callable[[str], None] | None = None) -> int:
+             say: Callable[[str], None] | None = None, rerun_changed: bool = False) -> int:
     """Run every unfinished run (and final evaluation) of the grid, in order.
+
+    A ``changed`` run (:func:`run_status`: not the run the study would make now, or a finished run that cannot be
+    continued) is refused before anything runs (:class:`RunIdentityError`); with ``rerun_changed`` its folder is
+    moved to ``<output_dir>/superseded/`` (kept whole) and it is trained afresh. A ``restart`` folder is moved there
+    too: nothing is deleted.
 
     Returns:
         0 when every run (and evaluation) is finished; 1 when one failed (the others ran unless
@@ -465,6 +684,7 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
     Raises:
         CorruptJsonlError: a run's ``metrics.jsonl`` has a damaged line that is not its torn last line — checked
             for every run before anything runs (:func:`check_metrics`), so nothing is run, deleted or skipped.
+        RunIdentityError: ``changed`` runs and not ``rerun_changed``: one line naming each and why; nothing ran.
     """
     global _received_signal
     say = say or (lambda line: print(line, flush=True))
@@ -476,24 +696,31 @@ def run_grid(cfg: StudyConfig, specs: list[RunSpec], *, verbose: bool = False,
     elif cfg.final_eval.enabled:
         todo += [("eval", s) for s in specs]
     check_metrics(specs)
+    changed = [st for st in (run_status(s, specs) for s in specs) if st.action == "changed"]
+    if changed and not rerun_changed:
+        raise identity_refusal(cfg, changed)
     for i, (kind, spec) in enumerate(todo, start=1):
         tag = f"[{i}/{len(todo)}] {spec.name}"
         log = out / "logs" / (f"{spec.name}.log" if kind == "train" else f"{spec.name}.eval.log")
         if kind == "train":
-            st = run_status(spec)
+            st = run_status(spec, specs)
             if st.action == "busy":
                 _wait_for(spec.run_dir, st.holder, tag, say)
-                st = run_status(spec)
+                st = run_status(spec, specs)
             if st.action == "skip":
                 if st.logged_step >= spec.total_steps:
                     _mark_finished(spec)
                 say(f"{tag}: {st.reason}: skipped")
                 continue
-            if st.action == "restart":
-                RunLock(spec.run_dir).check_free()  # another live process writes it: RunLockError, nothing deleted
-                shutil.rmtree(spec.run_dir)
-            say(f"{tag}: {st.reason if st.action != 'new' else 'start'} (log: {log})")
-            cmd, action = train_command(st), st.action
+            if st.action == "changed" and not rerun_changed:  # changed while the grid ran (a folder copied in)
+                raise identity_refusal(cfg, [st])
+            if st.action in ("restart", "changed"):  # another live process writes it: RunLockError, nothing moved
+                dest = _move_aside(spec)
+                what = "no complete checkpoint" if st.action == "restart" else st.reason
+                say(f"{tag}: {what}: the folder is moved to {dest} (kept); training afresh (log: {log})")
+            else:
+                say(f"{tag}: {st.reason if st.action != 'new' else 'start'} (log: {log})")
+            cmd, action = train_command(st), ("rerun" if st.action == "changed" else st.action)
         else:
             holder = lock_holder(spec.run_dir / EVAL_DIR)
             if holder is not None:

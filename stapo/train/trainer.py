@@ -227,7 +227,8 @@ class Trainer:
         FileNotFoundError: ``trainer.resume=required`` (train.py ``--resume``) and the run folder holds no checkpoint.
         stapo.checkpoint.CheckpointError: resuming, and no checkpoint of the run folder is intact.
         stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key); resuming
-            with a changed key that cannot change mid-run (:func:`stapo.train.state.plan_resume`); before any model
+            with a changed key that cannot change mid-run (:func:`stapo.train.state.plan_resume`), or with a model or
+            training data whose content changed under the same key (:mod:`stapo.run_identity`); before any model
             loads (:mod:`stapo.preflight`): ``trainer.device`` not available, the run folder not writable,
             ``model.path`` not a model (a folder without weights, an unreachable hub id), ``data.prompt_style=chat``
             with a tokenizer that has no chat template.
@@ -283,6 +284,9 @@ class Trainer:
         check_tokenizer(self.tokenizer, "model.path", cfg.model.path)
         check_chat_template(self.tokenizer, cfg.data.prompt_style, "data.prompt_style", cfg.model.path)
         prompts, self.prompt_stats = load_prompts(cfg, self.tokenizer)  # data/num_prompts, ... (logged each step)
+        # what the run is made from, by content (stapo/run_identity.py): a resume whose model or training data
+        # changed under the same path is refused here, before any model loads
+        self.fingerprint, self._identity_notes = self._check_identity()
         if preflight_only:  # train.py --dry-run: every check above passed; nothing loaded or written beyond this
             self.prompts, self.engine = prompts, None
             return
@@ -390,6 +394,57 @@ class Trainer:
             for name in ("metrics.jsonl", "tables.jsonl"):
                 if (self.run_dir / name).is_file():
                     read_jsonl_rows(self.run_dir / name)
+
+    def _check_identity(self) -> tuple[dict[str, Any] | None, list[str]]:
+        """Rank 0: this launch's fingerprint (:func:`stapo.run_identity.run_fingerprint`) and, when resuming, its
+        comparison with the recorded ``fingerprint.json`` (:func:`stapo.run_identity.resume_identity_check`; its
+        lines are printed here). Returns ``(fingerprint, lines)`` (``(None, [])`` on the other ranks).
+
+        Raises:
+            stapo.config.ConfigError: (every rank) the model or the training data changed since the run started
+                (naming the key and the file), or they cannot be read.
+        """
+        from stapo.run_identity import resume_identity_check, run_fingerprint
+
+        fp, notes, refused = None, [], None
+        if self.dist.is_main:
+            try:
+                fp = run_fingerprint(self.cfg)
+                if self.resume_plan is not None:
+                    notes = resume_identity_check(self.run_dir, fp, self.cfg)
+            except ConfigError as e:
+                refused = str(e)
+            except OSError as e:
+                refused = (f"cannot read the run's inputs to fingerprint them (model.path {self.cfg.model.path}, "
+                           f"data.train_set {self.cfg.data.train_set}): {e}")
+        refused = dist.gather_objects(refused, self.dist)[0]
+        if refused is not None:
+            raise ConfigError(refused)
+        for line in notes:
+            print(line, file=sys.stderr, flush=True)
+        return fp, notes
+
+    def _record_identity(self) -> None:
+        """Rank 0, at start-up: write ``<run_dir>/fingerprint.json`` (its ``config`` part of the config just written
+        to config.json) and, after a resume on another machine kind, a ``fingerprint.machine`` row of
+        ``config_changes.jsonl`` (once per step and change)."""
+        from stapo.fingerprint import read_fingerprint, write_fingerprint
+        from stapo.run_identity import MACHINE_CHANGE_KEY, config_digest
+        from stapo.train.state import CHANGES_FILE
+
+        if self.fingerprint is None:
+            return
+        old = read_fingerprint(self.run_dir) if self.step > 0 else None
+        fp = {**self.fingerprint, "config": config_digest(to_dict(self.cfg))}
+        if old is not None and old.get("machine") not in (None, fp["machine"]):
+            path = self.run_dir / CHANGES_FILE
+            line = json.dumps({"step": self.step, "key": MACHINE_CHANGE_KEY, "old": old["machine"],
+                               "new": fp["machine"]})
+            seen = set(path.read_text().splitlines()) if path.is_file() else set()
+            if line not in seen:
+                with open(path, "a") as f:
+                    f.write(line + "\n")
+        write_fingerprint(self.run_dir, fp)
 
     def _check_run_lock_free(self) -> None:
         """Rank 0 looks whether another live process holds the run folder (:meth:`stapo.runlock.RunLock.check_free`)
@@ -520,6 +575,7 @@ class Trainer:
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+            self._record_identity()  # fingerprint.json: what the run is made from (stapo/run_identity.py)
             # provenance (stapo/provenance.py): this launch appended to run_info.json, and in the W&B config
             launches = record_launch(self.run_dir, launch_record(self.argv, start_step=self.step,
                                                                  world_size=self.dist.world))
