@@ -104,6 +104,20 @@ def test_replaced_weights_under_the_same_model_path_are_refused_on_resume(run):
     assert "trainer.run_name" in msg  # what to do
 
 
+def test_train_py_refuses_it_in_one_line_with_exit_2(run, capsys):
+    import train
+
+    shutil.copy2(run / "model.seed1" / "model.safetensors", run / "model" / "model.safetensors")
+    rc = train.main(["--config", str(REPO / "configs" / "tiny_test.yaml"), f"model.path={run / 'model'}",
+                     "data.train_set=file", f"data.train_file.path={run / 'train.jsonl'}",
+                     f"trainer.output_dir={run / 'out'}", "trainer.run_name=r", "trainer.total_steps=2", "--resume",
+                     "--dry-run"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("train.py:")]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"train.py: cannot resume {run / 'out' / 'r'}: the model of 'model.path'")
+
+
 def test_changed_training_rows_under_the_same_file_are_refused_on_resume(run):
     rows = [*ROWS[:2], {"problem": "What is 9 + 9?", "answer": "18"}, *ROWS[2:]]  # a row inserted
     (run / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
