@@ -17,6 +17,14 @@ record needs ``benchmark``, ``setting``, ``problem_id`` and a boolean ``correct`
 writes it to a file. Bad input is a one-line error on stderr and exit code 2; a torn last line of a generations file
 (an interrupted write) is skipped with a warning, and a warning names a (benchmark, setting) a run lacks (its row is
 left out), runs compared on fewer problems than one of them answered, and problems with fewer samples than the rest.
+
+Pairs that cannot be compared are refused in one line (exit 2) instead of printing a table: two runs evaluated with
+different protocols on what they share (``eval_manifest.json``: new-token limit, prompt, a shared decoding setting's
+temperature / top-p, a shared benchmark's N, grader, verifier, or another file for a shared benchmark;
+stapo.evaluation.identity.protocol_differences), and two identical inputs — the same folder twice, two folders whose
+manifests describe one evaluation (the same model content, data, protocol, seed and dtype), or generations whose
+responses are the same sample for sample — whose difference is 0 by construction, not a tie. Folders without a
+manifest (made by hand) are checked on what their records hold (each setting's temperature / top-p).
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stapo.evaluation.identity import protocol_differences, same_inputs  # noqa: E402
 from stapo.evaluation.metrics import SAMPLE_KEYS, paired_difference, per_problem_accuracy  # noqa: E402
 
 
@@ -119,6 +128,79 @@ def _parse(line: bytes, where: str) -> dict | None:
     return rec
 
 
+def read_manifest(run_dir: Path) -> dict | None:
+    """``run_dir/eval_manifest.json`` (what evaluate.py made the generations with), or None when absent.
+
+    Raises:
+        InputError: the file exists but is not a JSON object.
+    """
+    path = run_dir / "eval_manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: cannot read ({e})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a JSON object")
+    return data
+
+
+def _record_protocol(records: list[dict]) -> dict[str, tuple]:
+    """``{setting: (temperature, top_p)}`` from the records that carry them (hand-made folders may not)."""
+    out: dict[str, tuple] = {}
+    for rec in records:
+        if "temperature" in rec and "top_p" in rec:
+            out.setdefault(str(rec["setting"]), (rec["temperature"], rec["top_p"]))
+    return out
+
+
+def _responses(records: list[dict]) -> dict[tuple, object] | None:
+    """``{(benchmark, setting, problem_id, sample): response}``, or None when some record has no response."""
+    out = {}
+    for rec in records:
+        if "response" not in rec:
+            return None
+        out[(rec["benchmark"], rec["setting"], str(rec["problem_id"]), rec.get("sample"))] = rec["response"]
+    return out
+
+
+def check_pair(ref: tuple[str, Path, dict | None, list[dict]], run: tuple[str, Path, dict | None, list[dict]]) -> None:
+    """Refuse a pair of runs that cannot be compared (module docstring).
+
+    Args:
+        ref, run: ``(label, folder, manifest or None, records)``.
+
+    Raises:
+        InputError: one line naming the two labels and what makes them incomparable or identical.
+    """
+    (la, da, ma, ra), (lb, db, mb, rb) = ref, run
+    if da.resolve() == db.resolve():
+        raise InputError(f"{la} and {lb} are the same folder ({da.resolve()}): its difference with itself is 0 by "
+                         f"construction, not a tie; give two evaluations")
+    if ma is not None and mb is not None:
+        diffs = protocol_differences(ma, mb)
+        if diffs:
+            raise InputError(f"{la} and {lb} were evaluated with different protocols ({'; '.join(diffs)}): their "
+                             f"paired difference would mix the protocol into the models' difference; evaluate both "
+                             f"with the same settings")
+        if same_inputs(ma, mb):
+            raise InputError(f"{la} and {lb} hold one evaluation twice (the same model content, data, protocol, seed "
+                             f"and dtype in their eval_manifest.json): their difference is 0 by construction, not a "
+                             f"tie; give two evaluations")
+    pa, pb = _record_protocol(ra), _record_protocol(rb)
+    for setting in sorted(set(pa) & set(pb)):
+        if pa[setting] != pb[setting]:
+            raise InputError(f"{la} and {lb} were sampled with different decoding settings under the name {setting} "
+                             f"(temperature, top-p {pa[setting]} vs {pb[setting]}); compare runs of the same setting")
+    xa, xb = _responses(ra), _responses(rb)
+    if xa is not None and xb is not None:
+        shared = set(xa) & set(xb)
+        if shared and all(xa[k] == xb[k] for k in shared):
+            raise InputError(f"{la} and {lb} hold the same responses for all {len(shared)} samples they share: one "
+                             f"evaluation twice (a copied folder?), whose difference is 0 by construction, not a tie")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="[LABEL=]DIR: the reference first, then the runs compared with it")
@@ -130,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         runs: list[tuple[str, dict]] = []
+        inputs: list[tuple[str, Path, dict | None, list[dict]]] = []
         for item in args.runs:
             label, sep, path = item.partition("=")
             if not sep or not label or Path(item).exists():
@@ -142,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise InputError(f"label {label!r}: '|' would break the markdown table")
             if label in [seen for seen, _ in runs]:
                 raise InputError(f"label {label!r} given twice")
-            runs.append((label, per_problem_accuracy(read_generations(Path(path)))))
+            records = read_generations(Path(path))
+            inputs.append((label, Path(path), read_manifest(Path(path)), records))
+            runs.append((label, per_problem_accuracy(records)))
+        for other in inputs[1:]:
+            check_pair(inputs[0], other)
         (ref_label, ref), others = runs[0], runs[1:]
         for label, acc in others:
             if not set(acc) & set(ref):

@@ -103,6 +103,9 @@ class DataConfig:
     prompt_style: Literal["chat", "plain"] = "chat"  # chat template (instruct models) or plain text (base)
     system_prompt: Optional[str] = None  # chat only; the paper uses none (the CPU recipe adds a one-shot example)
     max_prompt_length: int = 1024  # tokens; longer prompts are dropped (and counted)
+    # a training file whose gold answers math-verify (the grader's parser) cannot parse is reported in one line (file,
+    # count, first rows; stapo/golds.py) and refused above this fraction of its rows (0 refuses any, 1 accepts all)
+    max_unparsable_gold_fraction: float = 0.05
     train_batch_size: int = 256  # prompts per training step
     shuffle: bool = True
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
@@ -598,6 +601,8 @@ def validate(cfg: TrainConfig) -> None:
          "must be 1 or 2 (vLLM's sleep levels)")
     need(cfg.data.train_batch_size >= 1, "data.train_batch_size", "must be ≥ 1")
     need(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be ≥ 1")
+    need(0 <= cfg.data.max_unparsable_gold_fraction <= 1, "data.max_unparsable_gold_fraction",
+         "must be in [0, 1] (a fraction of the training file's rows)")
     need(cfg.actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", "must be ≥ 1")
     need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
          f"must divide data.train_batch_size ({cfg.data.train_batch_size})")
@@ -850,7 +855,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "actor.ppo_max_token_len_per_gpu",
     "model.gradient_checkpointing", "model.attn_implementation", "model.cache_dir", "model.allow_low_precision_params",
     "model.meta_init",
-    "data.root",
+    "data.root", "data.max_unparsable_gold_fraction",
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
     "rollout.tensor_parallel_size", "rollout.sleep_during_update", "rollout.sleep_level",
 )

@@ -118,10 +118,14 @@ class LoadStats:
 
 @dataclass
 class LoadedSet:
-    """Records plus the :class:`LoadStats` of the load.  Iterable and indexable like a list."""
+    """Records plus the :class:`LoadStats` of the load.  Iterable and indexable like a list.
+
+    ``rows``: the file row (0-based, as in error messages) of each record, for messages that name rows (skipped rows
+    make them differ from the record's position); empty for a set built without a file."""
 
     records: list[Record]
     stats: LoadStats
+    rows: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -522,6 +526,7 @@ def _load(
     convert = convert if convert is not None else _CONVERTERS[source]
     stats = LoadStats(source=source, path=str(path))
     records: list[Record] = []
+    kept_rows: list[int] = []
     seen_ids: set[str] = set()
     for i, row in rows:
         stats.rows_read += 1
@@ -536,13 +541,14 @@ def _load(
             continue
         seen_ids.add(record.id)
         records.append(record)
+        kept_rows.append(int(i))
     stats.rows_loaded = len(records)
     if stats.skipped and records:  # none left: the caller's error gives the same counts (stapo/train/prompts.py)
         logger.warning(
             "%s: skipped %d of %d rows (%s)", path, stats.skipped, stats.rows_read,
             "; ".join(f"{k}: {v}" for k, v in stats.skipped_by_reason.items()),
         )
-    return LoadedSet(records=records, stats=stats)
+    return LoadedSet(records=records, stats=stats, rows=kept_rows)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ carrying the worker's exception could not be kept; worker pids are not exposed (
 
 Verdicts: every answer gets a :class:`GradeResult` whose ``status`` is one of ``correct``,
 ``incorrect``, ``no_answer`` (nothing could be extracted from the response), ``timeout`` or
-``error`` (an exception inside math-verify, an unparseable gold answer, or a worker that died).
+``error`` (an exception inside math-verify, an unparseable gold answer — one math-verify cannot parse into a
+mathematical object (:func:`gold_parses`), unless the response repeats it as text —, or a worker that died).
 Only ``correct`` counts as correct; timeouts and errors are *also* counted in the returned
 :class:`GraderStats`, so they are never silently folded into "wrong".
 
@@ -54,6 +55,8 @@ __all__ = [
     "GraderError",
     "MathGrader",
     "grade_answer",
+    "parse_gold",
+    "gold_parses",
     "check_text_batch",
 ]
 
@@ -236,6 +239,44 @@ def check_text_batch(responses: Sequence[str], golds: Sequence[str], prefix: str
     return responses, golds
 
 
+def parse_gold(gold: str, timeout_s: int | None = None) -> list:
+    """math-verify's parse of a gold answer, as the grader parses it: ``gold`` wrapped as ``\\boxed{gold}`` (the whole
+    string one expression), LaTeX extraction only.
+
+    Args:
+        gold: the normalised gold answer (:func:`stapo.data.normalize_gold`).
+        timeout_s: math-verify's own parsing timeout (``signal.alarm``: main thread only); None = none (the grader's
+            workers, which are killed from outside instead).
+
+    Returns:
+        math-verify's list: the parsed expressions (sympy objects) followed by the extracted strings; a gold it cannot
+        parse gives only its text (math-verify's fallback) or an empty list.
+
+    Raises:
+        Exception: whatever math-verify raises (``raise_on_error=True``).
+    """
+    from math_verify import LatexExtractionConfig, parse
+
+    return parse("\\boxed{" + gold + "}", extraction_config=[LatexExtractionConfig()], parsing_timeout=timeout_s,
+                 raise_on_error=True)
+
+
+def gold_parses(gold: str, timeout_s: int | None = None) -> bool:
+    """Whether math-verify parses ``gold`` (:func:`parse_gold`) into a mathematical object, not just its text.
+
+    A gold it cannot parse (``"\\frac{"``, ``"\\sqrt"``, ``"\\begin{cases}...\\end{cases}"``, ``"-1./3"``) can only
+    match a response that repeats it as text: :func:`grade_answer` grades every other response of it ``error``
+    (``GoldUnparseable``), not ``incorrect``. Examples: ``"34"``, ``"\\frac{1}{2}"``, ``"(1,2)"``, ``"x=3"``,
+    ``"\\text{Monday}"`` and ``"N/A"`` (math-verify reads it as the expression n/a) → True; ``"\\frac{"``,
+    ``"np.arcsin(10/13)"``, ``""`` → False. A math-verify exception or timeout counts as False.
+    """
+    try:
+        parsed = parse_gold(gold, timeout_s)
+    except Exception:  # noqa: BLE001 - any math-verify failure: the gold cannot be parsed
+        return False
+    return any(not isinstance(x, str) for x in parsed)
+
+
 def grade_answer(response: str, gold: str) -> GradeResult:
     """Grade one response against one gold answer with math-verify, in the calling process.
 
@@ -276,11 +317,13 @@ def grade_answer(response: str, gold: str) -> GradeResult:
 
     latex_only = [LatexExtractionConfig()]
     try:
-        gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=latex_only, parsing_timeout=None, raise_on_error=True)
+        gold_parsed = parse_gold(gold)
     except Exception as exc:  # noqa: BLE001 - any math-verify failure is a counted error
         return done(GradeStatus.ERROR, None, "GoldUnparseable: " + _short(exc))
     if not gold_parsed:
         return done(GradeStatus.ERROR, None, f"GoldUnparseable: gold answer {gold[:80]!r} gave no parse")
+    # only math-verify's text fallback: a response can match it as text, but no other verdict is a wrong answer
+    gold_is_text = all(isinstance(g, str) for g in gold_parsed)
 
     boxed = last_boxed_only_string(response)
     try:
@@ -308,6 +351,9 @@ def grade_answer(response: str, gold: str) -> GradeResult:
                     first_error = _short(exc)
     if first_error is not None:
         return done(GradeStatus.ERROR, extracted, first_error)
+    if gold_is_text:
+        return done(GradeStatus.ERROR, extracted, f"GoldUnparseable: gold answer {gold[:80]!r} has no math-verify "
+                                                  f"parse (matched as text only)")
     return done(GradeStatus.INCORRECT, extracted)
 
 

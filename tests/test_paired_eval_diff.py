@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "paired_eval_diff.py"
 # three graded records of arith_test / t1.0_p1.0, as raw bytes
@@ -176,3 +178,73 @@ def test_mismatched_duplicated_and_incomplete_input(tmp_path):
     # x: 1 − 0.5, y: 0 − 0 → d = [0.5, 0], diff +0.25; sd = sqrt(2 · 0.25² / 1) = 0.353553, SE = 0.25
     assert "| t1.0_p1.0 | arith_test | part | 2 | +0.2500 | 0.2500 |" in r.stdout
     assert "t0.7_p0.9" not in r.stdout
+
+
+# --- pairs that cannot be compared (issue 31) -------------------------------------------------------------------
+def _manifest(**changes) -> dict:
+    """An eval_manifest.json as evaluate.py writes it (one benchmark, one setting), with ``changes`` applied."""
+    m = {"model": {"kind": "hf_folder", "path": "/models/a", "step": None}, "model_digest": "a" * 64,
+         "dtype": "float32", "backend": "vllm", "prompt": {"style": "auto", "system_prompt": None},
+         "max_new_tokens": 256, "seed": 0, "samples_per_call": 256, "samples": {"arith_test": 1},
+         "settings": {"t1.0_p1.0": [1.0, 1.0]}, "grader": {"require_value": False}, "verifier": None,
+         "data": {"arith_test": "generated:arith_test:0123456789abcdef"}, "machines": ["cpu:x:avx2"]}
+    m.update(changes)
+    return m
+
+
+def _run_with_manifest(folder: Path, correct: dict[str, list[bool]], **changes) -> Path:
+    _write_run(folder, correct)
+    (folder / "eval_manifest.json").write_text(json.dumps(_manifest(**changes)), encoding="utf-8")
+    return folder
+
+
+def test_evaluations_made_with_different_protocols_are_refused(tmp_path):
+    """Before: two evaluations with other new-token limits or N were paired and printed as resolvable."""
+    flags = {"x": [True], "y": [False], "z": [True]}
+    ref = _run_with_manifest(tmp_path / "ref", flags)
+    cases = {"tokens": ({"max_new_tokens": 512}, "max_new_tokens: 256 vs 512"),
+             "n": ({"samples": {"arith_test": 4}}, "samples[arith_test] (N): 1 vs 4"),
+             "temp": ({"settings": {"t1.0_p1.0": [0.7, 1.0]}}, "settings[t1.0_p1.0] (temperature, top-p)"),
+             "prompt": ({"prompt": {"style": "plain", "system_prompt": None}}, "prompt: "),
+             "grader": ({"grader": {"require_value": True}}, "grader: "),
+             "data": ({"data": {"arith_test": "b" * 64}}, "data[arith_test]")}
+    for name, (changes, named) in cases.items():
+        other = _run_with_manifest(tmp_path / name, {"x": [False], "y": [False], "z": [True]},
+                                   model_digest="c" * 64, **changes)
+        _one_line_error(_run(str(ref), str(other)), f"ref and {name} were evaluated with different protocols", named)
+    # what is not protocol: another model, dtype, backend, seed, --limit: compared
+    other = _run_with_manifest(tmp_path / "fine", {"x": [False], "y": [False], "z": [True]}, model_digest="c" * 64,
+                               dtype="bfloat16", backend="hf", seed=3)
+    r = _run(str(ref), str(other))
+    assert r.returncode == 0 and "| t1.0_p1.0 | arith_test | fine | 3 | +0.3333 |" in r.stdout, r.stderr
+
+
+def test_one_evaluation_given_twice_is_refused_not_a_tie(tmp_path):
+    """Before: the same folder twice (under two labels), or a copy of it, printed a difference of 0 as a tie."""
+    import shutil
+
+    from stapo.evaluation.metrics import paired_difference
+
+    ref = _run_with_manifest(tmp_path / "ref", {"x": [True], "y": [False], "z": [True]})
+    _one_line_error(_run(f"A={ref}", f"B={ref}"), "A and B are the same folder")
+    shutil.copytree(ref, tmp_path / "copy")
+    _one_line_error(_run(str(ref), str(tmp_path / "copy")), "ref and copy hold one evaluation twice")
+    # no manifests, but the same responses sample for sample
+    lines = b"".join(json.dumps({"problem_id": p, "sample": 0, "benchmark": "arith_test", "setting": "t1.0_p1.0",
+                                 "correct": c, "response": f"r-{p}"}).encode() + b"\n"
+                     for p, c in [("x", True), ("y", False), ("z", True)])
+    a = _raw_run(tmp_path / "a", {"arith_test__t1.0_p1.0.jsonl": lines})
+    b = _raw_run(tmp_path / "b", {"arith_test__t1.0_p1.0.jsonl": lines})
+    _one_line_error(_run(str(a), str(b)), "a and b hold the same responses for all 3 samples")
+    # the same setting name sampled at other temperatures (records without a manifest)
+    def at(temperature: float) -> bytes:
+        return b"".join(json.dumps({"problem_id": p, "sample": 0, "benchmark": "arith_test", "setting": "t1.0_p1.0",
+                                    "correct": c, "temperature": temperature, "top_p": 1.0}).encode() + b"\n"
+                        for p, c in [("x", True), ("y", False)])
+
+    hot = _raw_run(tmp_path / "hot", {"g.jsonl": at(1.0)})
+    cold = _raw_run(tmp_path / "cold", {"g.jsonl": at(0.7)})
+    _one_line_error(_run(str(hot), str(cold)), "different decoding settings under the name t1.0_p1.0")
+    acc = {"x": 1.0, "y": 0.0}
+    with pytest.raises(ValueError, match="the same run given twice"):
+        paired_difference(acc, acc)

@@ -264,7 +264,8 @@ def test_training_prompts_from_a_user_file(tmp_path):
     got, stats = load_prompts(cfg, tok)
     assert got == [(encode_prompt("What is 2 + 2?", tok, use_chat_template="chat"), "4", "my_set/0"),
                    (encode_prompt("What is 5 - 3?", tok, use_chat_template="chat"), "2", "my_set/1")]
-    assert stats == {"data/num_prompts": 2.0, "data/num_dropped_too_long": 0.0, "data/num_skipped_rows": 0.0}
+    assert stats == {"data/num_prompts": 2.0, "data/num_dropped_too_long": 0.0, "data/num_skipped_rows": 0.0,
+                     "data/num_unparsable_gold": 0.0}
     cfg.data.train_file.answer_key = "answer"
     with pytest.raises(DataError) as err:
         load_prompts(cfg, tok)

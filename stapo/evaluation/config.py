@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
@@ -117,6 +118,10 @@ class EvalDataConfig:
     limit: Optional[int] = None  # evaluate the first K problems of each benchmark
     samples: dict[str, int] = field(default_factory=lambda: dict(PAPER_SAMPLES))  # N per benchmark
     max_prompt_tokens: Optional[int] = None  # longer prompts are skipped (and counted); null keeps all
+    # a benchmark file whose gold answers math-verify (the grader's parser) cannot parse is reported in one line
+    # (file, count, first rows; stapo/golds.py; their responses graded 'error', never 'incorrect') and refused above
+    # this fraction of its rows (0 refuses any, 1 accepts all). The shipped files: at most 2.2 % (Minerva).
+    max_unparsable_gold_fraction: float = 0.05
     # {name: CustomBenchmarkConfig}: benchmarks from your own files (docs/extending.md); list them in benchmarks
     custom_benchmarks: dict[str, CustomBenchmarkConfig] = field(default_factory=dict)
 
@@ -269,8 +274,9 @@ def validate_eval_config(cfg: EvalConfig) -> None:
 
     Raises:
         EvalError: naming the key — a module that cannot be imported, an unregistered ``engine.backend``, unknown
-            benchmark, a benchmark without N, duplicate setting names, a temperature < 0, top-p outside (0, 1],
-            non-positive sizes or limits.
+            benchmark, a benchmark without N, duplicate setting names, a temperature < 0 or not finite, a
+            temperature of 0 (greedy) with some N > 1 (N identical samples), top-p outside (0, 1], non-positive
+            sizes or limits, ``data.max_unparsable_gold_fraction`` outside [0, 1].
     """
     import_eval_modules(cfg)  # they may register the rollout backend checked below
 
@@ -315,6 +321,8 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     need(cfg.data.limit is None or cfg.data.limit >= 1, "data.limit", f"must be >= 1 or null, got {cfg.data.limit}")
     need(cfg.data.max_prompt_tokens is None or cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens",
          "must be >= 1 or null")
+    need(0 <= cfg.data.max_unparsable_gold_fraction <= 1, "data.max_unparsable_gold_fraction",
+         f"must be in [0, 1] (a fraction of a benchmark file's rows), got {cfg.data.max_unparsable_gold_fraction}")
     settings = cfg.generation.settings
     need(len(settings) > 0, "generation.settings", "at least one decoding setting is needed")
     seen: set[str] = set()
@@ -323,8 +331,14 @@ def validate_eval_config(cfg: EvalConfig) -> None:
              f"{s.name!r} must be non-empty letters, digits, '.', '_' or '-' (it names files)")
         need(s.name not in seen, f"generation.settings[{i}].name", f"duplicate setting name {s.name!r}")
         seen.add(s.name)
-        need(s.temperature >= 0, f"generation.settings[{i}].temperature", f"must be >= 0, got {s.temperature}")
+        need(math.isfinite(s.temperature) and s.temperature >= 0, f"generation.settings[{i}].temperature",
+             f"must be a finite number >= 0, got {s.temperature}")
         need(0 < s.top_p <= 1, f"generation.settings[{i}].top_p", f"must be in (0, 1], got {s.top_p}")
+        several = {b: n for b, n in samples.items() if b in names and n > 1}
+        need(s.temperature > 0 or not several, f"generation.settings[{i}].temperature",
+             f"0 is greedy decoding: its N samples of a problem are identical, and data.samples asks for "
+             f"{', '.join(f'{b}={n}' for b, n in several.items())}; set data.samples.<benchmark>=1 for greedy "
+             f"(avg@1), or a temperature > 0")
     need(cfg.generation.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
     need(cfg.generation.samples_per_call >= 1, "generation.samples_per_call", "must be >= 1")
     need(cfg.generation.seed >= 0, "generation.seed", "must be >= 0")

@@ -318,12 +318,19 @@ def paired_difference(acc_a: Mapping[str, float], acc_b: Mapping[str, float], z:
         ``problems`` (P, shared), ``diff``, ``se_paired``, ``se_unpaired`` (√(SE_a² + SE_b²) on the shared
         problems, each SE = sd / √P), ``resolvable`` (z · se_paired); fractions.
 
+    The two runs must be two evaluations made with the same protocol (:mod:`stapo.evaluation.identity`:
+    ``protocol_differences``, ``same_inputs``; ``scripts/paired_eval_diff.py`` checks both before calling this).
+
     Raises:
-        ValueError: fewer than 2 shared problems.
+        ValueError: fewer than 2 shared problems; or the same mapping given twice (a difference of 0 by
+            construction, not a tie).
 
     Example: a = {x: 1, y: 0.5, z: 0}, b = {x: 0.5, y: 0.5, z: 0} → d = [0.5, 0, 0], diff = 1/6,
     sd(d) = √(((1/3)² + 2·(1/6)²) / 2) = √(1/12) ≈ 0.2887, SE_paired = 0.2887 / √3 ≈ 0.1667.
     """
+    if acc_a is acc_b:
+        raise ValueError("paired_difference: the same run given twice (its difference with itself is 0 by "
+                         "construction, not a tie)")
     shared = sorted(set(acc_a) & set(acc_b))
     p = len(shared)
     if p < 2:

@@ -58,9 +58,11 @@ from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_
 from stapo.synthetic import GENERATED_BENCHMARKS, generated_benchmark
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
+from stapo.evaluation.identity import content_key, data_part, eval_fingerprint, model_part
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
 from stapo.evaluation.store import GenerationStore
+from stapo.fingerprint import write_fingerprint
 from stapo.preflight import check_chat_template, check_device, check_tokenizer, os_reason
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
 
@@ -105,16 +107,25 @@ class PromptSpec:
 
 @dataclass
 class Problem:
-    """One problem to sample: its benchmark, position in the benchmark file, record and prompt token ids."""
+    """One problem to sample: its benchmark, position in the benchmark file, record and prompt token ids.
+
+    ``gold_parses``: math-verify parses its gold (:func:`stapo.golds.check_golds`); False: its responses are graded
+    ``error`` (GoldUnparseable) unless they repeat the gold as text, and results.json counts it."""
 
     benchmark: str
     index: int
     record: Record
     prompt_ids: list[int] = field(default_factory=list)
+    gold_parses: bool = True
 
     @property
     def id(self) -> str:
         return self.record.id
+
+    @property
+    def content(self) -> str:
+        """The content key of the problem (:func:`stapo.evaluation.identity.content_key`: text and gold)."""
+        return content_key(self.record.problem, self.record.answer)
 
 
 @dataclass(frozen=True)
@@ -167,20 +178,43 @@ def resolve_prompt(prompt_cfg: Any, source: ModelSource | None = None) -> Prompt
 
 
 # --- problems and blocks --------------------------------------------------------------------------------
+def benchmark_file(root: str | os.PathLike, name: str, custom: Mapping[str, Any] | None = None) -> Path | None:
+    """The file benchmark ``name`` is read from: ``data.custom_benchmarks.<name>.path``, or its file under the data
+    root; None for a generated benchmark (no file). Nothing is checked here (:func:`load_problems` does)."""
+    custom = dict(custom or {})
+    if name in GENERATED_BENCHMARKS:
+        return None
+    if name in custom:
+        return Path(custom[name].path).expanduser()
+    from stapo.data import benchmark_path
+
+    return benchmark_path(resolve_data_root(root), name)
+
+
 def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
-                  limit: int | None = None, custom: Mapping[str, Any] | None = None) -> dict[str, list[Problem]]:
+                  limit: int | None = None, custom: Mapping[str, Any] | None = None,
+                  max_unparsable_gold: float | None = None,
+                  report: Callable[[str], None] | None = None) -> dict[str, list[Problem]]:
     """The first ``limit`` problems (all when ``None``) of each benchmark, without prompts yet.
 
     ``custom`` maps the names of user benchmarks to their :class:`stapo.data.FileSetConfig` (``data.custom_benchmarks``);
     they are read from their own files (bad rows raise, as for the built-in benchmarks). The generated benchmarks
     (:data:`stapo.synthetic.GENERATED_BENCHMARKS`: ``arith_test``, ``arith_hard``) need no data root.
 
+    The golds of each file (all its rows, whatever ``limit``) are checked with math-verify
+    (:func:`stapo.golds.check_golds`): a file with unparsable golds is reported in one line (file, count, first
+    rows; to ``report``, default stderr), its problems marked (``Problem.gold_parses``), and refused above
+    ``max_unparsable_gold`` (``data.max_unparsable_gold_fraction``; default :data:`stapo.golds.DEFAULT_MAX_FRACTION`).
+
     Returns:
         ``{benchmark: [Problem]}`` in the order of ``benchmarks``.
 
     Raises:
-        EvalError: unknown benchmark name, missing data root or file, or a bad row (the message names it).
+        EvalError: unknown benchmark name, missing data root or file, a bad row, or too many unparsable golds (the
+            message names the file and the row or key).
     """
+    from stapo.golds import DEFAULT_MAX_FRACTION, check_golds
+
     custom = dict(custom or {})
     data_root = None
     out: dict[str, list[Problem]] = {}
@@ -189,17 +223,22 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
             raise EvalError(f"unknown benchmark {name!r}; known: {', '.join([*BENCHMARKS, *GENERATED_BENCHMARKS, *custom])}")
         try:
             if name in GENERATED_BENCHMARKS:  # the synthetic task's held-out split, generated (stapo/synthetic.py)
-                records = generated_benchmark(name)
-            elif name in custom:
-                records = load_file_set(name, custom[name], key=f"data.custom_benchmarks.{name}",
-                                        on_bad_row="raise").records
+                records, bad = generated_benchmark(name), set()
             else:
-                data_root = data_root or resolve_data_root(root)
-                records = load_benchmark(name, data_root).records
+                if name in custom:
+                    loaded = load_file_set(name, custom[name], key=f"data.custom_benchmarks.{name}", on_bad_row="raise")
+                else:
+                    data_root = data_root or resolve_data_root(root)
+                    loaded = load_benchmark(name, data_root)
+                records = loaded.records
+                bad = set(check_golds([r.answer for r in records], where=loaded.stats.path,
+                                      key="data.max_unparsable_gold_fraction", rows=loaded.rows, report=report,
+                                      max_fraction=DEFAULT_MAX_FRACTION if max_unparsable_gold is None
+                                      else max_unparsable_gold).positions)
         except DataError as e:
             raise EvalError(str(e)) from None
         records = records[:limit] if limit is not None else records
-        out[name] = [Problem(name, i, rec) for i, rec in enumerate(records)]
+        out[name] = [Problem(name, i, rec, gold_parses=i not in bad) for i, rec in enumerate(records)]
     return out
 
 
@@ -267,6 +306,15 @@ def _store_path(out_dir: Path, benchmark: str, setting: str) -> Path:
     return out_dir / GENERATIONS_DIR / f"{benchmark}__{setting}.jsonl"
 
 
+def _open_stores(out_dir: Path, problems: Mapping[str, Sequence[Problem]], settings: Sequence[DecodingSetting],
+                 read_only: bool = False) -> dict[tuple[str, str], GenerationStore]:
+    """The store of every (benchmark, setting), each told its problems' current content (samples of a problem
+    whose text or gold changed are superseded: :class:`~stapo.evaluation.store.GenerationStore`)."""
+    current = {b: {p.id: (p.content, p.record.answer) for p in plist} for b, plist in problems.items()}
+    return {(b, s.name): GenerationStore(_store_path(out_dir, b, s.name), read_only=read_only, current=current[b])
+            for b in problems for s in settings}
+
+
 # --- generation + grading -------------------------------------------------------------------------------
 def shard_positions(count: int, world: int, rank: int) -> list[int]:
     """The positions ``0 … count−1`` of a block's engine call that rank ``rank`` of ``world`` generates: every
@@ -281,9 +329,13 @@ def shard_positions(count: int, world: int, rank: int) -> list[int]:
 def _block_records(engine: Any, grader: Any, call: Sequence[Problem], n: int, setting: DecodingSetting,
                    block_key: str, seed_i: int, max_new_tokens: int, verifier: Any,
                    verifier_apply_to: Sequence[str], prompt_indices: Sequence[int] | None = None,
-                   keep: int | None = None) -> tuple[list[dict[str, Any]], int, int]:
+                   keep: int | None = None, context: int | None = None) -> tuple[list[dict[str, Any]], int, int]:
     """One engine call over ``call`` (N = ``n`` samples each), graded (and verified) → the JSONL records in
     response order (problem-major, then sample), the number of responses and their generated tokens.
+
+    ``context``: the model's context (tokens): a response that runs past it (prompt + response > context; an engine
+    that does not stop there itself, the HF backend) is cut at the context (``finish_reason`` ``"length"``, text
+    decoded again with the engine's tokenizer) — what a context-capped engine (vLLM's ``max_model_len``) returns.
 
     ``prompt_indices``: the position of each prompt of ``call`` in the block's whole call (a rank's share under data
     parallelism), which selects its seed (:meth:`stapo.rollout.SamplingParams.seeds`): a problem gets the same samples
@@ -305,6 +357,8 @@ def _block_records(engine: Any, grader: Any, call: Sequence[Problem], n: int, se
         responses = [r for r in responses if r.group < keep]
         if not responses:  # a rank whose call was all padding
             return [], 0, 0
+    if context is not None:
+        responses = [_cut_at_context(engine, r, context) for r in responses]
     golds = [call[r.group].record.answer for r in responses]
     graded = grader.grade([r.text for r in responses], golds).results
     verdicts: dict[int, Any] = {}
@@ -320,7 +374,7 @@ def _block_records(engine: Any, grader: Any, call: Sequence[Problem], n: int, se
         v = verdicts.get(i)
         records.append({
             "problem_id": p.id, "sample": int(resp.index), "benchmark": p.benchmark, "setting": setting.name,
-            "problem_index": p.index, "block": block_key, "seed": seed_i,
+            "problem_index": p.index, "content": p.content, "block": block_key, "seed": seed_i,
             "temperature": float(setting.temperature), "top_p": float(setting.top_p), "gold": golds[i],
             "response": resp.text, "prompt_tokens": len(resp.prompt_ids),
             "response_tokens": len(resp.response_ids), "finish_reason": resp.finish_reason,
@@ -332,6 +386,21 @@ def _block_records(engine: Any, grader: Any, call: Sequence[Problem], n: int, se
             "correct": bool(grade.correct or (v is not None and v.accepted)),
         })
     return records, len(responses), sum(len(r.response_ids) for r in responses)
+
+
+def _cut_at_context(engine: Any, resp: Any, context: int) -> Any:
+    """``resp`` cut so that prompt + response ≤ ``context`` tokens (unchanged when it fits, or when the engine has
+    no ``tokenizer`` to decode the cut response with)."""
+    room = max(0, int(context) - len(resp.prompt_ids))
+    tokenizer = getattr(engine, "tokenizer", None)
+    if len(resp.response_ids) <= room or tokenizer is None:
+        return resp
+    import dataclasses
+
+    ids = list(resp.response_ids[:room])
+    logprobs = None if resp.engine_logprobs is None else list(resp.engine_logprobs[:room])
+    return dataclasses.replace(resp, response_ids=ids, text=tokenizer.decode(ids, skip_special_tokens=True),
+                               engine_logprobs=logprobs, finish_reason="length")
 
 
 def _by_benchmark(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -369,6 +438,7 @@ def evaluate_problems(
     on_block: Callable[[dict[str, Any]], None] | None = None,
     ctx: Any = None,
     lockstep: bool = False,
+    context: int | None = None,
 ) -> dict[str, Any]:
     """Generate, grade and store every missing sample of ``problems`` under every setting; return metrics.
 
@@ -398,6 +468,8 @@ def evaluate_problems(
             whose share of a block is smaller pads it with copies of its first problem, or of the call's, whose
             responses are dropped) — for an engine whose decode steps are collectives (the HF backend on an
             FSDP2-sharded policy: ``generate(synced_gpus=True)`` then lets the ranks' lengths differ).
+        context: the model's context in tokens: responses running past it are cut there (:func:`_block_records`);
+            None: as the engine returns them.
 
     Returns:
         ``{"metrics": {setting: {"benchmarks": {name: summary}, "average": {...}}}, "run": {...}}`` —
@@ -414,10 +486,10 @@ def evaluate_problems(
                                  max_new_tokens=max_new_tokens, out_dir=out_dir, seed=seed,
                                  samples_per_call=samples_per_call, verifier=verifier,
                                  verifier_apply_to=verifier_apply_to, progress=progress, on_block=on_block, ctx=ctx,
-                                 lockstep=lockstep)
+                                 lockstep=lockstep, context=context)
     out = Path(out_dir)
     blocks = plan_blocks(problems, samples, samples_per_call)
-    stores = {(b, s.name): GenerationStore(_store_path(out, b, s.name)) for b in problems for s in settings}
+    stores = _open_stores(out, problems, settings)
     todo = [(s, blk) for s in settings for blk in blocks
             if not all(stores[(p.benchmark, s.name)].complete(p.id, blk.n) for p in blk.problems)]
     total = sum(blk.n * len(blk.problems) for _, blk in todo)
@@ -433,7 +505,7 @@ def evaluate_problems(
             call = [blk.problems[i] for i in _call_of(blk, setting, stores)]
             seed_i = call_seed(seed, setting.name, blk.n, [p.id for p in call])
             records, generated, tokens = _block_records(engine, grader, call, blk.n, setting, blk.key, seed_i,
-                                                        max_new_tokens, verifier, verifier_apply_to)
+                                                        max_new_tokens, verifier, verifier_apply_to, context=context)
             written = sum(stores[(b, setting.name)].append(recs) for b, recs in _by_benchmark(records).items())
             stats["blocks"] += 1
             stats["generated"] += generated
@@ -471,7 +543,8 @@ def _evaluate_sharded(engine: Any, grader: Any, problems: Mapping[str, Sequence[
                       samples: Mapping[str, int], settings: Sequence[DecodingSetting], max_new_tokens: int,
                       out_dir: str | os.PathLike, seed: int, samples_per_call: int, verifier: Any,
                       verifier_apply_to: Sequence[str], progress: bool,
-                      on_block: Callable[[dict[str, Any]], None] | None, ctx: Any, lockstep: bool) -> dict[str, Any]:
+                      on_block: Callable[[dict[str, Any]], None] | None, ctx: Any, lockstep: bool,
+                      context: int | None = None) -> dict[str, Any]:
     """:func:`evaluate_problems` over W > 1 ranks (collective; the rule in its ``ctx`` argument).
 
     Per block: rank 0 (the only rank that reads or writes the stores) has chosen the call (:func:`_call_of`, sent
@@ -491,7 +564,7 @@ def _evaluate_sharded(engine: Any, grader: Any, problems: Mapping[str, Sequence[
     error: BaseException | None = None
     if main:
         try:
-            stores = {(b, s.name): GenerationStore(_store_path(out, b, s.name)) for b in problems for s in settings}
+            stores = _open_stores(out, problems, settings)
             plan = [(si, bi, blk.key, _call_of(blk, s, stores)) for si, s in enumerate(settings)
                     for bi, blk in enumerate(blocks)
                     if not all(stores[(p.benchmark, s.name)].complete(p.id, blk.n) for p in blk.problems)]
@@ -529,7 +602,7 @@ def _evaluate_sharded(engine: Any, grader: Any, problems: Mapping[str, Sequence[
                 if mine:
                     records, generated, tokens = _block_records(
                         engine, grader, [call[i] for i in mine], blk.n, setting, blk.key, seed_i, max_new_tokens,
-                        verifier, verifier_apply_to, prompt_indices=mine, keep=keep)
+                        verifier, verifier_apply_to, prompt_indices=mine, keep=keep, context=context)
             except Exception as e:  # noqa: BLE001 - told to every rank after the gather below
                 error = e
             parts = gather_objects((records, generated, tokens, None if error is None else _error_line(error)), ctx)
@@ -624,9 +697,14 @@ def default_run_dir(cfg: EvalConfig, source: ModelSource) -> Path:
     return Path(cfg.output.root) / _slug(cfg.model.label or source.label)
 
 
-def _manifest(cfg: EvalConfig, source: ModelSource, prompt: PromptSpec) -> dict[str, Any]:
+def _manifest(cfg: EvalConfig, source: ModelSource, prompt: PromptSpec, model_digest: str | None = None,
+              data: Mapping[str, str] | None = None, machine: str | None = None) -> dict[str, Any]:
+    """What the generations of an output folder are made from (``eval_manifest.json``): the model (path and its
+    content digest), dtype, backend, the protocol (prompt, new-token limit, seed, block size, N per benchmark,
+    decoding settings, grader, verifier), the benchmark files' digests and the machine kinds that generated."""
     return {
         "model": {"kind": source.kind, "path": source.path, "step": source.step},
+        "model_digest": model_digest,
         "dtype": cfg.model.dtype,
         "backend": cfg.engine.backend,
         "prompt": {"style": prompt.style, "system_prompt": prompt.system_prompt},
@@ -635,14 +713,31 @@ def _manifest(cfg: EvalConfig, source: ModelSource, prompt: PromptSpec) -> dict[
         "samples_per_call": cfg.generation.samples_per_call,
         "samples": {b: cfg.data.samples[b] for b in cfg.data.benchmarks},
         "settings": {s.name: [float(s.temperature), float(s.top_p)] for s in cfg.generation.settings},
+        "grader": {"require_value": bool(cfg.grader.require_value)},
+        "verifier": ({"model": cfg.verifier.model, "apply_to": list(cfg.verifier.apply_to)}
+                     if cfg.verifier.enabled else None),
+        "data": dict(data or {}),
+        "machines": [machine] if machine else [],
     }
 
 
-def _check_manifest(run_dir: Path, new: dict[str, Any]) -> dict[str, Any]:
+def _short_digest(value: Any) -> str:
+    return f"{value[:12]}…" if isinstance(value, str) and len(value) == 64 else repr(value)
+
+
+def _check_manifest(run_dir: Path, new: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
     """Compare with the run directory's manifest; return the merged manifest to write.
 
+    The model is compared by content where both manifests hold its digest (a folder moved or copied elsewhere is
+    the same model; weights replaced under the same path are not), else by kind, path and step (a manifest from
+    before digests, or an ``id:`` model). A benchmark file whose digest changed is not refused: its problems are
+    matched by content (:class:`~stapo.evaluation.store.GenerationStore`); a line is added to ``notes``. The machine
+    kinds are merged (another kind is allowed). Keys an old manifest lacks (written before they were recorded) are
+    taken as recorded now.
+
     Raises:
-        EvalError: a generation-relevant value differs (the message names it, old and new).
+        EvalError: a generation-relevant value differs (the message names it, old and new, and how to choose a
+            new output; the finished results stay as they are).
     """
     path = run_dir / MANIFEST
     if not path.exists():
@@ -654,21 +749,48 @@ def _check_manifest(run_dir: Path, new: dict[str, Any]) -> dict[str, Any]:
     if isinstance(old, dict) and old.get("kind") == SWEEP_KIND:
         raise EvalError(f"{run_dir} is the folder of a checkpoint sweep (of {old.get('run_dir')}); its checkpoints' "
                         f"evaluations are in its step_XXXXXX subfolders: choose another output directory (--output)")
+    notes = notes if notes is not None else []
+    new_output = ("its finished results are kept as they are: evaluate into a new output directory (--output DIR, "
+                  "or --label NAME for <output.root>/NAME)")
 
     def differ(what: str, a: Any, b: Any) -> EvalError:
         return EvalError(f"{run_dir} holds generations made with {what} = {a!r}, this run asks for {b!r}; "
                          f"choose another output directory (--output) or delete {run_dir}")
 
-    for key in ("model", "dtype", "backend", "prompt", "max_new_tokens", "seed", "samples_per_call"):
+    old_digest, new_digest = old.get("model_digest"), new.get("model_digest")
+    by_content = (isinstance(old_digest, str) and isinstance(new_digest, str)
+                  and not old_digest.startswith("id:") and not new_digest.startswith("id:"))
+    if by_content and old_digest != new_digest:
+        raise EvalError(f"{run_dir} holds generations of another model: the content of {new['model']['path']} "
+                        f"changed since they were made (model digest {_short_digest(old_digest)} → "
+                        f"{_short_digest(new_digest)}: weights or config files replaced); {new_output}")
+    if not by_content and old.get("model") != new["model"]:
+        raise differ("model", old.get("model"), new["model"])
+    for key in ("dtype", "backend", "prompt", "max_new_tokens", "seed", "samples_per_call"):
         if old.get(key) != new[key]:
             raise differ(key, old.get(key), new[key])
+    for key in ("grader", "verifier"):
+        if key in old and old[key] != new[key]:
+            raise differ(key, old[key], new[key])
     for kind in ("samples", "settings"):
         for name, value in new[kind].items():
             if name in old.get(kind, {}) and old[kind][name] != value:
                 raise differ(f"{kind}[{name}]", old[kind][name], value)
+    old_data = old.get("data") if isinstance(old.get("data"), dict) else {}
+    for name, digest in new["data"].items():
+        if name in old_data and old_data[name] != digest:
+            notes.append(f"the file of {name} changed since {run_dir} was made (SHA-256 {_short_digest(old_data[name])}"
+                         f" → {_short_digest(digest)}): its problems whose text or gold changed are generated and "
+                         f"graded again, the others reused")
+    old_machines = [m for m in old.get("machines", []) if isinstance(m, str)]
+    extra = [m for m in new["machines"] if m not in old_machines]
     merged = dict(new)
     merged["samples"] = {**old.get("samples", {}), **new["samples"]}
     merged["settings"] = {**old.get("settings", {}), **new["settings"]}
+    merged["data"] = {**old_data, **new["data"]}
+    merged["machines"] = old_machines + extra
+    if "context_tokens" in old:
+        merged["context_tokens"] = old["context_tokens"]
     return merged
 
 
@@ -812,6 +934,77 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
         raise EvalError(f"{e} (or use engine.backend=hf)") from None
 
 
+def _content_digests(cfg: EvalConfig, source: ModelSource,
+                     problems: Mapping[str, Sequence[Problem]]) -> tuple[str, dict[str, str]]:
+    """The model's content digest and each benchmark file's (:mod:`stapo.evaluation.identity`).
+
+    Raises:
+        EvalError: a file of the model folder or a benchmark file cannot be read (naming the key).
+    """
+    try:
+        model = model_part(source)
+    except OSError as e:
+        raise EvalError(f"model.path: cannot read {source.path} to fingerprint it: {os_reason(e)}") from None
+    data = {}
+    for name, plist in problems.items():
+        path = benchmark_file(cfg.data.root, name, cfg.data.custom_benchmarks)
+        try:
+            data[name] = data_part(path, name, plist)
+        except OSError as e:
+            raise EvalError(f"benchmark {name}: cannot read {path}: {os_reason(e)}") from None
+    return model, data
+
+
+def _model_context(model: Any, cfg: EvalConfig) -> int | None:
+    """The context the samples are generated in (tokens): ``engine.max_model_len`` when set for an engine that
+    builds its own (vLLM), else the model's ``max_position_embeddings``; None when unknown."""
+    from stapo.rollout import get_backend
+
+    cap = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not get_backend(cfg.engine.backend).model_in_place and cfg.engine.max_model_len:
+        return int(cfg.engine.max_model_len)
+    return int(cap) if isinstance(cap, int) and cap > 0 else None
+
+
+def _check_context(problems: Mapping[str, Sequence[Problem]], context: int | None, max_new_tokens: int) -> None:
+    """Prompts that do not fit the model's ``context``: refused when a prompt leaves no room for one new token;
+    one line on stderr when prompt + ``max_new_tokens`` runs past it (those responses are cut at the context).
+
+    Raises:
+        EvalError: a prompt of ``context`` tokens or more (one line: count, the first problem, the keys).
+    """
+    if context is None:
+        return
+    full = [p for plist in problems.values() for p in plist if len(p.prompt_ids) >= context]
+    if full:
+        raise EvalError(f"{len(full)} problem(s) have a prompt of at least the model's context of {context} tokens "
+                        f"(first: {full[0].id}, {len(full[0].prompt_ids)} tokens): nothing can be generated for "
+                        f"them; skip them with data.max_prompt_tokens={context - 1} (counted in results.json) or "
+                        f"raise engine.max_model_len (vLLM) / use a model with a longer context")
+    over = {b: sum(len(p.prompt_ids) + max_new_tokens > context for p in plist) for b, plist in problems.items()}
+    if any(over.values()):
+        counts = ", ".join(f"{b}: {n}" for b, n in over.items() if n)
+        print(f"evaluate.py: note: {sum(over.values())} problem(s) ({counts}) have prompt + "
+              f"generation.max_new_tokens={max_new_tokens} > the model's context of {context} tokens: their "
+              f"responses are cut at the context (finish_reason 'length'; results.json data.<benchmark>.over_context);"
+              f" lower generation.max_new_tokens or skip long prompts with data.max_prompt_tokens",
+              file=sys.stderr, flush=True)
+
+
+def _add_machine(run_dir: Path, manifest: dict[str, Any], machine: str, context: int | None) -> dict[str, Any]:
+    """The manifest with this machine kind among the ones that generated (one line when it is a new kind) and the
+    model's context, written back."""
+    machines = list(manifest.get("machines") or [])
+    if machine not in machines:
+        if machines:
+            print(f"evaluate.py: note: {run_dir} holds samples generated on {', '.join(machines)}; this run adds "
+                  f"samples made on {machine} (the same model, data and protocol)", file=sys.stderr, flush=True)
+        machines.append(machine)
+    manifest = {**manifest, "machines": machines, "context_tokens": context}
+    (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
 def run_evaluation(
     cfg: EvalConfig,
     *,
@@ -864,17 +1057,20 @@ def run_evaluation(
         print(f"evaluate.py: warning: {source.run_dir} was trained with data.synthetic.split=all, which includes the "
               f"held-out problems {', '.join(held_out)} are drawn from: its accuracy there is not held-out accuracy "
               f"(train with data.synthetic.split=train)", file=sys.stderr, flush=True)
-    problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit, cfg.data.custom_benchmarks)
+    problems = load_problems(cfg.data.root, cfg.data.benchmarks, cfg.data.limit, cfg.data.custom_benchmarks,
+                             max_unparsable_gold=cfg.data.max_unparsable_gold_fraction)
     totals = {b: len(p) for b, p in problems.items()}
     prompt = resolve_prompt(cfg.prompt, source)
     run_dir = default_run_dir(cfg, source)
+    model_digest, data_digests = _content_digests(cfg, source, problems)
     if (run_dir / "checkpoints").is_dir() or ((run_dir / "metrics.jsonl").is_file() and not (run_dir / MANIFEST).is_file()):
         raise EvalError(f"output folder {run_dir} is a train.py run folder (checkpoints/, metrics.jsonl): evaluation "
                         f"results go to a folder of their own; drop --output (default {cfg.output.root}/<label>) "
                         f"or choose another")
     # one writer per output directory: the manifest check holds under concurrency (a dry run only checks the lock)
     with _holding_lock(run_dir, "output.dir" if cfg.output.dir else "output.root", take=not dry_run):
-        manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt))
+        notes: list[str] = []
+        manifest = _check_manifest(run_dir, _manifest(cfg, source, prompt, model_digest, data_digests), notes)
         label = cfg.model.label or source.label
 
         tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(source, cfg)
@@ -882,26 +1078,35 @@ def run_evaluation(
         _preflight(check_chat_template, tokenizer, prompt.style, "prompt.style", source.spec)
         dropped = encode_problems(problems, tokenizer, prompt, cfg.data.max_prompt_tokens)
         if dry_run:  # every check above passed; nothing is written
-            pending = {s.name: {b: sum(not GenerationStore(_store_path(run_dir, b, s.name), read_only=True).complete(
-                p.id, int(cfg.data.samples[b])) for p in plist) for b, plist in problems.items()}
-                for s in cfg.generation.settings}
+            stores = _open_stores(run_dir, problems, cfg.generation.settings, read_only=True)
+            pending = {s.name: {b: sum(not stores[(b, s.name)].complete(p.id, int(cfg.data.samples[b]))
+                                       for p in plist) for b, plist in problems.items()}
+                       for s in cfg.generation.settings}
             return {"dry_run": True, "label": label, "run_dir": str(run_dir), "source": source, "prompt": prompt,
-                    "problems": problems, "totals": totals, "dropped": dropped, "pending": pending}
+                    "problems": problems, "totals": totals, "dropped": dropped, "pending": pending, "notes": notes}
+        for line in notes:
+            print(f"evaluate.py: note: {line}", file=sys.stderr, flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
         settings = list(cfg.generation.settings)
         blocks = plan_blocks(problems, cfg.data.samples, cfg.generation.samples_per_call)
-        stores = {(b, s.name): GenerationStore(_store_path(run_dir, b, s.name)) for b in problems for s in settings}
+        stores = _open_stores(run_dir, problems, settings)  # superseded samples are set aside here
         pending = any(not stores[(p.benchmark, s.name)].complete(p.id, blk.n)
                       for s in settings for blk in blocks for p in blk.problems)
         del stores  # evaluate_problems reopens them
         engine_info: dict[str, Any] = {"backend": cfg.engine.backend}
         engine = owned_grader = verifier = None
+        context = manifest.get("context_tokens")
         try:
             if pending:
                 if model is None:
                     model = _load_model(source, cfg, tokenizer)
+                context = _model_context(model, cfg)
+                _check_context(problems, context, cfg.generation.max_new_tokens)
+                from stapo.fingerprint import machine_kind
+
+                manifest = _add_machine(run_dir, manifest, machine_kind(), context)
                 longest = max((len(p.prompt_ids) for plist in problems.values() for p in plist), default=1)
                 engine, engine_info = _build_engine(model, tokenizer, cfg, longest)
                 if grader is None:
@@ -922,7 +1127,8 @@ def run_evaluation(
                 engine, grader, problems, samples=cfg.data.samples, settings=settings,
                 max_new_tokens=cfg.generation.max_new_tokens, out_dir=run_dir, seed=cfg.generation.seed,
                 samples_per_call=cfg.generation.samples_per_call, verifier=verifier,
-                verifier_apply_to=tuple(cfg.verifier.apply_to), progress=cfg.logging.progress_bar, on_block=on_block)
+                verifier_apply_to=tuple(cfg.verifier.apply_to), progress=cfg.logging.progress_bar, on_block=on_block,
+                context=context)
         finally:  # a failing close() is a warning: it must not replace the error that got us here
             for closable in (owned_grader, engine):
                 if closable is not None:
@@ -944,7 +1150,14 @@ def run_evaluation(
                          "grader": asdict(cfg.grader),
                          "verifier": cfg.verifier.model if cfg.verifier.enabled else None},
             "data": {b: {"problems_loaded": totals[b], "problems_evaluated": len(problems[b]),
-                         "dropped_long_prompt": dropped[b]} for b in problems},
+                         "dropped_long_prompt": dropped[b],
+                         "unparsable_golds": [p.id for p in problems[b] if not p.gold_parses],
+                         "over_context": (None if context is None else sum(
+                             len(p.prompt_ids) + cfg.generation.max_new_tokens > context for p in problems[b]))}
+                     for b in problems},
+            "context_tokens": context,
+            "fingerprint": eval_fingerprint(manifest, (manifest.get("machines") or [None])[-1]),
+            "machines": manifest.get("machines", []),
             "metrics": result["metrics"],
             "run": result["run"],
             "complete": complete,
@@ -954,6 +1167,7 @@ def run_evaluation(
             "config": eval_config_to_dict(cfg),
             "training": source.train_run(),
         }
+        write_fingerprint(run_dir, results["fingerprint"])
         if write_reports:
             from stapo.evaluation.report import write_reports as _write
 

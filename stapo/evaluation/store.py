@@ -11,6 +11,13 @@ torn tail off (counted in :attr:`GenerationStore.torn_bytes`, one line on stderr
 are generated again. A *complete* line
 that is not valid JSON is never dropped silently: it raises :class:`~stapo.evaluation.errors.EvalError`
 naming the file and line.
+
+Content keys: a record carries the ``content`` key of its problem (:func:`stapo.evaluation.identity.content_key`
+over the problem text and gold). Opened with ``current`` (``{problem_id: (content key, gold)}``, the problems as
+loaded now), the store sets aside the stored samples of a problem whose text or gold changed since (another
+``content``; a record written before content keys is matched by its ``gold``): they are moved to
+``superseded/<file name>`` beside the file (appended; never deleted), the file keeps the others, one line on stderr
+says so, and the problem counts as not stored (it is generated and graded again).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from stapo.evaluation.errors import EvalError
 
@@ -37,26 +44,66 @@ class GenerationStore:
 
     Args:
         path: the JSONL file (created with its parent folders on the first append).
-        read_only: leave the file as it is (``evaluate.py --dry-run``): a torn last line is only left out.
+        read_only: leave the file as it is (``evaluate.py --dry-run``): a torn last line and superseded samples are
+            only left out.
+        current: ``{problem_id: (content key, gold)}`` of the problems as loaded now; samples of these problems made
+            from other content are superseded (module docstring). None: every stored sample counts.
 
     Attributes:
         records: ``{(problem_id, sample): record dict}`` in file order.
         torn_bytes: bytes of an incomplete last line that were cut off (left out, ``read_only``) when the file was
             opened.
+        superseded: samples set aside because their problem's text or gold changed.
 
     Raises:
         EvalError: a complete line is not a JSON object with ``problem_id`` (str) and ``sample`` (int).
     """
 
-    def __init__(self, path: str | os.PathLike, read_only: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, read_only: bool = False,
+                 current: Mapping[str, tuple[str, str]] | None = None) -> None:
         self.path = Path(path)
         self.read_only = read_only  # a dry run: a torn last line is left out in memory, not cut from the file
+        self.current = dict(current) if current is not None else None
         self.records: dict[tuple[str, int], dict[str, Any]] = {}
         self._by_problem: dict[str, dict[int, dict[str, Any]]] = {}
         self.torn_bytes = 0
         self.duplicates_ignored = 0
+        self.superseded = 0
         if self.path.exists():
             self._load()
+
+    def _stale(self, rec: dict[str, Any]) -> bool:
+        """Whether ``rec`` was made from other content than its problem's current one (module docstring)."""
+        if self.current is None or rec["problem_id"] not in self.current:
+            return False
+        key, gold = self.current[rec["problem_id"]]
+        if rec.get("content") is not None:
+            return rec["content"] != key
+        return "gold" in rec and rec["gold"] != gold  # a record from before content keys: its gold is all we have
+
+    def _set_aside(self, stale_lines: list[str], kept_lines: list[str], problems: set[str]) -> None:
+        """Move the superseded lines to ``superseded/<name>`` (appended, fsync'ed), then rewrite the file with the
+        others (temporary file + rename): a crash between the two leaves copies, never a loss."""
+        aside = self.path.parent / "superseded" / self.path.name
+        try:
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            with open(aside, "a", encoding="utf-8") as f:
+                f.write("".join(stale_lines))
+                f.flush()
+                os.fsync(f.fileno())
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write("".join(kept_lines))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            from stapo.preflight import write_error
+
+            raise write_error(e, aside) from None
+        print(f"{self.path}: {len(stale_lines)} samples of {len(problems)} problems whose text or gold changed since "
+              f"they were made (e.g. {sorted(problems)[0]}) moved to {aside}; those problems are generated and "
+              f"graded again", file=sys.stderr, flush=True)
 
     def _load(self) -> None:
         data = self.path.read_bytes()
@@ -72,7 +119,12 @@ class GenerationStore:
                 # one line on stderr, as stapo.tracking.Tracker.truncate_after says it for metrics.jsonl / tables.jsonl
                 print(f"{self.path}: cut {self.torn_bytes} bytes of a torn last line (an interrupted write)",
                       file=sys.stderr, flush=True)
-        for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        kept_lines: list[str] = []
+        stale_lines: list[str] = []
+        stale_problems: set[str] = set()
+        # split on "\n" only: str.splitlines would also cut at U+2028 / U+0085, which a response may hold (JSON
+        # written with ensure_ascii=False keeps them raw inside a string)
+        for lineno, line in enumerate(data.decode("utf-8").split("\n"), start=1):
             if not line.strip():
                 continue
             try:
@@ -83,10 +135,18 @@ class GenerationStore:
             except (ValueError, KeyError, TypeError) as exc:
                 raise EvalError(f"{self.path}: line {lineno} is not a valid generation record ({exc}); "
                                 f"move the file away to regenerate it") from None
+            if self._stale(rec):
+                stale_lines.append(line + "\n")
+                stale_problems.add(key[0])
+                continue
+            kept_lines.append(line + "\n")
             if key in self.records:
                 self.duplicates_ignored += 1
                 continue
             self._add(key, rec)
+        self.superseded = len(stale_lines)
+        if stale_lines and not self.read_only:
+            self._set_aside(stale_lines, kept_lines, stale_problems)
 
     def _add(self, key: tuple[str, int], rec: dict[str, Any]) -> None:
         self.records[key] = rec

@@ -106,6 +106,12 @@ class ValidationHook:
             raise EvalError(f"validation limit must be >= 1 or None, got {limit}")
         self.limit = limit
         self.settings = _settings(settings)
+        several = {b: n for b, n in self.samples.items() if n > 1}
+        greedy = [s.name for s in self.settings if s.temperature == 0]
+        if greedy and several:
+            raise EvalError(f"invalid value for 'validation.temperature': 0 (setting {greedy[0]!r}) is greedy "
+                            f"decoding, whose N samples of a problem are identical, and validation.samples is "
+                            f"{max(several.values())}; set validation.samples=1 for greedy, or a temperature > 0")
         self.max_new_tokens = max_new_tokens
         self.data_root = data_root
         self.samples_per_call = int(samples_per_call)

@@ -21,10 +21,13 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
 
     Returns:
         (list of (prompt ids, gold, record id), ``{"data/num_prompts", "data/num_dropped_too_long",
-        "data/num_skipped_rows"}`` as floats).
+        "data/num_skipped_rows", "data/num_unparsable_gold"}`` as floats). ``data/num_unparsable_gold``: golds of a
+        training file that math-verify cannot parse (:func:`stapo.golds.check_golds`: one line on stderr; their
+        prompts are kept, the ``math_verify`` rewards grade them as grader errors); 0 for a generated set.
 
     Raises:
-        stapo.data.DataError: unreadable or empty file, missing column (naming the file and the key); or no prompt
+        stapo.data.DataError: unreadable or empty file, missing column (naming the file and the key); more than
+            ``data.max_unparsable_gold_fraction`` of the file's golds unparsable (file, count, first rows); or no prompt
             left (every row skipped or longer than ``data.max_prompt_length``): one line naming the source, the rows
             read / skipped / too long and the key to change.
     """
@@ -40,6 +43,15 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
         records = load_file_set(name, dc.train_file, key="data.train_file")
     else:
         records = load_train_set(dc.train_set, dc.root)
+    unparsable = 0
+    if records.stats.path:  # a file (not a generated set): golds the grader cannot parse, one line (rank 0), refused
+        # above data.max_unparsable_gold_fraction
+        from stapo.golds import check_golds
+
+        unparsable = check_golds([r.answer for r in records], where=records.stats.path or dc.train_set,
+                                 key="data.max_unparsable_gold_fraction",
+                                 max_fraction=dc.max_unparsable_gold_fraction, rows=records.rows,
+                                 report=_rank0_report, consequence=_unparsable_consequence(cfg)).count
     out, dropped = [], 0
     for rec in records:
         ids = encode_prompt(rec.problem, tokenizer, use_chat_template=dc.prompt_style, system_prompt=dc.system_prompt)
@@ -50,8 +62,26 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
     if not out:
         raise _no_prompts_error(dc, records.stats, dropped)
     stats = {"data/num_prompts": float(len(out)), "data/num_dropped_too_long": float(dropped),
-             "data/num_skipped_rows": float(records.stats.skipped)}
+             "data/num_skipped_rows": float(records.stats.skipped), "data/num_unparsable_gold": float(unparsable)}
     return out, stats
+
+
+def _unparsable_consequence(cfg: Any) -> str:
+    """What the gold report says becomes of a training prompt whose gold math-verify cannot parse, per reward."""
+    if cfg.algorithm.reward == "strict_box":
+        return ("their prompts are kept: algorithm.reward=strict_box compares the boxed answer with the gold as text, "
+                "so only a response repeating it scores +1")
+    return ("their prompts are kept: the math-verify reward scores -1 unless a response repeats the gold as text, "
+            "counted in reward/grader/errors (GoldUnparseable), not as wrong answers")
+
+
+def _rank0_report(line: str) -> None:
+    """One line on stderr from rank 0 only (every rank loads the prompts under torchrun)."""
+    import os
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
 
 
 def _no_prompts_error(dc: Any, stats: Any, too_long: int) -> Exception:
