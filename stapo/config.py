@@ -48,6 +48,7 @@ __all__ = [
     "check_logging_identity",
     "validate",
     "objective_from_config",
+    "check_finite",
     "check_mask_config_keys",
     "get_key",
     "RESUME_MUTABLE_KEYS",
@@ -287,6 +288,14 @@ class ValidationConfig:
     """In-training validation (every ``trainer.val_every`` steps; stapo.evaluation.make_validation_hook_from_config):
     the evaluation harness on a subset of the benchmarks under ``data.root``."""
 
+    # A run that cannot learn stops (docs/runs.md#a-run-that-cannot-learn): an optimizer step whose loss or gradient
+    # norm is not finite is skipped (the weights stay as they were) and counted (actor/nonfinite_grad_steps); this
+    # many such optimizer steps in a row stop the run after the step, one line naming the step, the metric and the
+    # likely cause, exit code 1, the step checkpointed when its weights are finite. Likewise this many training steps
+    # in a row whose token mask kept no token (actor/num_kept_tokens = 0: nothing trained). Counted from the launch;
+    # null: never stop (skip and count only).
+    stop_after_nonfinite_steps: Optional[int] = 3
+    stop_after_silent_steps: Optional[int] = 3
     benchmarks: list[str] = field(default_factory=lambda: ["math500"])
     limit: Optional[int] = 32  # first K problems of each benchmark (None: all)
     samples: int = 4  # N responses per problem (avg@N)
@@ -616,6 +625,7 @@ def validate(cfg: TrainConfig) -> None:
     mc = cfg.model
     need(mc.param_dtype == "float32" or mc.allow_low_precision_params, "model.param_dtype",
          "AdamW on bfloat16 parameters rounds updates below half an ulp away (at lr 1e-6 nearly all of them: the "
+    check_finite(cfg)  # NaN / ±inf in any number: named before any range check reads it
          "policy barely trains); use model.param_dtype=float32 with model.compute_dtype=bfloat16, or set "
          "model.allow_low_precision_params=true")
     need(mc.param_dtype == "float32" or mc.compute_dtype == mc.param_dtype, "model.compute_dtype",
@@ -623,6 +633,10 @@ def validate(cfg: TrainConfig) -> None:
     need(not (cfg.actor.share_prompt and cfg.model.gradient_checkpointing), "actor.share_prompt",
          "cannot be combined with model.gradient_checkpointing (the shared prompt needs a KV cache)")
     need(not (cfg.actor.share_prompt and (cfg.actor.use_remove_padding or cfg.actor.use_dynamic_bsz)),
+    need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+         "must be in (0, 1] (a fraction of the GPU's memory)")
+    need(cfg.rollout.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0 (GiB)")
+    need(cfg.rollout.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be ≥ 1")
          "actor.share_prompt", "cannot be combined with actor.use_remove_padding or actor.use_dynamic_bsz (its KV "
          "cache holds left-padded prompts of whole groups)")
     need(cfg.actor.ppo_max_token_len_per_gpu >= 1, "actor.ppo_max_token_len_per_gpu", "must be ≥ 1")
@@ -634,13 +648,23 @@ def validate(cfg: TrainConfig) -> None:
     need(0 < s2t.entropy_quantile < 1, "algorithm.s2t.entropy_quantile", "q must be in (0, 1)")
     need(0 < s2t.prob_threshold <= 1, "algorithm.s2t.prob_threshold", "τ_p must be in (0, 1]")
     need(0 < cfg.algorithm.top_entropy_ratio <= 1, "algorithm.top_entropy_ratio", "must be in (0, 1]")
-    _validate_objective(cfg)
-    need(cfg.algorithm.adv_eps >= 0, "algorithm.adv_eps", "must be ≥ 0")
     for key in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):
         v = getattr(cfg.algorithm, key)
+    # the scheduler's factor at training step t (1-based) is min(1, t / warmup_steps): the run's last step reaches
+    # actor.lr only when warmup_steps ≤ trainer.total_steps
+    need(cfg.actor.warmup_steps <= cfg.trainer.total_steps, "actor.warmup_steps",
+         f"the linear warm-up is longer than the run (trainer.total_steps={cfg.trainer.total_steps}): the learning "
+         f"rate would never reach actor.lr ({cfg.actor.lr:g}; at most {cfg.trainer.total_steps}/"
+         f"{cfg.actor.warmup_steps} of it); lower actor.warmup_steps (it counts training steps)")
         need(v is None or v >= 0, f"algorithm.{key}", "must be ≥ 0")
-    need(cfg.algorithm.clip_ratio_low is None or cfg.algorithm.clip_ratio_low < 1, "algorithm.clip_ratio_low",
-         "must be < 1")
+    for key, side in (("clip_ratio_low", "1 − ε"), ("clip_ratio_high", "1 + ε")):
+        v = getattr(cfg.algorithm, key)
+        need(v is None or v < 1, f"algorithm.{key}",
+             f"ε must be < 1: it is the clip range's distance from 1 (the ratio is clipped at {side}; ε = 0.2 clips "
+             f"to [0.8, 1.2]), not a ratio bound — for the bounds 0.8 / 1.2 give clip_ratio_low=0.2 and "
+             f"clip_ratio_high=0.2")
+    _validate_objective(cfg)
+    need(cfg.algorithm.adv_eps >= 0, "algorithm.adv_eps", "must be ≥ 0")
     need(cfg.algorithm.clip_ratio_c is None or cfg.algorithm.clip_ratio_c > 1, "algorithm.clip_ratio_c",
          "the dual-clip constant must be > 1")
     name = cfg.trainer.run_name
@@ -679,6 +703,12 @@ def check_logging_identity(lc: LoggingConfig, prefix: str) -> None:
     Raises:
         ConfigError: one line naming the key (``<prefix>.group``, ``<prefix>.tags``, ...).
     """
+    need(0 <= cfg.trainer.seed < 2**32, "trainer.seed", "must be in [0, 2^32) (numpy's seed range)")
+    need(cfg.trainer.log_examples_every >= 0, "trainer.log_examples_every", "must be ≥ 0 (0 disables)")
+    for key in ("stop_after_nonfinite_steps", "stop_after_silent_steps"):
+        v = getattr(cfg.trainer, key)
+        need(v is None or v >= 1, f"trainer.{key}", "must be ≥ 1 (steps in a row), or null (never stop)")
+    need(cfg.data.synthetic.seed >= 0, "data.synthetic.seed", "must be ≥ 0")
     for key, limit in (("group", 128), ("job_type", 64)):
         v = getattr(lc, key)
         if v is not None and not (v.strip() and len(v) <= limit):
@@ -702,6 +732,9 @@ def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
     close = difflib.get_close_matches(value, list(registry), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise ConfigError(f"invalid value for '{key}' ({value!r}): unknown {kind}; {hint}"
+    need(cfg.validation.max_new_tokens is None or cfg.validation.max_new_tokens >= 1, "validation.max_new_tokens",
+         "must be ≥ 1 or null (rollout.response_length)")
+    need(cfg.validation.seed >= 0, "validation.seed", "must be ≥ 0")
                       f"(registered: {', '.join(sorted(registry))})")
 
 
@@ -712,6 +745,40 @@ def _validate_objective(cfg: TrainConfig) -> None:
     from stapo.objectives import OBJECTIVES
 
     alg = cfg.algorithm
+
+
+#: Numbers that may hold a non-finite value in a config (none: NaN and ±inf are refused everywhere else). The entries
+#: of ``algorithm.masks`` are a registered mask's own parameters, checked by that mask's spec.
+_NONFINITE_EXEMPT = ("algorithm.masks",)
+
+
+def check_finite(cfg: Any, prefix: str = "") -> None:
+    """Every float of a config dataclass (nested dataclasses, lists and dicts walked; ``_NONFINITE_EXEMPT`` skipped)
+    must be finite: OmegaConf takes ``inf`` / ``nan`` (and YAML's ``.inf`` / ``.nan``) as floats, and every range
+    check (``> 0``, ``≥ 0``) lets ``inf`` through — ``actor.lr=inf`` or ``algorithm.kl_coef=inf`` would reach the
+    update and turn every loss into NaN.
+
+    Raises:
+        ConfigError: ``invalid value for '<key>' (inf): must be a finite number``, the first such key named.
+    """
+    import math
+
+    def walk(value: Any, key: str) -> None:
+        if key in _NONFINITE_EXEMPT:
+            return
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"invalid value for '{key}' ({value}): must be a finite number")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{key}[{i}]")
+
+    walk(cfg, prefix)
     check_registered("algorithm.objective", alg.objective, "objective", OBJECTIVES)
     for mask, params in alg.masks.items():
         if mask not in MASKS:
@@ -848,7 +915,8 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.val_every", "trainer.val_before_train",
     "trainer.log_examples_every", "trainer.progress_bar", "trainer.output_dir", "trainer.run_name",
     "trainer.device", "trainer.data_parallel", "trainer.import_modules", "trainer.save_on_interrupt",
-    "trainer.save_rollouts", "trainer.gpu_memory_gib",
+    "trainer.save_rollouts", "trainer.gpu_memory_gib", "trainer.stop_after_nonfinite_steps",
+    "trainer.stop_after_silent_steps",
     "logging", "validation",
     "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
     "actor.lm_head", "actor.deferred_graphs", "actor.use_remove_padding", "actor.use_dynamic_bsz",

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy_run import make_trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PAPER_LR = ["actor.lr=1e-6", "actor.warmup_steps=10", "actor.weight_decay=0.1", "trainer.total_steps=1"]
+# the paper's schedule (lr 1e-6, 10 warm-up steps: the first step at 1e-7); the tests run one train_step() of it
+PAPER_LR = ["actor.lr=1e-6", "actor.warmup_steps=10", "actor.weight_decay=0.1", "trainer.total_steps=10"]
 
 
 def _one_update(tmp_path: Path, name: str, overrides: list[str]) -> dict[str, float]:

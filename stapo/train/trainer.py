@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import signal
@@ -55,7 +56,7 @@ from stapo.train.samples import completions_table, drop_rollouts_after, response
 from stapo.train.state import RunState, plan_resume
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
 
-__all__ = ["Trainer", "StepProgress", "Interrupted"]
+__all__ = ["Trainer", "StepProgress", "Interrupted", "CannotLearn"]
 
 ValidationHook = Callable[["Trainer", int], dict[str, float]]
 
@@ -116,6 +117,24 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _InterruptGuard:
+class CannotLearn(RuntimeError):
+    """The run cannot learn, so :meth:`Trainer.train` stopped it after a step (docs/runs.md#a-run-that-cannot-learn):
+    ``trainer.stop_after_nonfinite_steps`` optimizer steps in a row skipped for a non-finite loss or gradient norm,
+    ``trainer.stop_after_silent_steps`` training steps in a row with no kept token, or weights that are no longer
+    finite. The message is one line: the step, the metric, the likely cause and what was checkpointed; train.py prints
+    it and exits 1 (a runtime failure). Raised on every rank alike.
+
+    Attributes:
+        step: the last finished step (its metrics are logged).
+        metric: the metric that stopped it (``actor/nonfinite_grad_steps``, ``actor/num_kept_tokens``, ``weights``).
+        checkpoint: the latest complete checkpoint (never one of non-finite weights), or None.
+    """
+
+    def __init__(self, message: str, step: int, metric: str, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.step, self.metric, self.checkpoint = step, metric, checkpoint
+
+
     """SIGINT and SIGTERM handling while :meth:`Trainer.train` steps (main thread only, and only over Python's
     default handlers): the first signal sets :attr:`requested` (and :attr:`signum`) and calls ``announce(signum)``
     (the step in progress finishes), the second raises KeyboardInterrupt where the code is (the step is
@@ -363,6 +382,7 @@ class Trainer:
         rc = self.cfg.rollout
         options = EngineOptions(
             dtype=self.compute_dtype,  # vLLM: fp32 master → bf16 engine weights at each sync; HF: autocast
+        self._silent_in_a_row = 0  # training steps in a row whose mask kept no token (trainer.stop_after_silent_steps)
             external_launcher=self.dist.enabled,  # one colocated engine per rank, inside torchrun's processes
             max_model_len=self.cfg.data.max_prompt_length + rc.response_length,
             gpu_memory_utilization=rc.gpu_memory_utilization, kv_cache_gib=rc.kv_cache_gib,
@@ -571,6 +591,10 @@ class Trainer:
         elif latest_checkpoint(self.ckpt_root) is not None:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
                                   f"(or trainer.resume=auto) or choose another trainer.run_name")
+            CannotLearn: the run cannot learn (``trainer.stop_after_nonfinite_steps`` optimizer steps in a row with
+                a non-finite loss or gradient, ``trainer.stop_after_silent_steps`` steps in a row without a kept
+                token, or non-finite weights): stopped after the step, which is checkpointed when its weights are
+                finite (one-line message).
         main = self.dist.is_main  # only rank 0 writes the run directory, logs and shows progress bars
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -631,6 +655,16 @@ class Trainer:
                         self.save()
                     break
         except KeyboardInterrupt:  # the second Ctrl-C / SIGTERM: the step in progress is abandoned
+                # a run that cannot learn stops here (every rank alike), after saving the step when its weights are
+                # finite; a checkpoint of non-finite weights is never written
+                failure = self._cannot_learn(metrics)
+                finite = self._weights_finite() if saved or failure is not None else True
+                if not finite:
+                    failure = ("weights", "the policy's weights are no longer finite (NaN/inf): they diverged; "
+                                          "likely cause: a learning rate too large for this model (actor.lr="
+                                          f"{self.cfg.actor.lr:g}) or an overflow in model.compute_dtype")
+                if failure is not None:
+                    raise self._stop_cannot_learn(*failure, save=finite)
             raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=True,
                               signum=guard.signum) from None
         finally:
@@ -662,6 +696,77 @@ class Trainer:
 
     def close(self) -> None:
         """Release the rollout engine (vLLM: its workers and, under torchrun, its process groups — before
+    def _cannot_learn(self, metrics: dict[str, float]) -> tuple[str, str] | None:
+        """``(metric, what happened and its likely cause)`` when the step just finished makes the run one that cannot
+        learn (``trainer.stop_after_nonfinite_steps`` / ``trainer.stop_after_silent_steps``), else None. The counts
+        are the same on every rank (the gradient norm is global, the losses and the kept-token count all-reduced);
+        the decision is all-reduced too, so every rank stops after the same step (collective)."""
+        tc = self.cfg.trainer
+        kept = metrics.get("actor/num_kept_tokens")
+        self._silent_in_a_row = self._silent_in_a_row + 1 if kept is not None and kept <= 0 else 0
+        nonfinite = self.updater.nonfinite_in_a_row
+        code = 0.0
+        if tc.stop_after_nonfinite_steps is not None and nonfinite >= tc.stop_after_nonfinite_steps:
+            code = 1.0
+        elif tc.stop_after_silent_steps is not None and self._silent_in_a_row >= tc.stop_after_silent_steps:
+            code = 2.0
+        code = dist.all_reduce({"cannot_learn": code}, self.dist, op="max")["cannot_learn"]
+        if code == 1.0:
+            last = self.updater.last_nonfinite
+            bad = ", ".join(f"{k}={v}" for k, v in last.items() if not math.isfinite(v)) or "actor/grad_norm"
+            alg, obj = self.cfg.algorithm, self.objective
+            if not math.isfinite(last.get("actor/kl_loss", 0.0)):
+                cause = (f"the KL penalty (β = algorithm.kl_coef = {obj.kl_coef:g}) or the reference model's "
+                         f"log-probabilities")
+            elif not math.isfinite(last.get("actor/pg_loss", 0.0)):
+                cause = (f"the policy loss of algorithm.objective={alg.objective} (loss formula {obj.policy_loss!r}, "
+                         f"token mask {obj.token_mask!r}: a registered one returning NaN/inf?) or non-finite "
+                         f"log-probabilities")
+            else:
+                cause = (f"a gradient that overflows although the loss is finite (a loss formula whose gradient is "
+                         f"not finite, or model.compute_dtype={self.cfg.model.compute_dtype}); try a lower actor.lr")
+            return ("actor/nonfinite_grad_steps",
+                    f"{nonfinite} optimizer steps in a row had a non-finite loss or gradient ({bad}) and were "
+                    f"skipped, so the weights did not change (actor/nonfinite_grad_steps; "
+                    f"trainer.stop_after_nonfinite_steps={tc.stop_after_nonfinite_steps}); likely cause: {cause}")
+        if code == 2.0:
+            return ("actor/num_kept_tokens",
+                    f"the token mask kept no token in {self._silent_in_a_row} training steps in a row "
+                    f"(actor/num_kept_tokens=0; trainer.stop_after_silent_steps={tc.stop_after_silent_steps}): nothing "
+                    f"was trained; likely cause: the mask {self.objective.token_mask!r} of algorithm.objective="
+                    f"{self.cfg.algorithm.objective} silences every response token (its thresholds, algorithm.s2t.* / "
+                    f"algorithm.masks.*, or a registered mask that keeps nothing)")
+        return None
+
+    def _weights_finite(self) -> bool:
+        """Whether every parameter of the policy is finite, on every rank (this rank's shards under FSDP2; the
+        answer all-reduced: collective)."""
+        from torch.distributed.tensor import DTensor
+
+        ok = True
+        with torch.no_grad():
+            for p in self.model.parameters():
+                local = p.to_local() if isinstance(p, DTensor) else p
+                if not bool(torch.isfinite(local).all()):
+                    ok = False
+                    break
+        return dist.all_reduce({"finite": float(ok)}, self.dist, op="min")["finite"] > 0
+
+    def _stop_cannot_learn(self, metric: str, what: str, *, save: bool) -> CannotLearn:
+        """Checkpoint this step when ``save`` (its weights are finite; not twice) and build the :class:`CannotLearn`
+        whose one-line message says the step, what happened and what is on disk. Collective (the save)."""
+        step_ckpt = self.ckpt_root / f"step_{self.step:06d}"
+        if save and latest_checkpoint(self.ckpt_root) != step_ckpt:
+            self.save()
+        ckpt = latest_checkpoint(self.ckpt_root)
+        if save:
+            kept = f"checkpointed step {self.step} ({ckpt})"
+        else:
+            kept = ("its weights are not saved; the latest checkpoint with finite weights: "
+                    f"{ckpt if ckpt is not None else 'none'}")
+        return CannotLearn(f"the run cannot learn, stopped after step {self.step}: {what}; {kept}",
+                           step=self.step, metric=metric, checkpoint=ckpt)
+
         :func:`stapo.distributed.teardown`). The trainer cannot generate afterwards."""
         close = getattr(self.engine, "close", None)
         if callable(close):

@@ -7,14 +7,17 @@ Per mini-batch (one optimizer step; docs/method.md#loss-aggregation, Algorithm 1
     ranks → clip the grad norm → AdamW step
 
 and one learning-rate scheduler step per training step; the gradients are freed (``set_to_none``) after the last
-optimizer step. With the fused path (``stats="own_forward"``) the
-micro-batch losses are sums (denominator 1) and the gradient is divided by N once the mask is known — the same
-gradient by linearity. Data-parallel pieces are the ``stapo.distributed`` helpers; each is the one-process
-computation when W = 1.
+optimizer step. An optimizer step whose loss or gradient norm is not finite is skipped (the weights and the AdamW
+moments stay as they were), counted in ``actor/nonfinite_grad_steps`` and in :attr:`PolicyUpdate.nonfinite_in_a_row`
+(the trainer stops a run that cannot learn: ``trainer.stop_after_nonfinite_steps``). With the fused path
+(``stats="own_forward"``) the micro-batch losses are sums (denominator 1) and the gradient is divided by N once
+the mask is known — the same gradient by linearity. Data-parallel pieces are the ``stapo.distributed`` helpers;
+each is the one-process computation when W = 1.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -86,6 +89,11 @@ class PolicyUpdate:
         self.grad_clip, self.max_response_length = grad_clip, max_response_length
         self.lm_head, self.deferred_graphs = lm_head, deferred_graphs
         self.layout = layout
+        #: optimizer steps in a row (across training steps) skipped for a non-finite loss or gradient norm; 0 after a
+        #: step that was taken. The same on every rank (the norm is global, the losses all-reduced).
+        self.nonfinite_in_a_row = 0
+        #: the last skipped step's values (``actor/pg_loss``, ``actor/kl_loss``, ``actor/grad_norm``), for the stop line
+        self.last_nonfinite: dict[str, float] = {}
 
     # --- forwards --------------------------------------------------------------------------------------------
     def forward(self, batch, idx: torch.Tensor, model: torch.nn.Module | None = None) -> TokenStats:
@@ -150,11 +158,15 @@ class PolicyUpdate:
             acc.add_mask_stats(tm.stats)
             dist.average_gradients(self.model, self.ctx)  # replicate: all-reduce; FSDP2 reduce-scattered already
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            acc.add_mean("actor/grad_norm", dist.grad_norm_value(grad_norm))
-            if torch.isfinite(grad_norm):
+            norm = dist.grad_norm_value(grad_norm)  # the global norm: the same on every rank
+            acc.add_mean("actor/grad_norm", norm)
+            if math.isfinite(norm) and all(math.isfinite(v) for v in step.losses.values()):
                 self.optimizer.step()
-            else:  # skip the step rather than write NaN into the weights; counted
+                self.nonfinite_in_a_row = 0
+            else:  # skip the step rather than write NaN into the weights; counted (the trainer may stop the run)
                 acc.add_sum("actor/nonfinite_grad_steps", 1.0)
+                self.nonfinite_in_a_row += 1
+                self.last_nonfinite = {**step.losses, "actor/grad_norm": norm}
         # the gradients are freed after the last optimizer step, not kept through the sync, the rollout and the next
         # old-policy pass (4 bytes per parameter ÷ W); verl's dp_actor.update_policy ends the same way
         self.optimizer.zero_grad(set_to_none=True)
@@ -178,6 +190,7 @@ class _MiniBatch:
         self.acc, self.progress = acc, progress
         self.response_mask = rollout.batch.response_mask.bool()  # [B, R]
         self.loss_sums: dict[str, float] = {}
+        self.losses: dict[str, float] = {}  # the mini-batch's losses (every rank's shares), once known
 
     def backward_precomputed(self) -> TokenMask:
         """The paper's order: mask from statistics computed beforehand (the old-policy pass, or a no-grad pass
@@ -249,6 +262,7 @@ class _MiniBatch:
     def _add_losses(self, losses: dict[str, float]) -> None:
         """The mini-batch's losses (its micro-batch shares summed, all ranks) into the step's means, and its policy
         loss into the progress bar."""
+        self.losses = dict(losses)
         for k, v in losses.items():
             self.acc.add_mean(k, v)
         if "actor/pg_loss" in losses:
