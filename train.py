@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     from stapo.runlock import RunLockError
     from stapo.tracking import CorruptJsonlError, TrackerError
     from stapo.train import Trainer
+    from stapo.train.trainer import CannotLearn
 
     trainer = None
     try:  # under torchrun: every rank runs this; torch.distributed is set up by the Trainer (stapo/distributed.py)
-    from stapo.train.trainer import CannotLearn
         try:  # bad paths / data / run directory / batch sizes vs ranks: one line naming the problem, exit code 2
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
             trainer = Trainer(cfg, validation_hook=hook, preflight_only=args.dry_run,  # argv: run_info.json
@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(e), getattr(e, "details", ""))
         try:
             trainer.train()
-        # One line, what to do; the finished checkpoints are kept: no intact checkpoint to resume from; a user
-        # mask / loss breaking its contract; another process writing the run directory; a damaged metrics.jsonl /
-        # tables.jsonl line (not a torn last one); W&B online that cannot start with logging.wandb_fallback=error.
         except CannotLearn as e:  # non-finite losses / gradients, no kept token: a runtime failure, one line, exit 1
             if trainer.dist.is_main:
                 print(f"train.py: {e}", file=sys.stderr)
             return 1
+        # One line, what to do; the finished checkpoints are kept: no intact checkpoint to resume from; a user
+        # mask / loss breaking its contract; another process writing the run directory; a damaged metrics.jsonl /
+        # tables.jsonl line (not a torn last one); W&B online that cannot start with logging.wandb_fallback=error.
         except (CheckpointError, ExtensionError, RunLockError, CorruptJsonlError, TrackerError) as e:
             return _error(str(e))
         if trainer.dist.is_main:  # start → end of the main metrics, where the files are, the next commands

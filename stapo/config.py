@@ -47,8 +47,8 @@ __all__ = [
     "check_registered",
     "check_logging_identity",
     "validate",
-    "objective_from_config",
     "check_finite",
+    "objective_from_config",
     "check_mask_config_keys",
     "get_key",
     "RESUME_MUTABLE_KEYS",
@@ -281,13 +281,6 @@ class TrainerConfig:
     # and check against a GPU of that size whatever this machine has (train.py --dry-run on a laptop). A phase over
     # it is refused before any model loads.
     gpu_memory_gib: Optional[float] = None
-
-
-@dataclass
-class ValidationConfig:
-    """In-training validation (every ``trainer.val_every`` steps; stapo.evaluation.make_validation_hook_from_config):
-    the evaluation harness on a subset of the benchmarks under ``data.root``."""
-
     # A run that cannot learn stops (docs/runs.md#a-run-that-cannot-learn): an optimizer step whose loss or gradient
     # norm is not finite is skipped (the weights stay as they were) and counted (actor/nonfinite_grad_steps); this
     # many such optimizer steps in a row stop the run after the step, one line naming the step, the metric and the
@@ -296,6 +289,13 @@ class ValidationConfig:
     # null: never stop (skip and count only).
     stop_after_nonfinite_steps: Optional[int] = 3
     stop_after_silent_steps: Optional[int] = 3
+
+
+@dataclass
+class ValidationConfig:
+    """In-training validation (every ``trainer.val_every`` steps; stapo.evaluation.make_validation_hook_from_config):
+    the evaluation harness on a subset of the benchmarks under ``data.root``."""
+
     benchmarks: list[str] = field(default_factory=lambda: ["math500"])
     limit: Optional[int] = 32  # first K problems of each benchmark (None: all)
     samples: int = 4  # N responses per problem (avg@N)
@@ -599,6 +599,7 @@ def validate(cfg: TrainConfig) -> None:
     from stapo.data import TRAIN_BY_NAME
     from stapo.rollout import BACKENDS
 
+    check_finite(cfg)  # NaN / ±inf in any number: named before any range check reads it
     check_registered("rollout.backend", cfg.rollout.backend, "rollout backend", BACKENDS)
     check_registered("data.train_set", cfg.data.train_set, "training set",
                      {"synthetic": None, "file": None, **TRAIN_BY_NAME})
@@ -606,6 +607,10 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.response_length >= 1, "rollout.response_length", "must be ≥ 1")
+    need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+         "must be in (0, 1] (a fraction of the GPU's memory)")
+    need(cfg.rollout.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0 (GiB)")
+    need(cfg.rollout.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be ≥ 1")
     need(cfg.rollout.sleep_level in (1, 2) and not isinstance(cfg.rollout.sleep_level, bool), "rollout.sleep_level",
          "must be 1 or 2 (vLLM's sleep levels)")
     need(cfg.data.train_batch_size >= 1, "data.train_batch_size", "must be ≥ 1")
@@ -621,11 +626,16 @@ def validate(cfg: TrainConfig) -> None:
     need(len(cfg.actor.betas) == 2 and all(0 <= b < 1 for b in cfg.actor.betas), "actor.betas",
          "must be two numbers in [0, 1)")
     need(cfg.actor.warmup_steps >= 0, "actor.warmup_steps", "must be ≥ 0")
+    # the scheduler's factor at training step t (1-based) is min(1, t / warmup_steps): the run's last step reaches
+    # actor.lr only when warmup_steps ≤ trainer.total_steps
+    need(cfg.actor.warmup_steps <= cfg.trainer.total_steps, "actor.warmup_steps",
+         f"the linear warm-up is longer than the run (trainer.total_steps={cfg.trainer.total_steps}): the learning "
+         f"rate would never reach actor.lr ({cfg.actor.lr:g}; at most {cfg.trainer.total_steps}/"
+         f"{cfg.actor.warmup_steps} of it); lower actor.warmup_steps (it counts training steps)")
     need(cfg.actor.grad_clip > 0, "actor.grad_clip", "must be > 0")
     mc = cfg.model
     need(mc.param_dtype == "float32" or mc.allow_low_precision_params, "model.param_dtype",
          "AdamW on bfloat16 parameters rounds updates below half an ulp away (at lr 1e-6 nearly all of them: the "
-    check_finite(cfg)  # NaN / ±inf in any number: named before any range check reads it
          "policy barely trains); use model.param_dtype=float32 with model.compute_dtype=bfloat16, or set "
          "model.allow_low_precision_params=true")
     need(mc.param_dtype == "float32" or mc.compute_dtype == mc.param_dtype, "model.compute_dtype",
@@ -633,10 +643,6 @@ def validate(cfg: TrainConfig) -> None:
     need(not (cfg.actor.share_prompt and cfg.model.gradient_checkpointing), "actor.share_prompt",
          "cannot be combined with model.gradient_checkpointing (the shared prompt needs a KV cache)")
     need(not (cfg.actor.share_prompt and (cfg.actor.use_remove_padding or cfg.actor.use_dynamic_bsz)),
-    need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
-         "must be in (0, 1] (a fraction of the GPU's memory)")
-    need(cfg.rollout.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0 (GiB)")
-    need(cfg.rollout.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be ≥ 1")
          "actor.share_prompt", "cannot be combined with actor.use_remove_padding or actor.use_dynamic_bsz (its KV "
          "cache holds left-padded prompts of whole groups)")
     need(cfg.actor.ppo_max_token_len_per_gpu >= 1, "actor.ppo_max_token_len_per_gpu", "must be ≥ 1")
@@ -650,12 +656,6 @@ def validate(cfg: TrainConfig) -> None:
     need(0 < cfg.algorithm.top_entropy_ratio <= 1, "algorithm.top_entropy_ratio", "must be in (0, 1]")
     for key in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):
         v = getattr(cfg.algorithm, key)
-    # the scheduler's factor at training step t (1-based) is min(1, t / warmup_steps): the run's last step reaches
-    # actor.lr only when warmup_steps ≤ trainer.total_steps
-    need(cfg.actor.warmup_steps <= cfg.trainer.total_steps, "actor.warmup_steps",
-         f"the linear warm-up is longer than the run (trainer.total_steps={cfg.trainer.total_steps}): the learning "
-         f"rate would never reach actor.lr ({cfg.actor.lr:g}; at most {cfg.trainer.total_steps}/"
-         f"{cfg.actor.warmup_steps} of it); lower actor.warmup_steps (it counts training steps)")
         need(v is None or v >= 0, f"algorithm.{key}", "must be ≥ 0")
     for key, side in (("clip_ratio_low", "1 − ε"), ("clip_ratio_high", "1 + ε")):
         v = getattr(cfg.algorithm, key)
@@ -677,6 +677,12 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.trainer.val_every >= 0, "trainer.val_every", "must be ≥ 0")
     need(cfg.trainer.gpu_memory_gib is None or cfg.trainer.gpu_memory_gib > 0, "trainer.gpu_memory_gib",
          "must be > 0 (GiB) or null (read the device)")
+    need(0 <= cfg.trainer.seed < 2**32, "trainer.seed", "must be in [0, 2^32) (numpy's seed range)")
+    need(cfg.trainer.log_examples_every >= 0, "trainer.log_examples_every", "must be ≥ 0 (0 disables)")
+    for key in ("stop_after_nonfinite_steps", "stop_after_silent_steps"):
+        v = getattr(cfg.trainer, key)
+        need(v is None or v >= 1, f"trainer.{key}", "must be ≥ 1 (steps in a row), or null (never stop)")
+    need(cfg.data.synthetic.seed >= 0, "data.synthetic.seed", "must be ≥ 0")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
     need(cfg.data.synthetic.split in ("all", "train"), "data.synthetic.split",
          f"{cfg.data.synthetic.split!r} must be 'all' or 'train' (the test split is for evaluation: arith_test)")
@@ -691,60 +697,11 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.validation.samples_per_call >= 1, "validation.samples_per_call", "must be ≥ 1")
     need(cfg.validation.limit is None or cfg.validation.limit >= 1, "validation.limit", "must be ≥ 1 or null")
     need(cfg.validation.temperature > 0, "validation.temperature", "must be > 0")
-    need(0 < cfg.validation.top_p <= 1, "validation.top_p", "must be in (0, 1]")
-    check_logging_identity(cfg.logging, "logging")
-
-
-def check_logging_identity(lc: LoggingConfig, prefix: str) -> None:
-    """W&B's limits on the identity fields of ``lc`` (a :class:`LoggingConfig`, or evaluate.py's subclass under
-    ``prefix``): ``group`` non-blank and ≤ 128 characters, ``job_type`` non-blank and ≤ 64, each tag 1–64
-    characters, not blank.
-
-    Raises:
-        ConfigError: one line naming the key (``<prefix>.group``, ``<prefix>.tags``, ...).
-    """
-    need(0 <= cfg.trainer.seed < 2**32, "trainer.seed", "must be in [0, 2^32) (numpy's seed range)")
-    need(cfg.trainer.log_examples_every >= 0, "trainer.log_examples_every", "must be ≥ 0 (0 disables)")
-    for key in ("stop_after_nonfinite_steps", "stop_after_silent_steps"):
-        v = getattr(cfg.trainer, key)
-        need(v is None or v >= 1, f"trainer.{key}", "must be ≥ 1 (steps in a row), or null (never stop)")
-    need(cfg.data.synthetic.seed >= 0, "data.synthetic.seed", "must be ≥ 0")
-    for key, limit in (("group", 128), ("job_type", 64)):
-        v = getattr(lc, key)
-        if v is not None and not (v.strip() and len(v) <= limit):
-            raise ConfigError(f"invalid value for '{prefix}.{key}' ({v!r}): must be 1–{limit} characters, not blank "
-                              f"(or null for the default)")
-    bad = [t for t in lc.tags if not (t.strip() and len(t) <= 64)]
-    if bad:
-        raise ConfigError(f"invalid value for '{prefix}.tags' ({list(lc.tags)!r}): every tag must be 1–64 "
-                          f"characters, not blank ({bad[0]!r} is not)")
-
-
-def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
-    """``value`` of config key ``key`` must be a name in ``registry`` (a name → entry table).
-
-    Raises:
-        ConfigError: one line, ``invalid value for '<key>' ('<value>'): unknown <kind>; did you mean '<closest>'?
-            (registered: <sorted names>)`` (the "did you mean" part only when a name is close).
-    """
-    if value in registry:
-        return
-    close = difflib.get_close_matches(value, list(registry), n=1, cutoff=0.5)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    raise ConfigError(f"invalid value for '{key}' ({value!r}): unknown {kind}; {hint}"
     need(cfg.validation.max_new_tokens is None or cfg.validation.max_new_tokens >= 1, "validation.max_new_tokens",
          "must be ≥ 1 or null (rollout.response_length)")
     need(cfg.validation.seed >= 0, "validation.seed", "must be ≥ 0")
-                      f"(registered: {', '.join(sorted(registry))})")
-
-
-def _validate_objective(cfg: TrainConfig) -> None:
-    """``algorithm.objective`` against the registry, ``algorithm.masks`` against the registered masks' parameters, and
-    the objective built from the config (:func:`stapo.objectives.build_objective`, the trainer's own call)."""
-    from stapo.masks import MASKS
-    from stapo.objectives import OBJECTIVES
-
-    alg = cfg.algorithm
+    need(0 < cfg.validation.top_p <= 1, "validation.top_p", "must be in (0, 1]")
+    check_logging_identity(cfg.logging, "logging")
 
 
 #: Numbers that may hold a non-finite value in a config (none: NaN and ±inf are refused everywhere else). The entries
@@ -779,6 +736,49 @@ def check_finite(cfg: Any, prefix: str = "") -> None:
                 walk(v, f"{key}[{i}]")
 
     walk(cfg, prefix)
+
+
+def check_logging_identity(lc: LoggingConfig, prefix: str) -> None:
+    """W&B's limits on the identity fields of ``lc`` (a :class:`LoggingConfig`, or evaluate.py's subclass under
+    ``prefix``): ``group`` non-blank and ≤ 128 characters, ``job_type`` non-blank and ≤ 64, each tag 1–64
+    characters, not blank.
+
+    Raises:
+        ConfigError: one line naming the key (``<prefix>.group``, ``<prefix>.tags``, ...).
+    """
+    for key, limit in (("group", 128), ("job_type", 64)):
+        v = getattr(lc, key)
+        if v is not None and not (v.strip() and len(v) <= limit):
+            raise ConfigError(f"invalid value for '{prefix}.{key}' ({v!r}): must be 1–{limit} characters, not blank "
+                              f"(or null for the default)")
+    bad = [t for t in lc.tags if not (t.strip() and len(t) <= 64)]
+    if bad:
+        raise ConfigError(f"invalid value for '{prefix}.tags' ({list(lc.tags)!r}): every tag must be 1–64 "
+                          f"characters, not blank ({bad[0]!r} is not)")
+
+
+def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
+    """``value`` of config key ``key`` must be a name in ``registry`` (a name → entry table).
+
+    Raises:
+        ConfigError: one line, ``invalid value for '<key>' ('<value>'): unknown <kind>; did you mean '<closest>'?
+            (registered: <sorted names>)`` (the "did you mean" part only when a name is close).
+    """
+    if value in registry:
+        return
+    close = difflib.get_close_matches(value, list(registry), n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ConfigError(f"invalid value for '{key}' ({value!r}): unknown {kind}; {hint}"
+                      f"(registered: {', '.join(sorted(registry))})")
+
+
+def _validate_objective(cfg: TrainConfig) -> None:
+    """``algorithm.objective`` against the registry, ``algorithm.masks`` against the registered masks' parameters, and
+    the objective built from the config (:func:`stapo.objectives.build_objective`, the trainer's own call)."""
+    from stapo.masks import MASKS
+    from stapo.objectives import OBJECTIVES
+
+    alg = cfg.algorithm
     check_registered("algorithm.objective", alg.objective, "objective", OBJECTIVES)
     for mask, params in alg.masks.items():
         if mask not in MASKS:

@@ -116,7 +116,6 @@ class Interrupted(KeyboardInterrupt):
         self.step, self.checkpoint, self.abandoned, self.signum = step, checkpoint, abandoned, int(signum)
 
 
-class _InterruptGuard:
 class CannotLearn(RuntimeError):
     """The run cannot learn, so :meth:`Trainer.train` stopped it after a step (docs/runs.md#a-run-that-cannot-learn):
     ``trainer.stop_after_nonfinite_steps`` optimizer steps in a row skipped for a non-finite loss or gradient norm,
@@ -135,6 +134,7 @@ class CannotLearn(RuntimeError):
         self.step, self.metric, self.checkpoint = step, metric, checkpoint
 
 
+class _InterruptGuard:
     """SIGINT and SIGTERM handling while :meth:`Trainer.train` steps (main thread only, and only over Python's
     default handlers): the first signal sets :attr:`requested` (and :attr:`signum`) and calls ``announce(signum)``
     (the step in progress finishes), the second raises KeyboardInterrupt where the code is (the step is
@@ -372,6 +372,7 @@ class Trainer:
 
         self.step = 0
         self._stepping = 1  # the step train() is in (train_step runs with self.step one lower)
+        self._silent_in_a_row = 0  # training steps in a row whose mask kept no token (trainer.stop_after_silent_steps)
         self.tracker: Tracker | None = None
 
     # ------------------------------------------------------------------------------------------------
@@ -382,7 +383,6 @@ class Trainer:
         rc = self.cfg.rollout
         options = EngineOptions(
             dtype=self.compute_dtype,  # vLLM: fp32 master → bf16 engine weights at each sync; HF: autocast
-        self._silent_in_a_row = 0  # training steps in a row whose mask kept no token (trainer.stop_after_silent_steps)
             external_launcher=self.dist.enabled,  # one colocated engine per rank, inside torchrun's processes
             max_model_len=self.cfg.data.max_prompt_length + rc.response_length,
             gpu_memory_utilization=rc.gpu_memory_utilization, kv_cache_gib=rc.kv_cache_gib,
@@ -581,6 +581,10 @@ class Trainer:
             stapo.runlock.RunLockError: another live process is writing the run directory.
             stapo.tracking.CorruptJsonlError: ``metrics.jsonl`` / ``tables.jsonl`` hold a damaged line that is not a
                 torn last line (the message names the file and line).
+            CannotLearn: the run cannot learn (``trainer.stop_after_nonfinite_steps`` optimizer steps in a row with
+                a non-finite loss or gradient, ``trainer.stop_after_silent_steps`` steps in a row without a kept
+                token, or non-finite weights): stopped after the step, which is checkpointed when its weights are
+                finite (one-line message).
         """
         tc = self.cfg.trainer
         if tc.resume != "never":
@@ -591,10 +595,6 @@ class Trainer:
         elif latest_checkpoint(self.ckpt_root) is not None:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
                                   f"(or trainer.resume=auto) or choose another trainer.run_name")
-            CannotLearn: the run cannot learn (``trainer.stop_after_nonfinite_steps`` optimizer steps in a row with
-                a non-finite loss or gradient, ``trainer.stop_after_silent_steps`` steps in a row without a kept
-                token, or non-finite weights): stopped after the step, which is checkpointed when its weights are
-                finite (one-line message).
         main = self.dist.is_main  # only rank 0 writes the run directory, logs and shows progress bars
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -645,16 +645,6 @@ class Trainer:
                                 kept=f"{metrics['actor/num_kept_tokens']:.0f}/"
                                      f"{metrics['response_length/total_tokens']:.0f}")
                 saved = bool((tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps)
-                if saved:
-                    self.save()
-                # after the due save, so a signal during it stops here too; every rank stops after the same step
-                # (a rank that missed the signal too)
-                stop = dist.all_reduce({"stop": float(guard.requested)}, self.dist, op="max")["stop"] > 0
-                if stop:
-                    if tc.save_on_interrupt and not saved:
-                        self.save()
-                    break
-        except KeyboardInterrupt:  # the second Ctrl-C / SIGTERM: the step in progress is abandoned
                 # a run that cannot learn stops here (every rank alike), after saving the step when its weights are
                 # finite; a checkpoint of non-finite weights is never written
                 failure = self._cannot_learn(metrics)
@@ -665,6 +655,16 @@ class Trainer:
                                           f"{self.cfg.actor.lr:g}) or an overflow in model.compute_dtype")
                 if failure is not None:
                     raise self._stop_cannot_learn(*failure, save=finite)
+                if saved:
+                    self.save()
+                # after the due save, so a signal during it stops here too; every rank stops after the same step
+                # (a rank that missed the signal too)
+                stop = dist.all_reduce({"stop": float(guard.requested)}, self.dist, op="max")["stop"] > 0
+                if stop:
+                    if tc.save_on_interrupt and not saved:
+                        self.save()
+                    break
+        except KeyboardInterrupt:  # the second Ctrl-C / SIGTERM: the step in progress is abandoned
             raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=True,
                               signum=guard.signum) from None
         finally:
@@ -686,16 +686,6 @@ class Trainer:
             raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=False, signum=guard.signum)
         return history
 
-    def _announce_interrupt(self, signum: int) -> None:
-        """The first Ctrl-C's (or SIGTERM's) line on stderr (rank 0)."""
-        save = " and writing its checkpoint" if self.cfg.trainer.save_on_interrupt else ""
-        what, again = ("Ctrl-C", "press Ctrl-C again") if signum == signal.SIGINT else ("SIGTERM", "a second signal")
-        sys.stderr.write(f"\n{what}: finishing step {self._stepping}{save}, then stopping; {again} stops now (the "
-                         f"checkpoints already written are kept)\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        """Release the rollout engine (vLLM: its workers and, under torchrun, its process groups — before
     def _cannot_learn(self, metrics: dict[str, float]) -> tuple[str, str] | None:
         """``(metric, what happened and its likely cause)`` when the step just finished makes the run one that cannot
         learn (``trainer.stop_after_nonfinite_steps`` / ``trainer.stop_after_silent_steps``), else None. The counts
@@ -767,6 +757,16 @@ class Trainer:
         return CannotLearn(f"the run cannot learn, stopped after step {self.step}: {what}; {kept}",
                            step=self.step, metric=metric, checkpoint=ckpt)
 
+    def _announce_interrupt(self, signum: int) -> None:
+        """The first Ctrl-C's (or SIGTERM's) line on stderr (rank 0)."""
+        save = " and writing its checkpoint" if self.cfg.trainer.save_on_interrupt else ""
+        what, again = ("Ctrl-C", "press Ctrl-C again") if signum == signal.SIGINT else ("SIGTERM", "a second signal")
+        sys.stderr.write(f"\n{what}: finishing step {self._stepping}{save}, then stopping; {again} stops now (the "
+                         f"checkpoints already written are kept)\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        """Release the rollout engine (vLLM: its workers and, under torchrun, its process groups — before
         :func:`stapo.distributed.teardown`). The trainer cannot generate afterwards."""
         close = getattr(self.engine, "close", None)
         if callable(close):
