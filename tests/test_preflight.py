@@ -236,6 +236,50 @@ def test_a_truncated_weight_file_is_named_with_its_size(tmp_path):
     assert str(err.value).endswith("; copy the folder again or use another checkpoint")
 
 
+def _tiny_folder(folder: Path, **config_changes) -> Path:
+    """The tiny Qwen3 model saved as an HF folder, then its config.json edited (``None`` deletes a key)."""
+    from stapo.models import build_tiny_model
+
+    model, tok = build_tiny_model()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_a_config_json_of_another_model_size_is_named_with_the_mismatch(tmp_path):
+    """config.json says intermediate_size 256, the weights hold 128. Before: transformers' "For details look at the
+    above report!" with the report hidden (train.py exit 1)."""
+    folder = _tiny_folder(tmp_path / "resized", intermediate_size=256)
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path, [f"model.path={folder}"])
+    assert str(err.value) == (
+        f"invalid value for 'model.path' ({folder}): {folder}: config.json does not match the weights (another model "
+        f"size? a config.json edited or copied from another model): 6 tensor(s) of another shape "
+        f"(model.layers.0.mlp.down_proj.weight: [64, 128] in the weights, [64, 256] by config.json)")
+
+
+def test_a_config_json_with_more_or_fewer_layers_than_the_weights_is_refused(tmp_path):
+    """More layers than the weights hold would be randomly initialised, fewer would drop weights: both were loaded
+    without a word (transformers' report is quiet here)."""
+    from stapo.models import load_policy
+
+    more = _tiny_folder(tmp_path / "more", num_hidden_layers=3, layer_types=None, max_window_layers=None)
+    with pytest.raises(ValueError, match=r"11 tensor\(s\) that config.json expects are missing from the weights "
+                                         r"\(e.g. model.layers.2.input_layernorm.weight; they would be random\)$"):
+        load_policy(str(more))
+    fewer = _tiny_folder(tmp_path / "fewer", num_hidden_layers=1, layer_types=None, max_window_layers=None)
+    with pytest.raises(ValueError, match=r"11 tensor\(s\) of the weights have no place in config.json's model "
+                                         r"\(e.g. model.layers.1.input_layernorm.weight; they would be dropped\)$"):
+        load_policy(str(fewer))
+
+
 def test_an_unusable_model_cache_names_model_cache_dir(tmp_path, no_model_loads):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ConfigError) as err:

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from stapo import distributed as dist
 from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
-from stapo.cli import raise_terminated
+from stapo.cli import raise_terminated, signal_name, survive_closed_terminal
 from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
 from stapo.memory_plan import check_memory_plan
 from stapo.policy import forward_layout
@@ -100,14 +100,15 @@ class StepProgress:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) or SIGTERM (a cluster scheduler's preemption, ``kill``) stopped :meth:`Trainer.train`
-    before ``trainer.total_steps`` (train.py prints how to resume and exits 128 + the signal: 130 / 143).
+    """Ctrl-C (SIGINT), SIGTERM (a cluster scheduler's preemption, ``kill``) or SIGHUP (the terminal closed) stopped
+    :meth:`Trainer.train` before ``trainer.total_steps`` (train.py prints how to resume and exits 128 + the signal:
+    130 / 143 / 129).
 
     Attributes:
         step: the last finished step.
         checkpoint: the latest complete checkpoint (``--resume`` continues from it), or None.
         abandoned: True when a second signal abandoned the step in progress (nothing of it is saved).
-        signum: the first signal received (``signal.SIGINT`` or ``signal.SIGTERM``).
+        signum: the first signal received (``signal.SIGINT``, ``signal.SIGTERM`` or ``signal.SIGHUP``).
     """
 
     def __init__(self, step: int, checkpoint: Path | None, abandoned: bool,
@@ -135,14 +136,15 @@ class CannotLearn(RuntimeError):
 
 
 class _InterruptGuard:
-    """SIGINT and SIGTERM handling while :meth:`Trainer.train` steps (main thread only, and only over Python's
+    """SIGINT, SIGTERM and SIGHUP handling while :meth:`Trainer.train` steps (main thread only, and only over Python's
     default handlers): the first signal sets :attr:`requested` (and :attr:`signum`) and calls ``announce(signum)``
     (the step in progress finishes), the second raises KeyboardInterrupt where the code is (the step is
     abandoned; finished checkpoints stay), a third exits the process at once (``os._exit(128 + signum)``, e.g. a
     clean-up that hangs)."""
 
     #: the handlers it replaces (others, installed by someone else, are left alone)
-    _DEFAULTS = {signal.SIGINT: (signal.default_int_handler,), signal.SIGTERM: (signal.SIG_DFL, raise_terminated)}
+    _DEFAULTS = {signal.SIGINT: (signal.default_int_handler,), signal.SIGTERM: (signal.SIG_DFL, raise_terminated),
+                 signal.SIGHUP: (signal.SIG_DFL, raise_terminated)}
 
     def __init__(self, announce: Callable[[int], None]) -> None:
         self.announce = announce
@@ -164,6 +166,8 @@ class _InterruptGuard:
         self._previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: its writes fail with EIO from now on
+            survive_closed_terminal()
         self._count += 1
         if self._count == 1:
             self.requested, self.signum = True, int(signum)
@@ -625,7 +629,7 @@ class Trainer:
         history: list[dict[str, float]] = []
         bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
                    dynamic_ncols=True)
-        # Ctrl-C or SIGTERM (docs/metrics.md#interrupting-and-resuming): the first lets the step in progress finish,
+        # Ctrl-C, SIGTERM or SIGHUP (docs/metrics.md#interrupting-and-resuming): the first lets the step finish,
         # then stops (checkpointing it if trainer.save_on_interrupt or one is due); a second abandons the step now.
         guard = _InterruptGuard(self._announce_interrupt if main else lambda signum: None).install()
         stop = False
@@ -758,9 +762,10 @@ class Trainer:
                            step=self.step, metric=metric, checkpoint=ckpt)
 
     def _announce_interrupt(self, signum: int) -> None:
-        """The first Ctrl-C's (or SIGTERM's) line on stderr (rank 0)."""
+        """The first Ctrl-C's (or SIGTERM's, SIGHUP's) line on stderr (rank 0)."""
         save = " and writing its checkpoint" if self.cfg.trainer.save_on_interrupt else ""
-        what, again = ("Ctrl-C", "press Ctrl-C again") if signum == signal.SIGINT else ("SIGTERM", "a second signal")
+        what, again = (("Ctrl-C", "press Ctrl-C again") if signum == signal.SIGINT
+                       else (signal_name(signum), "a second signal"))
         sys.stderr.write(f"\n{what}: finishing step {self._stepping}{save}, then stopping; {again} stops now (the "
                          f"checkpoints already written are kept)\n")
         sys.stderr.flush()
