@@ -41,6 +41,7 @@ __all__ = [
     "ActorConfig",
     "TrainerConfig",
     "LoggingConfig",
+    "MechanismConfig",
     "TrainConfig",
     "load_config",
     "import_modules",
@@ -331,6 +332,24 @@ class LoggingConfig:
 
 
 @dataclass
+class MechanismConfig:
+    """Measurements of STAPO's mechanism logged by the trainer (stapo/mechanism.py, stapo/train/mechanism.py;
+    docs/metrics.md#mechanism-measurements-mechanism-probe). Off by default; on, they never change the run (weights,
+    optimizer state, random streams and the step's other metrics stay bit-identical: tests/test_mechanism.py).
+    Measured at steps 1, 1 + N, 1 + 2N, ... of each cadence N (0 turns that measurement off); one process only."""
+
+    enabled: bool = False
+    # the fixed probe set (JSONL, stapo.mechanism.read_probe_set; scripts/build_probe_set.py writes one); needed by
+    # probe_every, attribution_every and counterfactual_every; copied to <run_dir>/mechanism_probe.jsonl at start
+    probe_file: Optional[str] = None
+    probe_every: int = 1  # probe/entropy: teacher-forced entropy of the probe set (one no-grad pass)
+    attribution_every: int = 10  # mechanism/dH_probe/*: first-order probe-entropy change per token group
+    counterfactual_every: int = 5  # mechanism/counterfactual/*: the step's update with and without S2T, from one state
+    first_k: int = 48  # actor/entropy_first_k: mean entropy of the first K tokens of each response (0: off)
+    micro_batch_size: Optional[int] = None  # probe rows per forward (null: actor.ppo_micro_batch_size)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -340,6 +359,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    mechanism: MechanismConfig = field(default_factory=MechanismConfig)
 
 
 # --- loading ------------------------------------------------------------------------------------------
@@ -702,6 +722,14 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.validation.seed >= 0, "validation.seed", "must be ≥ 0")
     need(0 < cfg.validation.top_p <= 1, "validation.top_p", "must be in (0, 1]")
     check_logging_identity(cfg.logging, "logging")
+    mech = cfg.mechanism
+    for key in ("probe_every", "attribution_every", "counterfactual_every", "first_k"):
+        need(getattr(mech, key) >= 0, f"mechanism.{key}", "must be ≥ 0 (0: off)")
+    need(mech.micro_batch_size is None or mech.micro_batch_size >= 1, "mechanism.micro_batch_size",
+         "must be ≥ 1 or null")
+    need(not (mech.enabled and (mech.probe_every or mech.attribution_every or mech.counterfactual_every))
+         or bool(mech.probe_file), "mechanism.probe_file", "the probe, attribution and counterfactual measurements "
+         "need a probe set (build one with scripts/build_probe_set.py), or set their cadences to 0")
 
 
 #: Numbers that may hold a non-finite value in a config (none: NaN and ±inf are refused everywhere else). The entries
@@ -926,6 +954,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "data.root", "data.max_unparsable_gold_fraction",
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
     "rollout.tensor_parallel_size", "rollout.sleep_during_update", "rollout.sleep_level",
+    "mechanism",
 )
 #: Keys not compared on resume: how this process was launched, not what the run is.
 RESUME_IGNORED_KEYS: tuple[str, ...] = ("trainer.resume",)

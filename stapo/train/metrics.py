@@ -16,6 +16,7 @@ from stapo import distributed as dist
 from stapo.advantages import grpo_advantages
 from stapo.analysis import entropy_change_estimate, logit_grad_norm, quadrant_summary
 from stapo.masks import get_mask_spec, s2t_mask
+from stapo.mechanism import first_k_entropy
 from stapo.tensor_utils import masked_mean
 
 __all__ = ["MetricAccumulator", "MetricRows", "gather_metric_rows", "step_metrics", "silenced_examples"]
@@ -143,6 +144,9 @@ def step_metrics(v: MetricRows, cfg, extra: dict[str, float]) -> dict[str, float
     }
     alg = cfg.algorithm  # advantage metrics of the whole batch (groups are whole on every rank)
     m.update(grpo_advantages(v.rewards, cfg.rollout.n, eps=alg.adv_eps, norm_by_std=alg.norm_adv_by_std).metrics)
+    mc = getattr(cfg, "mechanism", None)
+    if mc is not None and mc.enabled and mc.first_k:  # docs/metrics.md#mechanism-measurements-mechanism-probe
+        m["actor/entropy_first_k"] = first_k_entropy(v.old_entropy, mask, mc.first_k)
     m.update(extra)
     # train/inference mismatch: engine log-probs vs the trainer's recomputation (old policy)
     reported = ~torch.isnan(v.engine_logprobs)  # [B, R]

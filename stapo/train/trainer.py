@@ -373,6 +373,12 @@ class Trainer:
             max_response_length=cfg.rollout.response_length, lm_head=cfg.actor.lm_head,
             deferred_graphs=cfg.actor.deferred_graphs,
             layout=forward_layout(cfg.actor.use_remove_padding, cfg.model.attn_implementation))
+        # mechanism.* measurements (stapo/train/mechanism.py): read the run, never change it; None when off
+        self.mechanism = None
+        if cfg.mechanism.enabled:
+            from stapo.train.mechanism import MechanismHook
+
+            self.mechanism = MechanismHook(self)
 
         self.step = 0
         self._stepping = 1  # the step train() is in (train_step runs with self.step one lower)
@@ -825,6 +831,7 @@ class Trainer:
             progress.start(plan.num_forwards)
             with _timed(timing, "old_log_prob"):  # 4. old-policy (and reference) statistics: no grad, fp32
                 old, ref = self._old_policy_stats(rollout, plan, progress)
+            mechanism = self._measure_mechanism(rollout, plan, old, ref, timing)  # {} unless mechanism.enabled
             with _timed(timing, "update"):  # 5. one optimizer step per mini-batch
                 result = self._update(plan, rollout, old, ref, progress)
             with _timed(timing, "sync"):  # 6. the new weights into the rollout engine
@@ -834,7 +841,7 @@ class Trainer:
         timing["timing_s/step"] = time.perf_counter() - t_step
         sb = StepBatch(rollout=rollout, old=result.old, ref_logprobs=ref, keep=result.keep)
         self._log_examples(sb)  # the example / completions tables (every log_examples_every), the rollouts file
-        return self._metrics(sb, result, timing)  # 7. metrics
+        return {**self._metrics(sb, result, timing), **mechanism}  # 7. metrics
 
     # --- the stages of a step -------------------------------------------------------------------------
     def _generate(self, progress: StepProgress | None = None) -> tuple[list, list]:
@@ -872,10 +879,10 @@ class Trainer:
                        rewards=rewards, advantages=adv.advantages, reward_stats=getattr(reward_out, "stats", None),
                        extracted=getattr(reward_out, "extracted", None), prompts=list(prompts))
 
-    def _plan(self, rollout: Rollout) -> UpdatePlan:
-        """The step's update schedule (:func:`stapo.train.plan.build_plan`) from the actor settings. With
-        ``actor.use_dynamic_bsz`` under FSDP2 one all-reduce (max) makes every rank's passes the same number of
-        micro-batches (collective then)."""
+    def _plan(self, rollout: Rollout, token_mask: str | None = None) -> UpdatePlan:
+        """The step's update schedule (:func:`stapo.train.plan.build_plan`) from the actor settings (for the
+        objective's token mask, or ``token_mask``). With ``actor.use_dynamic_bsz`` under FSDP2 one all-reduce (max)
+        makes every rank's passes the same number of micro-batches (collective then)."""
         ac = self.cfg.actor
         batch = rollout.batch
         # FSDP2: every forward is a collective, so every rank runs the same number of micro-batches in each pass
@@ -883,12 +890,21 @@ class Trainer:
         return build_plan(
             batch.attention_mask.sum(dim=1), rollout.advantages,  # [B] prompt + response tokens, [B] Â
             mini_batch_rows=self._mini_rows, micro_batch_size=ac.ppo_micro_batch_size,
-            token_mask=self.objective.token_mask, mask_stats_source=self.cfg.algorithm.mask_stats_source,
+            token_mask=token_mask or self.objective.token_mask, mask_stats_source=self.cfg.algorithm.mask_stats_source,
             fused_forward=ac.fused_forward, sort_by_length=ac.sort_by_length and not ac.share_prompt,
             has_reference=self.ref_model is not None, keep_all_graphs=self.dist.strategy == "fsdp2",
             token_budget=ac.ppo_max_token_len_per_gpu if ac.use_dynamic_bsz else None,
             layout=self.updater.layout, prompt_lengths=batch.attention_mask[:, :batch.prompt_width].sum(dim=1),
             sync_counts=max_over_ranks(self.dist) if ac.use_dynamic_bsz and fsdp2 else None)
+
+    def _measure_mechanism(self, rollout: Rollout, plan: UpdatePlan, old: TokenStats, ref: torch.Tensor | None,
+                           timing: dict[str, float]) -> dict[str, float]:
+        """The ``mechanism.*`` measurements due at this step, at θ_t before the update (:class:`stapo.train.mechanism.
+        MechanismHook`; ``timing_s/mechanism``) → their metrics; {} when off or none is due."""
+        if self.mechanism is None:
+            return {}
+        with _timed(timing, "mechanism"):  # plan_for: the step's plan for another token mask (the counterfactual's)
+            return self.mechanism.measure(self.step, rollout, plan, old, ref, functools.partial(self._plan, rollout))
 
     def _old_policy_stats(self, rollout: Rollout, plan: UpdatePlan,
                           progress: Progress) -> tuple[TokenStats, torch.Tensor | None]:
