@@ -15,6 +15,7 @@ Algorithm core (pure tensor functions, no model, no I/O)
 Rewards and data
   boxed, rewards, grader   \\boxed{} extraction, the strict-box training reward, the math-verify grader
   data, synthetic, prompts benchmark / training-set loaders, synthetic arithmetic, the boxed prompt
+  word_problems, splits    multi-step word problems (the mechanism study's task); the held-out split
 
 Models and rollouts
   models        embedded SmolLM2 (from GGUF), HF / hub policies, tiny test models

@@ -50,6 +50,34 @@ def last_boxed_only_string(text: str) -> str | None:
     return None
 
 
+def first_boxed_end(text: str) -> int | None:
+    """Index just past the closing brace of the *first* ``\\boxed{...}`` of ``text`` (braces matched), or ``None``.
+
+    The scan starts at the first occurrence of ``\\boxed{``; ``None`` when there is none or it is never closed (a
+    later box would sit inside it). ``text[:first_boxed_end(text)]`` is the text up to and including that box;
+    ``rollout.stop_at_first_boxed`` ends a response there (:func:`stapo.rollout.boxed_cut.cut_at_first_boxed`).
+    Example: ``"so 3. \\boxed{\\frac{1}{2}} and \\boxed{7}"`` → 25 (the end of ``\\boxed{\\frac{1}{2}}``).
+
+    Raises:
+        TypeError: ``text`` is not a ``str``.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"first_boxed_end expects str, got {type(text).__name__}")
+    start = text.find(BOX_OPEN)
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len(BOX_OPEN) - 1, len(text)):
+        ch = text[i]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
 def remove_boxed(boxed: str) -> str:
     """Strip the ``\\boxed{`` prefix and the closing ``}`` from a string returned by
     :func:`last_boxed_only_string`.

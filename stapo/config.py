@@ -89,10 +89,11 @@ class ModelConfig:
 @dataclass
 class SyntheticConfig:
     num_problems: int = 2000
-    levels: list[int] = field(default_factory=lambda: [1])  # difficulty levels (see stapo/synthetic)
+    # difficulty levels: stapo/synthetic.py (train_set synthetic) or stapo/word_problems.py (train_set word)
+    levels: list[int] = field(default_factory=lambda: [1])
     seed: int = 0
     # "all": every draw (the problem stream of earlier versions); "train": never a problem of the held-out split
-    # that the generated benchmarks arith_test / arith_hard are drawn from (stapo.synthetic.is_heldout)
+    # that the generated benchmarks arith_test / arith_hard (word_test, ...) are drawn from (stapo.splits)
     split: Literal["all", "train"] = "all"
 
 
@@ -100,7 +101,7 @@ class SyntheticConfig:
 class DataConfig:
     root: str = "data"  # data root (benchmarks/, train/); tests use ../shared/data
     # "file": the user's own file, described by train_file (stapo.data.FileSetConfig; docs/extending.md)
-    train_set: str = "synthetic"  # synthetic | file (data.train_file) | a stapo.data.TRAIN_REGISTRY name
+    train_set: str = "synthetic"  # synthetic | word | file (data.train_file) | a stapo.data.TRAIN_REGISTRY name
     train_file: FileSetConfig = field(default_factory=FileSetConfig)
     prompt_style: Literal["chat", "plain"] = "chat"  # chat template (instruct models) or plain text (base)
     system_prompt: Optional[str] = None  # chat only; the paper uses none (the CPU recipe adds a one-shot example)
@@ -139,6 +140,11 @@ class RolloutConfig:
     # batched sampler (per-request generators make it loop over requests in Python every decode step), each rank's
     # engine seeded once with trainer.seed + rank; the HF backend then samples from torch's global generator.
     per_request_seeds: bool = True
+    # true: a response ends at its first complete \boxed{...}: its token list is cut right after the token that
+    # closes the box, before the reward and the batch, so the tokens after it leave the loss and every token
+    # statistic, for every objective alike (HF and vLLM alike: stapo/rollout/boxed_cut.py). Not from the paper
+    # (docs/method.md#word-problem-task); false keeps every response whole.
+    stop_at_first_boxed: bool = False
 
 
 @dataclass
@@ -622,7 +628,7 @@ def validate(cfg: TrainConfig) -> None:
     check_finite(cfg)  # NaN / ±inf in any number: named before any range check reads it
     check_registered("rollout.backend", cfg.rollout.backend, "rollout backend", BACKENDS)
     check_registered("data.train_set", cfg.data.train_set, "training set",
-                     {"synthetic": None, "file": None, **TRAIN_BY_NAME})
+                     {"synthetic": None, "word": None, "file": None, **TRAIN_BY_NAME})
     need(cfg.rollout.n >= 2, "rollout.n", "the group size G must be ≥ 2 (GRPO's std uses ddof=1)")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
@@ -704,13 +710,22 @@ def validate(cfg: TrainConfig) -> None:
         need(v is None or v >= 1, f"trainer.{key}", "must be ≥ 1 (steps in a row), or null (never stop)")
     need(cfg.data.synthetic.seed >= 0, "data.synthetic.seed", "must be ≥ 0")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
+    if cfg.data.train_set in ("synthetic", "word"):  # the generated tasks' levels (stapo/synthetic, word_problems)
+        from stapo.synthetic import LEVELS
+        from stapo.word_problems import WORD_LEVELS
+
+        known = sorted(LEVELS if cfg.data.train_set == "synthetic" else WORD_LEVELS)
+        need(bool(cfg.data.synthetic.levels) and all(lv in known for lv in cfg.data.synthetic.levels),
+             "data.synthetic.levels", f"levels of data.train_set={cfg.data.train_set} are {known}")
     need(cfg.data.synthetic.split in ("all", "train"), "data.synthetic.split",
          f"{cfg.data.synthetic.split!r} must be 'all' or 'train' (the test split is for evaluation: arith_test)")
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         from stapo.synthetic import GENERATED_BENCHMARKS
 
-        held_out = [b for b in cfg.validation.benchmarks if str(b).strip().lower() in GENERATED_BENCHMARKS]
-        need(not (held_out and cfg.data.train_set == "synthetic" and cfg.data.synthetic.split == "all"),
+        task = {"synthetic": "arithmetic", "word": "word"}.get(cfg.data.train_set)
+        specs = [GENERATED_BENCHMARKS.get(str(b).strip().lower()) for b in cfg.validation.benchmarks]
+        held_out = [b for b, spec in zip(cfg.validation.benchmarks, specs) if spec is not None and spec.task == task]
+        need(not (held_out and cfg.data.synthetic.split == "all"),
              "validation.benchmarks", f"{', '.join(held_out)} is drawn from the synthetic task's held-out split, "
              "which data.synthetic.split=all trains on: set data.synthetic.split=train")
     need(cfg.validation.samples >= 1, "validation.samples", "must be ≥ 1")

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Sequenc
 from stapo.boxed import BOX_OPEN, last_boxed_content
 from stapo.records import Record
 from stapo.synthetic import generate_arithmetic
+from stapo.word_problems import generate_word_problems
 
 __all__ = [
     "Benchmark",
@@ -483,7 +484,7 @@ TRAIN_REGISTRY: tuple[TrainSet, ...] = (
 # Derived tables (do not edit: add an entry to BENCHMARK_REGISTRY / TRAIN_REGISTRY instead).
 BENCHMARKS: tuple[str, ...] = tuple(b.name for b in BENCHMARK_REGISTRY)
 BENCHMARK_BY_NAME: dict[str, Benchmark] = {b.name: b for b in BENCHMARK_REGISTRY}
-TRAIN_SETS: tuple[str, ...] = tuple(t.name for t in TRAIN_REGISTRY) + ("synthetic_arithmetic",)
+TRAIN_SETS: tuple[str, ...] = tuple(t.name for t in TRAIN_REGISTRY) + ("synthetic_arithmetic", "synthetic_word")
 TRAIN_FILES: dict[str, str] = {t.name: t.file for t in TRAIN_REGISTRY}
 TRAIN_BY_NAME: dict[str, TrainSet] = {t.name: t for t in TRAIN_REGISTRY}
 EXPECTED_ROWS: dict[str, int] = {e.name: e.expected_rows for e in (*BENCHMARK_REGISTRY, *TRAIN_REGISTRY)}
@@ -650,7 +651,9 @@ def load_train_set(
     Args:
         name: ``"dapo_math_17k"``, ``"math_train"`` (files under ``<root>/train``) or
             ``"synthetic_arithmetic"`` (alias ``"synthetic"``; generated in memory, no file: the default CPU training
-            set; ``synthetic_kwargs`` go to :func:`stapo.synthetic.generate_arithmetic`).
+            set; ``synthetic_kwargs`` go to :func:`stapo.synthetic.generate_arithmetic`) or ``"synthetic_word"``
+            (alias ``"word"``; the word problems, ``synthetic_kwargs`` to
+            :func:`stapo.word_problems.generate_word_problems`).
         root: data root (required for the file-backed sets).
         on_bad_row: see the module docstring.
 
@@ -661,13 +664,14 @@ def load_train_set(
         ValueError: unknown name, missing ``root``, or options that do not apply.
         DataFileNotFoundError / DataError: as the specific loaders.
     """
-    name = {"synthetic": "synthetic_arithmetic"}.get(name, name)  # config spelling
-    if name == "synthetic_arithmetic":
-        records = generate_arithmetic(**synthetic_kwargs)
+    name = {"synthetic": "synthetic_arithmetic", "word": "synthetic_word"}.get(name, name)  # config spelling
+    if name in ("synthetic_arithmetic", "synthetic_word"):
+        generate = generate_arithmetic if name == "synthetic_arithmetic" else generate_word_problems
+        records = generate(**synthetic_kwargs)
         stats = LoadStats(source=name, path="", rows_read=len(records), rows_loaded=len(records))
         return LoadedSet(records=records, stats=stats)
     if synthetic_kwargs:
-        raise ValueError(f"options {sorted(synthetic_kwargs)} only apply to synthetic_arithmetic")
+        raise ValueError(f"options {sorted(synthetic_kwargs)} only apply to synthetic_arithmetic and synthetic_word")
     if name not in TRAIN_FILES:
         raise ValueError(f"unknown training set {name!r}; known: {', '.join(TRAIN_SETS)}")
     if root is None:

@@ -15,8 +15,8 @@ Every launch of train.py writes ``<run_dir>/fingerprint.json`` beside ``config.j
   (the test model built from code and ``trainer.seed``): ``id:tiny``. An ``id:`` part is not content and is never
   compared.
 - ``data``: ``data.train_set=file``: the digest of ``data.train_file.path``; a registered set: of its file under
-  ``data.root``; ``synthetic``: of the generated problems (ids, problems, answers), so a generator that changed
-  is seen as well as changed parameters.
+  ``data.root``; ``synthetic`` / ``word``: of the generated problems (ids, problems, answers), so a generator that
+  changed is seen as well as changed parameters.
 - ``machine``: :func:`stapo.fingerprint.machine_kind`; ``compute_dtype``: the resolved ``model.compute_dtype``;
   ``seed``: ``trainer.seed``.
 
@@ -137,11 +137,12 @@ def model_part(path: str, cache_dir: str | None = None, *, convert: bool = True)
 
 
 @functools.lru_cache(maxsize=64)
-def _synthetic_digest(n: int, seed: int, levels: tuple[int, ...], split: str) -> str:
-    """Digest of the generated ``[id, problem, answer]`` list (one generation per parameters and process)."""
+def _synthetic_digest(n: int, seed: int, levels: tuple[int, ...], split: str, task: str = "synthetic") -> str:
+    """Digest of the generated ``[id, problem, answer]`` list (one generation per parameters and process); ``task``:
+    ``data.train_set`` (``synthetic`` or ``word``)."""
     from stapo.data import load_train_set
 
-    records = load_train_set("synthetic", n=n, seed=seed, levels=levels, split=split).records
+    records = load_train_set(task, n=n, seed=seed, levels=levels, split=split).records
     return json_digest([[r.id, r.problem, r.answer] for r in records])
 
 
@@ -159,10 +160,11 @@ def data_part(data: Any) -> tuple[str, str, str]:
     from stapo.data import train_path
     from stapo.fingerprint import file_sha256
 
-    if data.train_set == "synthetic":
+    if data.train_set in ("synthetic", "word"):  # generated (stapo/synthetic.py, stapo/word_problems.py)
         s = data.synthetic
         params = f"num_problems={s.num_problems}, levels={list(s.levels)}, seed={s.seed}, split={s.split}"
-        return _synthetic_digest(s.num_problems, s.seed, tuple(s.levels), s.split), "data.synthetic", params
+        digest = _synthetic_digest(s.num_problems, s.seed, tuple(s.levels), s.split, data.train_set)
+        return digest, "data.synthetic", params
     if data.train_set == "file":
         path = Path(str(data.train_file.path)).expanduser()
         return file_sha256(path), "data.train_file.path", str(path)

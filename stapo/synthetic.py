@@ -26,19 +26,22 @@ returns a held-out problem, ``split="test"`` returns only held-out ones (each at
 ``split="train"`` is evaluated on problems it has never seen. The generated benchmarks :data:`GENERATED_BENCHMARKS`
 (``arith_test``: level 2, the training task's harder half; ``arith_hard``: levels 3-4, multiplication and three
 operands, never trained on) are built from the held-out split and are evaluated like the file benchmarks
-(``evaluate.py --benchmarks arith_test``, ``validation.benchmarks: [arith_test]``).
+(``evaluate.py --benchmarks arith_test``, ``validation.benchmarks: [arith_test]``). The word-problem task
+(:mod:`stapo.word_problems`) registers its held-out benchmarks here too (``word_test``, ``word_mid``,
+``word_hard``).
 
 Not from the paper: a CPU-scale stand-in for DAPO-Math-17k (docs/method.md#cpu-recipe asks to scale the recipe
 down with configs, not to change the algorithm).
 """
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from stapo.records import Record
+from stapo.splits import HELDOUT_MODULUS, is_heldout  # re-exported: the split of every generated task
+from stapo.word_problems import generate_word_problems
 
 __all__ = [
     "SOURCE",
@@ -94,20 +97,8 @@ LEVELS: dict[int, ArithmeticLevel] = {
 DEFAULT_LEVELS: tuple[int, ...] = (1, 2, 3, 4)
 DEFAULT_NUM_PROBLEMS = 2048
 DEFAULT_SEED = 0
-#: One problem in ``HELDOUT_MODULUS`` (by the hash of its text) belongs to the held-out split.
-HELDOUT_MODULUS = 10
 Split = Literal["all", "train", "test"]
 SPLITS: tuple[str, ...] = ("all", "train", "test")
-
-
-def is_heldout(problem: str) -> bool:
-    """Whether a problem text is in the held-out split: ``int(sha256(text)[:8 bytes]) % HELDOUT_MODULUS == 0``.
-
-    Example: of the 81 level-1 problems (``"What is a + b?"``, 1 <= a, b <= 9) about 8 are held out; the split
-    depends on the text only, so it is the same for every seed, count and level mix.
-    """
-    digest = hashlib.sha256(problem.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % HELDOUT_MODULUS == 0
 
 
 def evaluate_expression(numbers: Sequence[int], ops: Sequence[str]) -> int:
@@ -222,7 +213,8 @@ def generate_arithmetic(
 
 @dataclass(frozen=True)
 class GeneratedBenchmark:
-    """A benchmark drawn from the held-out split (``generate_arithmetic(num_problems, seed, levels, "test")``).
+    """A benchmark drawn from the held-out split (``generate_arithmetic(num_problems, seed, levels, "test")``, or
+    :func:`stapo.word_problems.generate_word_problems` for ``task="word"``).
 
     Attributes:
         name: the benchmark's name in evaluation and validation configs.
@@ -230,7 +222,8 @@ class GeneratedBenchmark:
         samples: the default N per problem (avg@N).
         description: one line for reports and docs.
         exclude_levels: problems another level could also produce are skipped (:func:`could_be_level`: a level-3
-            ``88 - 71`` is also a level-2 problem, so it is not "harder").
+            ``88 - 71`` is also a level-2 problem, so it is not "harder"; arithmetic only).
+        task: ``"arithmetic"`` (:data:`LEVELS`) or ``"word"`` (:data:`stapo.word_problems.WORD_LEVELS`).
     """
 
     name: str
@@ -240,6 +233,7 @@ class GeneratedBenchmark:
     samples: int
     description: str
     exclude_levels: tuple[int, ...] = ()
+    task: Literal["arithmetic", "word"] = "arithmetic"
 
 
 def could_be_level(problem: str, level: int) -> bool:
@@ -266,6 +260,13 @@ GENERATED_BENCHMARKS: dict[str, GeneratedBenchmark] = {
         GeneratedBenchmark("arith_hard", (3, 4), 500, 2, 4,
                            "held-out levels 3-4 (2-digit products, three operands, negative results): never trained",
                            exclude_levels=(1, 2)),
+        GeneratedBenchmark("word_test", (2, 3, 4), 300, 1, 4,
+                           "held-out word problems, 2-4 sums and differences up to 20: the word task", task="word"),
+        GeneratedBenchmark("word_mid", (12, 13, 14), 300, 2, 4,
+                           "held-out word problems, 2-4 operations with products, halves and splits up to 60",
+                           task="word"),
+        GeneratedBenchmark("word_hard", (22, 23, 24), 300, 3, 4,
+                           "held-out word problems, 2-4 operations up to 300", task="word"),
     )
 }
 
@@ -279,10 +280,13 @@ def generated_benchmark(name: str) -> list[Record]:
     if name not in GENERATED_BENCHMARKS:
         raise KeyError(f"unknown generated benchmark {name!r}; known: {', '.join(GENERATED_BENCHMARKS)}")
     spec = GENERATED_BENCHMARKS[name]
-    draws = 3 * spec.num_problems if spec.exclude_levels else spec.num_problems  # room for the excluded ones
-    records = generate_arithmetic(draws, spec.seed, spec.levels, split="test")
-    records = [r for r in records if not any(could_be_level(r.problem, lv) for lv in spec.exclude_levels)]
-    if len(records) < spec.num_problems:  # pragma: no cover - a spec error, caught by the tests
-        raise ValueError(f"{name}: only {len(records)} problems after excluding levels {spec.exclude_levels}")
+    if spec.task == "word":
+        records = generate_word_problems(spec.num_problems, spec.seed, spec.levels, split="test")
+    else:
+        draws = 3 * spec.num_problems if spec.exclude_levels else spec.num_problems  # room for the excluded ones
+        records = generate_arithmetic(draws, spec.seed, spec.levels, split="test")
+        records = [r for r in records if not any(could_be_level(r.problem, lv) for lv in spec.exclude_levels)]
+        if len(records) < spec.num_problems:  # pragma: no cover - a spec error, caught by the tests
+            raise ValueError(f"{name}: only {len(records)} problems after excluding levels {spec.exclude_levels}")
     records = records[:spec.num_problems]
     return [Record(id=f"{name}/{i}", problem=r.problem, answer=r.answer, source=name) for i, r in enumerate(records)]

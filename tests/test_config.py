@@ -248,12 +248,12 @@ def test_import_modules_failures_are_one_line_naming_the_key_and_the_module(user
 
 
 def test_train_set_is_checked_against_the_training_set_registry():
-    """data.train_set: synthetic, file or a TRAIN_REGISTRY name; anything else is one line with the closest name."""
+    """data.train_set: synthetic, word, file or a TRAIN_REGISTRY name; anything else is one line with the closest name."""
     assert load_config(REPO_ROOT / "configs/tiny_test.yaml", ["data.train_set=math_train"]).data.train_set == "math_train"
     with pytest.raises(ConfigError) as e:
         load_config(REPO_ROOT / "configs/tiny_test.yaml", ["data.train_set=math_trian"])
     assert str(e.value) == ("invalid value for 'data.train_set' ('math_trian'): unknown training set; did you mean "
-                            "'math_train'? (registered: dapo_math_17k, file, math_train, synthetic)")
+                            "'math_train'? (registered: dapo_math_17k, file, math_train, synthetic, word)")
 
 
 def test_import_modules_given_as_a_string_is_one_line_asking_for_a_list(tmp_path):

@@ -88,7 +88,9 @@ class Response:
         engine_logprobs: per response token (same length as ``response_ids``), the engine's natural-log
             probability of the sampled token under the *sampling* distribution (logits / T, top-p applied,
             unknown ids masked); ``None`` where the engine did not report them.
-        finish_reason: ``"eos"`` (stopped on a stop token) or ``"length"`` (hit ``max_new_tokens``).
+        finish_reason: ``"eos"`` (stopped on a stop token) or ``"length"`` (hit ``max_new_tokens``); ``"boxed"``:
+            cut after its first complete ``\\boxed{}`` by ``rollout.stop_at_first_boxed``
+            (:func:`stapo.rollout.boxed_cut.cut_at_first_boxed`; the engines themselves never return it).
     """
 
     group: int
@@ -96,7 +98,7 @@ class Response:
     response_ids: list[int]
     text: str
     engine_logprobs: list[float] | None
-    finish_reason: Literal["eos", "length"]
+    finish_reason: Literal["eos", "length", "boxed"]
     index: int = field(default=0)  # position of the response within its group (0..G-1)
 
 

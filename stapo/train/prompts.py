@@ -14,10 +14,10 @@ Prompt = tuple[list[int], str, str]  # (prompt token ids, gold answer, record id
 def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, float]]:
     """The training set of ``cfg.data`` → (prompts, counts).
 
-    ``data.train_set``: ``synthetic`` (generated, ``data.synthetic``), ``file`` (the user's JSONL / parquet,
-    ``data.train_file`` with its field mapping; source name = the file's stem) or a registered training set read
-    from ``data.root``. Prompts are encoded with ``data.prompt_style`` / ``data.system_prompt``; those longer than
-    ``data.max_prompt_length`` tokens are dropped and counted.
+    ``data.train_set``: ``synthetic`` or ``word`` (generated arithmetic or word problems, ``data.synthetic``), ``file``
+    (the user's JSONL / parquet, ``data.train_file`` with its field mapping; source name = the file's stem) or a
+    registered training set read from ``data.root``. Prompts are encoded with ``data.prompt_style`` /
+    ``data.system_prompt``; those longer than ``data.max_prompt_length`` tokens are dropped and counted.
 
     Returns:
         (list of (prompt ids, gold, record id), ``{"data/num_prompts", "data/num_dropped_too_long",
@@ -35,8 +35,8 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
     from stapo.prompts import encode_prompt
 
     dc = cfg.data
-    if dc.train_set == "synthetic":
-        records = load_train_set("synthetic", n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
+    if dc.train_set in ("synthetic", "word"):  # generated: the arithmetic or the word-problem task
+        records = load_train_set(dc.train_set, n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
                                  levels=tuple(dc.synthetic.levels), split=dc.synthetic.split)
     elif dc.train_set == "file":
         name = Path(dc.train_file.path).stem if dc.train_file.path else "file"

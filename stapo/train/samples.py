@@ -6,7 +6,7 @@ the step (JSON-ready: non-finite floats become ``None``):
     step, prompt_index (the prompt's index in the step's batch), prompt_id (its record id, e.g. ``synthetic/12``),
     sample (the response's index 0..G-1 within its group), prompt (text), gold, response (text),
     extracted_answer (what the reward function read; ``None``: no answer / not reported), reward, advantage (Â),
-    finish_reason (``eos`` | ``length``), mask (the objective's token mask, e.g. ``s2t``), response_length,
+    finish_reason (``eos`` | ``length`` | ``boxed``), mask (the objective's token mask, e.g. ``s2t``), response_length,
     num_silenced, mean_p, mean_entropy — and with ``token_arrays``, per response token (n = response_length):
     token_ids [n], tokens [n] (each id decoded alone, special tokens kept), logprobs [n] (log p, nats),
     entropy [n] (H, nats), silenced [n] (1 = the token received no gradient under the step's mask).

@@ -865,6 +865,10 @@ class Trainer:
         self.engine_phases.wake()  # no-op: the sync of the previous step (or start-up) left it awake
         responses = self.engine.generate([p[0] for p in prompts], cfg.rollout.n, sampling, **extra)
         self.engine_phases.sleep()  # its memory is the trainer's until the next sync
+        if cfg.rollout.stop_at_first_boxed:  # each response ends at its first complete \boxed{} (every objective)
+            from stapo.rollout.boxed_cut import cut_responses_at_first_boxed
+
+            responses = cut_responses_at_first_boxed(responses, self.tokenizer)
         return prompts, responses
 
     def _score(self, prompts: list, responses: list) -> Rollout:
