@@ -229,3 +229,35 @@ def test_metrics_of_a_nan_loss_run_are_written_in_the_documented_form(tmp_path, 
     row = json.loads(text.splitlines()[0])
     assert all(isinstance(v, (int, float)) or v in ("nan", "inf", "-inf") for v in row.values())
     assert all(not isinstance(v, float) or math.isfinite(v) for v in row.values())
+
+
+@pytest.mark.slow  # two gloo ranks under torchrun (~1 min); the one-process tests above are the fast ones
+def test_two_ranks_stop_after_the_same_step_with_one_line(tmp_path):
+    """Under torchrun every rank stops after the same step (no rank left waiting in a collective), the step is
+    checkpointed (a collective save), rank 0 alone prints the line, exit code 1 (torchrun names the failed ranks)."""
+    import os
+    import socket
+    import subprocess
+
+    module = tmp_path / "cannot_learn_plugin.py"
+    module.write_text(PLUGIN)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           str(REPO / "train.py"), "--config", TINY, f"trainer.import_modules=[{module}]",
+           "algorithm.objective=test_nan_objective", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+           "trainer.total_steps=5", "trainer.save_every=0", f"trainer.output_dir={tmp_path}", "trainer.run_name=r",
+           "trainer.stop_after_nonfinite_steps=2", *FAST]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    # torchrun reports the failed ranks itself (its own ChildFailedError); no traceback of train.py or stapo
+    assert res.returncode != 0 and "exitcode  : 1" in res.stderr, res.stderr[-4000:]
+    assert f'File "{REPO / "stapo"}' not in res.stderr and f'File "{REPO / "train.py"}' not in res.stderr
+    assert "lr_scheduler.step()" not in res.stderr  # torch's warning when no optimizer step was taken: silenced
+    lines = [line for line in res.stderr.splitlines() if line.startswith("train.py:")]
+    # 2 mini-batches (optimizer steps) per training step: 2 ≥ 2 after step 1
+    assert len(lines) == 1 and lines[0].startswith("train.py: the run cannot learn, stopped after step 1: 2 "
+                                                   "optimizer steps in a row"), res.stderr[-4000:]
+    assert latest_checkpoint(tmp_path / "r" / "checkpoints").name == "step_000001"
+    assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [1]

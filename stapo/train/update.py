@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -176,7 +177,9 @@ class PolicyUpdate:
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]  # the learning rate this step used
         # One scheduler step per TRAINING step (as verl's update_actor): warm-up counts training steps, whatever
         # the number of mini-batches (optimizer steps) per training step.
-        self.scheduler.step()
+        with warnings.catch_warnings():  # every optimizer step skipped so far (non-finite): torch's warning is noise
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
         metrics["actor/num_kept_tokens"] = dist.all_reduce({"n": float(keep_all.sum())}, self.ctx)["n"]
         return UpdateResult(metrics=metrics, keep=keep_all, old=old)
 
