@@ -55,6 +55,10 @@ NEUTRAL_KEYS: tuple[str, ...] = (
     "trainer.output_dir", "trainer.run_name", "trainer.resume", "trainer.progress_bar", "trainer.save_every",
     "trainer.keep_last", "trainer.save_on_interrupt", "trainer.save_rollouts", "trainer.log_examples_every",
     "trainer.gpu_memory_gib", "logging", "model.cache_dir", "data.root",
+    # when a run is stopped or refused, never what a finished run computed; measurements that leave the run
+    # bit-identical (tests/test_mechanism.py)
+    "trainer.stop_after_nonfinite_steps", "trainer.stop_after_silent_steps", "data.max_unparsable_gold_fraction",
+    "mechanism",
 )
 #: Keys the resume guard lets change (:data:`stapo.config.RESUME_MUTABLE_KEYS`) that say how a run is computed, not
 #: what it trains or measures (the same update up to float rounding): a study tolerates a run recorded with other

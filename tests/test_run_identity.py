@@ -162,3 +162,27 @@ def test_plan_differences_classify_keys():
     assert plan_differences(rec, shorter)[0] == ["trainer.total_steps: 2 → 1"]
     del rec["algorithm"]["mask_stats_source"]  # a config.json older than the key: compared with its default
     assert plan_differences(rec, to_dict(load_config(REPO / "configs" / "tiny_test.yaml"))) == ([], [])
+
+
+def test_stop_rules_gold_threshold_and_measurements_are_neutral_keys():
+    """Keys that decide when a run stops or is refused, and measurements that leave it bit-identical, do not change
+    the config part; a key that changes the update does."""
+    from stapo.run_identity import config_digest
+
+    base = {"trainer": {"seed": 0, "stop_after_silent_steps": 3, "stop_after_nonfinite_steps": 3},
+            "data": {"max_unparsable_gold_fraction": 0.05}, "mechanism": {"enabled": False}, "actor": {"lr": 1e-6}}
+    other = {"trainer": {"seed": 0, "stop_after_silent_steps": None, "stop_after_nonfinite_steps": 10},
+             "data": {"max_unparsable_gold_fraction": 0.5}, "mechanism": {"enabled": True}, "actor": {"lr": 1e-6}}
+    assert config_digest(base) == config_digest(other)
+    assert config_digest(base) != config_digest({**base, "actor": {"lr": 2e-6}})
+
+
+def test_a_run_stopped_by_sighup_counts_as_stopped_not_failed():
+    import signal
+
+    from stapo.study.runner import _STOPPED, _stop_code
+
+    assert 129 in _STOPPED and -signal.SIGHUP in _STOPPED  # train.py's exit 129, or killed by SIGHUP
+    assert _stop_code(129, None) == 129 and _stop_code(-signal.SIGHUP, None) == 129
+    assert _stop_code(143, None) == 143 and _stop_code(-signal.SIGINT, None) == 130
+    assert _stop_code(129, signal.SIGTERM) == 143  # the runner's own signal names its code

@@ -615,11 +615,14 @@ def _stop_code(rc: int, signum: int | None) -> int:
     killed by SIGINT, rc -2) 130."""
     if signum in (signal.SIGINT, signal.SIGTERM):
         return 128 + int(signum)
+    if rc in (129, -signal.SIGHUP):  # the run's terminal closed (train.py handles SIGHUP like SIGTERM: exit 129)
+        return 129
     return 143 if rc in (143, -signal.SIGTERM) else 130
 
 
-#: A run's exit codes that mean it was stopped by SIGINT / SIGTERM (train.py's 130 / 143, or killed by the signal).
-_STOPPED = (130, 143, -signal.SIGINT, -signal.SIGTERM)
+#: A run's exit codes that mean it was stopped by SIGINT / SIGTERM / SIGHUP (train.py's 130 / 143 / 129, or killed
+#: by the signal).
+_STOPPED = (129, 130, 143, -signal.SIGHUP, -signal.SIGINT, -signal.SIGTERM)
 
 
 def _run(cmd: list[str], log: Path, verbose: bool) -> tuple[int, float, bool]:
