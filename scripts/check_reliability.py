@@ -103,7 +103,9 @@ class Case:
     signal_when: str = "runs/r/metrics.jsonl"
     signal_rc: Optional[tuple[int, ...]] = None
     signal_expect: str = ""  # substring of the signalled process's last stderr line
-    then: Optional[list[str]] = None  # follow-up command
+    then: Optional[list[str]] = None  # follow-up command (after the signal, or after the first command ends)
+    between: Optional[Callable[[Path], None]] = None  # called after the first command, before `then`
+    first_rc: tuple[int, ...] = (0,)  # without a signal: the exit codes the first of two commands may end with
     check: Optional[Callable[[Path, list[Result]], Optional[str]]] = None
     known: Optional[str] = None  # "POOR: <reason>"
     known_when: Optional[Callable[[list[Result]], bool]] = None  # `known` applies only when this holds (default: always)
@@ -437,6 +439,400 @@ def _cases() -> list[Case]:
     add(Case("env: open-file limit 64 (RLIMIT_NOFILE)", T, preexec=limit_files(64), expect_rc=(0, 1)))
     add(Case("env: address space 3 GiB (RLIMIT_AS)", T, preexec=limit_memory(3), expect_rc=(0, 1),
              expect=""))
+    C.extend(_issue31_cases())
+    return C
+
+
+# --------------------------------------------------------------------------------------------- issue 31 cases
+# Results that know what they were made from, runs that cannot learn, verdicts from clean data (issue 31).  Every
+# kind starts with "i31 " (``--only i31``).  Studies are built as train.py and the runner leave them (tiny study:
+# 2 methods x 2 seeds x 2 steps; no training needed); evaluations and runs use the tiny configs.
+
+STUDY_CFG = str(REPO / "configs" / "study" / "tiny_test.yaml")
+STUDY_OVERRIDES = "trainer.total_steps=2,trainer.save_every=1,trainer.log_examples_every=0"
+STUDY_RUNS = ("stapo_seed0", "grpo_seed0", "stapo_seed1", "grpo_seed1")
+
+#: A user module registering a loss that returns NaN and a mask that keeps no token (tests/test_cannot_learn.py).
+CANNOT_LEARN_PLUGIN = '''
+import torch
+from stapo.masks import TokenMask, register_token_mask
+from stapo.objectives import get_objective, register_objective, register_policy_loss
+
+
+@register_policy_loss("rel_nan_loss")
+def nan_loss(logprobs, old_logprobs, advantages, keep, objective):
+    flags = torch.zeros_like(logprobs)
+    return logprobs * float("nan"), {"pg_clipfrac": flags, "pg_clipfrac_lower": flags}
+
+
+@register_token_mask("rel_silence_all", maskable_rows="all")
+def silence_all(logprobs, entropy, advantages, response_mask):
+    return TokenMask(keep=torch.zeros_like(response_mask, dtype=torch.bool), stats={})
+
+
+register_objective(get_objective("justrl").replace(name="rel_nan_objective", policy_loss="rel_nan_loss"))
+register_objective(get_objective("justrl").replace(name="rel_silent_objective", token_mask="rel_silence_all"))
+'''
+
+
+def _stapo() -> None:
+    """Make the tree's stapo importable in this process (setups that write run folders as train.py does)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+
+def _study_row(step: int, reward: float, entropy: object = 1.0) -> dict:
+    return {"step": step, "critic/score/mean": reward, "actor/entropy": entropy, "response_length/total_tokens": 10.0,
+            "timing_s/step": 1.0}
+
+
+def study_cmd(*extra: str) -> list[str]:
+    return ["-m", "stapo.study", "--config", STUDY_CFG, "output_dir={tmp}/study", *extra]
+
+
+def claims_cmd(*extra: str) -> list[str]:
+    return ["-m", "stapo.study.claims", "--config", STUDY_CFG, "output_dir={tmp}/study", *extra]
+
+
+def study_runs(*overrides: str, ckpt: bool = True, rows=None, model: bool = False):
+    """setup: the tiny study's four runs finished as train.py and the runner leave them (config.json,
+    fingerprint.json, metrics.jsonl, a checkpoint unless ``ckpt=False`` (an exported grid), finished.json);
+    ``rows(name)`` gives a run's metrics rows; ``model``: a local model folder ``$TMP/model`` first."""
+    def setup(tmp: Path) -> None:
+        _stapo()
+        from stapo.config import to_dict
+        from stapo.fingerprint import write_fingerprint
+        from stapo.run_identity import run_fingerprint
+        from stapo.study import load_study_config, run_specs
+        from stapo.study.runner import FINISHED
+
+        if model:
+            model_folder(tmp)
+        cfg = load_study_config(STUDY_CFG, [f"output_dir={tmp}/study", *fill(overrides, tmp)])
+        for spec in run_specs(cfg):
+            d = spec.run_dir
+            d.mkdir(parents=True)
+            data = rows(spec.name) if rows else [_study_row(s, 0.25 * s * (spec.seed + 1)) for s in (1, 2)]
+            write(d / "metrics.jsonl", jsonl(data))
+            if ckpt:
+                write(d / "checkpoints" / "step_000002" / "trainer_state.pt", b"x")
+            write(d / "config.json", json.dumps(to_dict(spec.train), indent=2))
+            write_fingerprint(d, run_fingerprint(spec.train))
+            write(d / FINISHED, json.dumps({"steps": 2}) + "\n")
+    return setup
+
+
+def then_also(*fns):
+    def setup(tmp: Path) -> None:
+        for fn in fns:
+            fn(tmp)
+    return setup
+
+
+def study_intact(report: bool = False):
+    """check: every run folder still holds its metrics and finished marker; report.md written only if ``report``."""
+    def check(tmp: Path, results: list[Result]) -> Optional[str]:
+        for name in STUDY_RUNS:
+            d = tmp / "study" / "runs" / name
+            if not (d / "metrics.jsonl").exists() or not (d / "finished.json").exists():
+                return f"run folder {name} lost its metrics or finished marker"
+        has = (tmp / "study" / "report.md").exists()
+        if has != report:
+            return "report.md was written from the old runs" if has else "no report.md"
+        return None
+    return check
+
+
+def file_has(rel: str, *words: str):
+    def check(tmp: Path, results: list[Result]) -> Optional[str]:
+        p = tmp / rel
+        if not p.exists():
+            return f"{rel} was not written"
+        text = p.read_text(encoding="utf-8", errors="replace")
+        missing = [w for w in words if w.lower() not in text.lower()]
+        return f"{rel} lacks {missing}" if missing else None
+    return check
+
+
+HF_FILES = ("trainer_state.pt", "COMPLETE.json", "optimizer", "rng")
+
+
+def model_folder(tmp: Path, step: str = "step_000001", dst: str = "model") -> Path:
+    """A plain model folder (weights, config, tokenizer) copied from the reference run's checkpoint ``step``."""
+    src = ref_run() / "checkpoints" / step
+    out = tmp / dst
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith(HF_FILES):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def replace_weights(tmp: Path, dst: str = "model") -> None:
+    """The weights at ``$TMP/<dst>`` replaced by those of the reference run's step 2 (same shapes, other values)."""
+    shutil.copy2(ref_run() / "checkpoints" / "step_000002" / "model.safetensors", tmp / dst / "model.safetensors")
+
+
+def edit_json(rel: str, fn):
+    def setup(tmp: Path) -> None:
+        p = tmp / rel
+        data = json.loads(p.read_text(encoding="utf-8"))
+        fn(data)
+        p.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    return setup
+
+
+def _issue31_cases() -> list[Case]:
+    C: list[Case] = []
+    add = C.append
+    T = TRAIN
+    plugin = "trainer.import_modules=[{tmp}/rel_plugin.py]"
+    fast = ["trainer.log_examples_every=0", "rollout.response_length=4"]
+
+    def write_plugin(tmp: Path) -> None:
+        write(tmp / "rel_plugin.py", CANNOT_LEARN_PLUGIN)
+
+    def nothing_written(tmp: Path, results: list[Result]) -> Optional[str]:
+        return "a run folder was created" if (tmp / "runs" / "r").exists() else None
+
+    # ---- config values that make a run that cannot learn: refused before the model loads (exit 2, the key)
+    for override, key in (("actor.lr=inf", "actor.lr"), ("actor.lr=nan", "actor.lr"),
+                          ("rollout.temperature=inf", "rollout.temperature"),
+                          ("algorithm.kl_coef=inf", "algorithm.kl_coef"),
+                          ("validation.temperature=-inf", "validation.temperature"),
+                          ("actor.betas=[0.9,.nan]", "actor.betas"),
+                          ("algorithm.clip_ratio_high=1.2", "clip_ratio_high"),
+                          ("algorithm.clip_ratio_low=1.0", "clip_ratio_low"),
+                          ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
+                          ("trainer.seed=-1", "trainer.seed"),
+                          ("trainer.stop_after_nonfinite_steps=0", "trainer.stop_after_nonfinite_steps")):
+        add(Case(f"i31 config: {override}", [*T, override], expect=key, check=nothing_written))
+    add(Case("i31 config: clip given as ratio bounds 0.8 / 1.2",
+             [*T, "algorithm.clip_ratio_low=0.8", "algorithm.clip_ratio_high=1.2"], expect="ratio bound",
+             check=nothing_written))
+    add(Case("i31 config: warm-up longer than the run", [*T, "actor.warmup_steps=3"], expect="actor.warmup_steps",
+             check=nothing_written))
+
+    # ---- runs that cannot learn: stop with one line, exit 1, the valid checkpoint kept
+    add(Case("i31 run: policy loss returns NaN (plugin)",
+             [*T, plugin, "algorithm.objective=rel_nan_objective", "trainer.total_steps=5", *fast],
+             expect_rc=(1,), expect="cannot learn", setup=write_plugin,
+             check=lambda tmp, r: None if checkpoints(tmp) else "no checkpoint kept"))
+    add(Case("i31 run: token mask keeps no token (plugin)",
+             [*T, plugin, "algorithm.objective=rel_silent_objective", "trainer.total_steps=5", *fast],
+             expect_rc=(1,), expect="cannot learn", setup=write_plugin,
+             check=all_checks(steps_exactly([1, 2, 3]), need_checkpoint("step_000003"))))
+    add(Case("i31 run: SIGHUP (terminal closed), then --resume", [*T, "trainer.total_steps=3"], sig=signal.SIGHUP,
+             signal_rc=(129,), signal_expect="SIGHUP", then=[*T, "trainer.total_steps=3", "--resume"],
+             expect_rc=(0,), expect="", check=all_checks(steps_exactly([1, 2, 3]), need_checkpoint("step_000003"))))
+
+    def bigger_config(key: str, delta: int):
+        def setup(tmp: Path) -> None:
+            folder = model_folder(tmp)
+            edit_json("model/config.json", lambda c: c.__setitem__(key, c[key] + delta))(tmp)
+            assert folder.exists()
+        return setup
+    add(Case("i31 model: config.json of another width than the weights", [*T, "model.path={tmp}/model"],
+             expect="model", setup=bigger_config("intermediate_size", 8), check=nothing_written))
+    add(Case("i31 model: config.json with one layer more than the weights", [*T, "model.path={tmp}/model"],
+             expect="model", setup=bigger_config("num_hidden_layers", 1), check=nothing_written))
+
+    # ---- a run knows what it was made from (fingerprint.json) on --resume
+    one = [*T, "model.path={tmp}/model", "trainer.total_steps=1"]
+    add(Case("i31 resume: weights replaced under the same model.path", one, setup=model_folder,
+             between=replace_weights, then=[*T, "model.path={tmp}/model", "--resume"], expect="model.path",
+             check=steps_exactly([1])))
+    rows2 = [{**r, "answer": str(int(r["answer"]) + 1)} for r in GOOD_ROWS]
+    fileargs = ["data.train_set=file", "data.train_file.path={tmp}/set.jsonl"]
+    add(Case("i31 resume: training rows changed under the same file", [*T, *fileargs, "trainer.total_steps=1"],
+             setup=lambda tmp: write(tmp / "set.jsonl", jsonl(GOOD_ROWS)),
+             between=lambda tmp: write(tmp / "set.jsonl", jsonl(rows2)), then=[*T, *fileargs, "--resume"],
+             expect="data.train_file.path", check=steps_exactly([1])))
+    add(Case("i31 resume: a run from before fingerprints", [*T, "trainer.total_steps=3", "--resume"], expect_rc=(0,),
+             setup=lambda tmp: (copy_ref(tmp) / "fingerprint.json").unlink(), expect="fingerprint",
+             expect_on_success=True, check=all_checks(steps_exactly([1, 2, 3]), file_has("runs/r/fingerprint.json",
+                                                                                          "machine"))))
+    add(Case("i31 resume: on another kind of machine", [*T, "trainer.total_steps=3", "--resume"], expect_rc=(0,),
+             setup=then_also(copy_ref, edit_json("runs/r/fingerprint.json",
+                                                 lambda f: f.__setitem__("machine", "cuda:NVIDIA H100:sm90"))),
+             expect="machine", expect_on_success=True,
+             check=all_checks(steps_exactly([1, 2, 3]),
+                              file_has("runs/r/config_changes.jsonl", "fingerprint.machine"))))
+    add(Case("i31 resume: override after the flag (--resume key=value)", [*T, "--resume", "trainer.total_steps=3"],
+             expect_rc=(0,), setup=copy_ref, check=steps_exactly([1, 2, 3])))
+
+    # ---- gold answers checked at load
+    gold_rows = [*GOOD_ROWS[:5], {"id": 6, "problem": "Say it.", "answer": "\\frac{"}]
+    fileargs = ["data.train_set=file", "data.train_file.path={tmp}/set.jsonl"]
+    add(Case("i31 gold: training file with an unparsable gold (1 of 6)", [*T, *fileargs],
+             setup=lambda tmp: write(tmp / "set.jsonl", jsonl(gold_rows)), expect="max_unparsable_gold_fraction",
+             check=nothing_written))
+    add(Case("i31 gold: the same under a raised threshold", [*T, *fileargs, "data.max_unparsable_gold_fraction=0.5"],
+             setup=lambda tmp: write(tmp / "set.jsonl", jsonl(gold_rows)), expect_rc=(0,), expect="gold",
+             expect_on_success=True, check=need_checkpoint("step_000002")))
+
+    # ---- evaluations know what they were made from
+    ev_model = ["--model", "{tmp}/model"]
+    add(Case("i31 eval: weights replaced at the model path, rerun into the same output", ev(*ev_model),
+             setup=model_folder, between=replace_weights, then=ev(*ev_model, limit="2"), expect="--output",
+             check=lambda tmp, r: None if (tmp / "eval" / "results.json").exists() else "old results.json gone"))
+
+    def snapshot_gens(tmp: Path) -> None:
+        model_folder(tmp, dst="moved")
+        write(tmp / "gens_before.json", json.dumps(sorted(map(repr, gen_responses(tmp / "eval").items()))))
+
+    def same_gens(tmp: Path, results: list[Result]) -> Optional[str]:
+        before = json.loads((tmp / "gens_before.json").read_text())
+        after = sorted(map(repr, gen_responses(tmp / "eval").items()))
+        return None if before == after and before else "the samples were not reused"
+    add(Case("i31 eval: the same weights in another folder, rerun into the same output", ev(*ev_model),
+             setup=model_folder, between=snapshot_gens, then=ev("--model", "{tmp}/moved"), expect_rc=(0,),
+             check=same_gens))
+    add(Case("i31 eval: rerun with another grader.require_value", ev(), then=ev("grader.require_value=true"),
+             expect="grader"))
+    bench = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 4)]
+    mine = ["data.benchmarks=[mine]", "data.custom_benchmarks.mine.path={tmp}/mine.jsonl",
+            "data.custom_benchmarks.mine.samples=1", "generation.settings=[{}]"]
+
+    def bench_setup(rows):
+        return lambda tmp: write(tmp / "mine.jsonl", jsonl(rows))
+    fixed = [bench[0], {**bench[1], "answer": "5"}, bench[2]]
+    add(Case("i31 eval: custom benchmark gold corrected, rerun into the same output", ev(*mine, limit="3"),
+             setup=bench_setup(bench), between=bench_setup(fixed), then=ev(*mine, limit="3"), expect_rc=(0,),
+             expect="", check=lambda tmp, r: None if list((tmp / "eval/generations/superseded").glob("*"))
+             else "no superseded samples kept"))
+    inserted = [{"problem": "What is 10 + 10?", "answer": "20"}, *bench]
+    add(Case("i31 eval: custom benchmark row inserted, rerun into the same output", ev(*mine, limit="4"),
+             setup=bench_setup(bench), between=bench_setup(inserted), then=ev(*mine, limit="4"), expect_rc=(0,),
+             check=lambda tmp, r: None if len(gen_responses(tmp / "eval")) == 4 else
+             f"{len(gen_responses(tmp / 'eval'))} samples, expected 4"))
+    bad_gold = [*bench[:2], {"problem": "Solve it.", "answer": "\\begin{cases} 1 \\end{cases}"}]
+    add(Case("i31 eval: benchmark gold math-verify cannot parse", ev(*mine, limit="3"), setup=bench_setup(bad_gold),
+             expect="max_unparsable_gold_fraction"))
+    add(Case("i31 eval: unparsable gold under a raised threshold",
+             ev(*mine, "data.max_unparsable_gold_fraction=0.5", limit="3"), setup=bench_setup(bad_gold),
+             expect_rc=(0,), expect="gold", expect_on_success=True, check=file_has("eval/results.json",
+                                                                                    "unparsable_golds", "mine/2")))
+    add(Case("i31 eval: temperature 0 with N > 1", ev("generation.settings=[{name: greedy, temperature: 0.0}]"),
+             expect="temperature"))
+    add(Case("i31 eval: prompt fills the model's context", ev(*ev_model),
+             setup=then_also(model_folder, edit_json("model/config.json",
+                                                     lambda c: c.__setitem__("max_position_embeddings", 8))),
+             expect="max_prompt_tokens"))
+
+    # ---- paired comparisons (scripts/paired_eval_diff.py) on hand-made evaluation folders
+    def eval_folder(name: str, flags: dict, **changes):
+        def setup(tmp: Path) -> None:
+            folder = tmp / name
+            lines = [{"problem_id": p, "sample": j, "benchmark": "arith_test", "setting": "t1.0_p1.0", "correct": c,
+                      "response": f"{name}-{p}-{j}"} for p, fl in flags.items() for j, c in enumerate(fl)]
+            write(folder / "generations" / "arith_test__t1.0_p1.0.jsonl", jsonl(lines))
+            m = {"model": {"kind": "hf_folder", "path": f"/models/{name}", "step": None}, "model_digest": name[0] * 64,
+                 "dtype": "float32", "backend": "hf", "prompt": {"style": "auto", "system_prompt": None},
+                 "max_new_tokens": 256, "seed": 0, "samples_per_call": 4, "samples": {"arith_test": 2},
+                 "settings": {"t1.0_p1.0": [1.0, 1.0]}, "grader": {"require_value": False}, "verifier": None,
+                 "data": {"arith_test": "generated:arith_test:0123456789abcdef"}, "machines": ["cpu:x:avx2"]}
+            m.update(changes)
+            write(folder / "eval_manifest.json", json.dumps(m))
+        return setup
+    fa = {"x": [True, True], "y": [False, True], "z": [False, False]}
+    fb = {"x": [True, False], "y": [False, False], "z": [True, False]}
+    paired = [str(SCRIPT_REPO / "scripts" / "paired_eval_diff.py")]
+    add(Case("i31 paired: evaluations with different max_new_tokens", [*paired, "{tmp}/ref", "{tmp}/other"],
+             setup=then_also(eval_folder("ref", fa), eval_folder("other", fb, max_new_tokens=512)),
+             expect="max_new_tokens"))
+    add(Case("i31 paired: evaluations with different N", [*paired, "{tmp}/ref", "{tmp}/other"],
+             setup=then_also(eval_folder("ref", fa), eval_folder("other", fb, samples={"arith_test": 4})),
+             expect="samples"))
+    add(Case("i31 paired: one folder given twice", [*paired, "A={tmp}/ref", "B={tmp}/ref"],
+             setup=eval_folder("ref", fa), expect="same folder"))
+    add(Case("i31 paired: a folder and its copy", [*paired, "{tmp}/ref", "{tmp}/copy"],
+             setup=then_also(eval_folder("ref", fa), lambda tmp: shutil.copytree(tmp / "ref", tmp / "copy")),
+             expect="one evaluation twice"))
+    add(Case("i31 paired: another model, same protocol (compared)", [*paired, "{tmp}/ref", "{tmp}/other"],
+             setup=then_also(eval_folder("ref", fa), eval_folder("other", fb)), expect_rc=(0,),
+             check=lambda tmp, r: None if "| t1.0_p1.0 | arith_test | other | 3 |" in r[-1].stdout
+             else "no paired row for the 3 problems"))
+
+    # ---- a study reuses runs by content
+    lr = "methods.stapo.overrides=[algorithm.objective=stapo,actor.lr=0.002]"
+    add(Case("i31 study: actor.lr changed after the runs finished", study_cmd(lr), setup=study_runs(),
+             expect="actor.lr", check=study_intact()))
+    add(Case("i31 study: objective changed after the runs finished",
+             study_cmd("methods.grpo.overrides=[algorithm.objective=justrl]"), setup=study_runs(),
+             expect="algorithm.objective", check=study_intact()))
+    add(Case("i31 study: rollout.n changed after the runs finished",
+             study_cmd(f"overrides=[{STUDY_OVERRIDES},rollout.n=2]"), setup=study_runs(), expect="rollout.n",
+             check=study_intact()))
+    add(Case("i31 study: model.path changed after the runs finished",
+             study_cmd(f"overrides=[{STUDY_OVERRIDES},model.path={{tmp}}/model]"),
+             setup=then_also(study_runs(), model_folder), expect="model.path", check=study_intact()))
+    add(Case("i31 study: only a how-to-compute key changed (micro-batch)",
+             study_cmd(f"overrides=[{STUDY_OVERRIDES},actor.ppo_micro_batch_size=1]"), setup=study_runs(),
+             expect_rc=(0,), check=study_intact(report=True)))
+    add(Case("i31 study: --dry-run of a changed plan", study_cmd(lr, "--dry-run"), setup=study_runs(),
+             expect_rc=(0, 2), expect="actor.lr", check=study_intact()))
+    add(Case("i31 study: config.json edited by hand (another model)", study_cmd(),
+             setup=then_also(study_runs(), edit_json("study/runs/grpo_seed1/config.json",
+                                                     lambda c: c["model"].__setitem__("path", "/models/other"))),
+             expect="config.json", check=study_intact()))
+
+    def link_seed(tmp: Path) -> None:
+        d = tmp / "study" / "runs"
+        shutil.rmtree(d / "stapo_seed1")
+        (d / "stapo_seed1").symlink_to(d / "stapo_seed0", target_is_directory=True)
+
+    def copy_seed(tmp: Path) -> None:
+        d = tmp / "study" / "runs"
+        shutil.rmtree(d / "stapo_seed1")
+        shutil.copytree(d / "stapo_seed0", d / "stapo_seed1")
+    add(Case("i31 study: a run folder symlinked into another seed's place", study_cmd(),
+             setup=then_also(study_runs(), link_seed), expect="stapo_seed1", check=study_intact()))
+    add(Case("i31 study: a run folder copied into another seed's place", study_cmd(),
+             setup=then_also(study_runs(), copy_seed), expect="stapo_seed1", check=study_intact()))
+    add(Case("i31 study: total_steps raised on an exported grid", study_cmd(
+        "overrides=[trainer.total_steps=3,trainer.save_every=1,trainer.log_examples_every=0]"),
+        setup=study_runs(ckpt=False), expect="total_steps", check=study_intact()))
+    mp = f"overrides=[{STUDY_OVERRIDES},model.path={{tmp}}/model]"
+
+    def flip_weights(tmp: Path) -> None:
+        replace_weights(tmp)
+    add(Case("i31 study: model weights replaced under the same path after it finished", study_cmd(mp),
+             setup=then_also(study_runs(mp, model=True), flip_weights), expect="model", check=study_intact()))
+
+    # ---- verdicts from clean data only (report and claims on hand-written runs)
+    def rows_with(bad_run: str, bad_rows):
+        def rows(name: str):
+            return bad_rows if name == bad_run else [_study_row(s, 0.5 * s) for s in (1, 2, 3, 4)]
+        return rows
+    four = "overrides=[trainer.total_steps=4,trainer.save_every=1,trainer.log_examples_every=0]"
+    nan_rows = [_study_row(1, 0.5), _study_row(2, 1.0), _study_row(3, 1.0), _study_row(4, 1.0, entropy="nan")]
+    inf_rows = [_study_row(1, 0.5), _study_row(2, 1.0), _study_row(3, 1.0), _study_row(4, 1e308)]
+    gap_rows = [_study_row(1, 0.5), _study_row(4, 1.0)]
+    for what, bad in (("NaN entropy in the final window", nan_rows), ("+inf (old 1e308) reward", inf_rows),
+                      ("rows of steps 2-3 deleted", gap_rows)):
+        add(Case(f"i31 report: a run with {what}", study_cmd(four, "--report-only"),
+                 setup=study_runs(four, rows=rows_with("stapo_seed1", bad)), expect_rc=(0,),
+                 check=file_has("study/report.md", "excluded", "stapo_seed1")))
+    add(Case("i31 claims: a run with NaN entropy in the final window", claims_cmd(four),
+             setup=study_runs(four, rows=rows_with("stapo_seed1", nan_rows)), expect_rc=(0,),
+             check=file_has("study/claims.md", "excluded", "stapo_seed1")))
+    add(Case("i31 claims: --role justrl=grpo (a method of another objective)", claims_cmd(four, "--role",
+                                                                                        "justrl=grpo"),
+             setup=study_runs(four), expect="--allow-objective",
+             check=lambda tmp, r: "claims.md written" if (tmp / "study/claims.md").exists() else None))
+    add(Case("i31 claims: --allow-objective with an unknown role", claims_cmd(four, "--allow-objective", "ppo"),
+             setup=study_runs(four), expect="ppo"))
+    add(Case("i31 claims: the role mapping is recorded", claims_cmd(four, "--role", "justrl=grpo",
+                                                                    "--allow-objective", "justrl"),
+             setup=study_runs(four), expect_rc=(0,), check=file_has("study/claims.md", "Roles", "justrl → grpo")))
+    add(Case("i31 study: --export into the study's own runs/", study_cmd("--export", "{tmp}/study/runs/x"),
+             setup=study_runs(), expect="export", check=study_intact()))
+    add(Case("i31 study: --report-only then an override (key=value after the option)",
+             ["-m", "stapo.study", "--config", STUDY_CFG, "--report-only", "output_dir={tmp}/study"],
+             setup=study_runs(), expect_rc=(0,), check=study_intact(report=True)))
+    add(Case("i31 study: the same seed listed twice (seeds=[0,0])", study_cmd("seeds=[0,0]", "--dry-run"),
+             expect_rc=(0, 2), expect="seeds", expect_on_success=True))
     return C
 
 
@@ -516,6 +912,14 @@ def run_case(case: Case, tmp: Path) -> tuple[list[Result], Optional[str]]:
             return results, f"no signal sent: {case.signal_when} never appeared (rc {res.rc})"
         if case.then is None:
             return results, None
+        if case.between:
+            case.between(tmp)
+        argv = fill(case.then, tmp)
+        proc, out_f, err_f, t0 = _spawn(argv, tmp, case)
+    elif case.then is not None:  # two commands: the first runs to its end, `between` changes something, then
+        results.append(_finish(proc, out_f, err_f, t0, argv, deadline - time.time()))
+        if case.between:
+            case.between(tmp)
         argv = fill(case.then, tmp)
         proc, out_f, err_f, t0 = _spawn(argv, tmp, case)
     results.append(_finish(proc, out_f, err_f, t0, argv, deadline - time.time()))
@@ -558,6 +962,9 @@ def judge(case: Case, results: list[Result], harness: Optional[str], check_err: 
         reasons.append(f"signalled process exit {results[0].rc}, expected {'/'.join(map(str, case.signal_rc))}")
     if case.sig is not None and case.signal_expect and case.signal_expect.lower() not in results[0].last_line.lower():
         reasons.append(f"signalled process's last line lacks {case.signal_expect!r}")
+    if case.sig is None and case.then is not None and len(results) > 1 and results[0].rc not in case.first_rc:
+        reasons.append(f"first command exit {results[0].rc}, expected {'/'.join(map(str, case.first_rc))} "
+                       f"({results[0].last_line[:120]!r})")
     last = results[-1]
     if last.rc is not None and last.rc not in case.expect_rc:
         reasons.append(f"exit {last.rc}, expected {'/'.join(map(str, case.expect_rc))}")
@@ -604,7 +1011,8 @@ def md(s: str, n: int = 200) -> str:
 def pretty_cmd(argv: list[str], tmp: Path) -> str:
     s = " ".join(shlex.quote(a) for a in argv)
     return s.replace(str(tmp), "$TMP").replace(TRAIN_CFG, "configs/tiny_test.yaml") \
-        .replace(EVAL_CFG, "configs/eval/tiny_test.yaml").replace(str(DATA_ROOT), "../shared/data")
+        .replace(EVAL_CFG, "configs/eval/tiny_test.yaml").replace(str(DATA_ROOT), "../shared/data") \
+        .replace(str(REPO) + "/", "")
 
 
 def header() -> str:
