@@ -654,8 +654,8 @@ def _issue31_cases() -> list[Case]:
              between=lambda tmp: write(tmp / "set.jsonl", jsonl(rows2)), then=[*T, *fileargs, "--resume"],
              expect="data.train_file.path", check=steps_exactly([1])))
     add(Case("i31 resume: a run from before fingerprints", [*T, "trainer.total_steps=3", "--resume"], expect_rc=(0,),
-             setup=lambda tmp: (copy_ref(tmp) / "fingerprint.json").unlink(), expect="fingerprint",
-             expect_on_success=True, check=all_checks(steps_exactly([1, 2, 3]), file_has("runs/r/fingerprint.json",
+             setup=lambda tmp: (copy_ref(tmp) / "fingerprint.json").unlink(),
+             check=all_checks(lambda tmp, r: None if "fingerprint" in r[-1].stderr else "no word about it",steps_exactly([1, 2, 3]), file_has("runs/r/fingerprint.json",
                                                                                           "machine"))))
     add(Case("i31 resume: on another kind of machine", [*T, "trainer.total_steps=3", "--resume"], expect_rc=(0,),
              setup=then_also(copy_ref, edit_json("runs/r/fingerprint.json",
@@ -797,7 +797,7 @@ def _issue31_cases() -> list[Case]:
              setup=then_also(study_runs(), copy_seed), expect="stapo_seed1", check=study_intact()))
     add(Case("i31 study: total_steps raised on an exported grid", study_cmd(
         "overrides=[trainer.total_steps=3,trainer.save_every=1,trainer.log_examples_every=0]"),
-        setup=study_runs(ckpt=False), expect="total_steps", check=study_intact(), long_line_ok=True))
+        setup=study_runs(ckpt=False), expect="plans 3 steps", check=study_intact(), long_line_ok=True))
     mp = f"overrides=[{STUDY_OVERRIDES},model.path={{tmp}}/model]"
 
     def flip_weights(tmp: Path) -> None:
