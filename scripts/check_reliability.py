@@ -655,8 +655,8 @@ def _issue31_cases() -> list[Case]:
              expect="data.train_file.path", check=steps_exactly([1])))
     add(Case("i31 resume: a run from before fingerprints", [*T, "trainer.total_steps=3", "--resume"], expect_rc=(0,),
              setup=lambda tmp: (copy_ref(tmp) / "fingerprint.json").unlink(),
-             check=all_checks(lambda tmp, r: None if "fingerprint" in r[-1].stderr else "no word about it",steps_exactly([1, 2, 3]), file_has("runs/r/fingerprint.json",
-                                                                                          "machine"))))
+             check=all_checks(lambda tmp, r: None if "fingerprint" in r[-1].stderr else "no word about it",
+                              steps_exactly([1, 2, 3]), file_has("runs/r/fingerprint.json", "machine"))))
     add(Case("i31 resume: on another kind of machine", [*T, "trainer.total_steps=3", "--resume"], expect_rc=(0,),
              setup=then_also(copy_ref, edit_json("runs/r/fingerprint.json",
                                                  lambda f: f.__setitem__("machine", "cuda:NVIDIA H100:sm90"))),
