@@ -388,8 +388,19 @@ _SHOWN = 6  # runs named in the refusal line (the dry run lists every one)
 def identity_refusal(cfg: StudyConfig, changed: list[RunStatus]) -> RunIdentityError:
     """The one-line refusal of the ``changed`` runs (:func:`run_grid` without ``--rerun-changed``)."""
     out = Path(cfg.output_dir) / SUPERSEDED
-    shown = " / ".join(st.reason for st in changed[:_SHOWN])
-    more = f" / and {len(changed) - _SHOWN} more (--dry-run lists every run)" if len(changed) > _SHOWN else ""
+    groups: dict[str, list[str]] = {}  # the same reason for several runs (a changed plan key) is said once
+    for st in changed:
+        name, sep, why = st.reason.partition(": ")
+        if not sep or name != st.spec.name:
+            name, why = st.spec.name, st.reason
+        groups.setdefault(why, []).append(name)
+    parts = []
+    for why, names in list(groups.items())[:_SHOWN]:
+        who = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"{who}: {why}")
+    shown = " / ".join(parts)
+    more = (f" / and {len(groups) - _SHOWN} more reasons (--dry-run lists every run)"
+            if len(groups) > _SHOWN else "")
     return RunIdentityError(
         f"{len(changed)} run{'s' if len(changed) > 1 else ''} of study {cfg.name} "
         f"{'are' if len(changed) > 1 else 'is'} not what the study would run now, so nothing is reused: "
