@@ -331,6 +331,19 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
+def _invalid_config(folder: str) -> str | None:
+    """The first line of transformers' complaint when ``folder/config.json`` does not describe a valid config
+    (e.g. ``num_hidden_layers`` raised without ``layer_types``: a validation error), else None."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - transformers' validation / JSON / key errors
+        text = " ".join(str(e).split())
+        return f"{type(e).__name__}: {text[:300]}"
+    return None
+
+
 def _damaged_weight_file(folder: Path) -> str | None:
     """``"<file> (N bytes) is damaged or truncated: <reason>"`` for the first ``*.safetensors`` file of ``folder``
     whose header or tensors cannot be read, else None."""
@@ -353,6 +366,7 @@ def load_tokenizer(name_or_path: str, *, cache_dir=None):
     Raises:
         FileNotFoundError: as :func:`load_policy` (a bad local path, a folder without config.json or weights).
         OSError: a hub id that cannot be loaded (no network and not in the HF cache): one line with the hint.
+        ValueError: a local folder whose config.json transformers refuses (one line naming it).
     """
     from transformers import AutoTokenizer
 
@@ -365,6 +379,12 @@ def load_tokenizer(name_or_path: str, *, cache_dir=None):
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise OSError(f"cannot load hub id {source!r}: {first}") from None
+    except Exception:  # noqa: BLE001 - the tokenizer reads config.json: transformers' config validation errors
+        bad_config = _invalid_config(source) if local else None
+        if bad_config is None:
+            raise
+        raise ValueError(f"{source}/config.json is not a valid model config: {bad_config}; fix it or copy the "
+                         "folder again") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -414,7 +434,11 @@ def load_policy(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn
     except Exception:  # noqa: BLE001 - safetensors' SafetensorError, torch's unpickling errors, ...
         damaged = _damaged_weight_file(Path(source)) if local else None
         if damaged is None:
-            raise
+            bad_config = _invalid_config(source) if local else None
+            if bad_config is None:
+                raise
+            raise ValueError(f"{source}/config.json is not a valid model config: {bad_config}; fix it or copy the "
+                             "folder again") from None
         raise ValueError(f"{damaged}; copy the folder again or use another checkpoint") from None
     _check_loading_info(source, info)
     model.eval()

@@ -430,3 +430,16 @@ def test_a_resume_drops_repeated_rows_of_a_step(tmp_path, capsys):
     assert [json.loads(line) for line in tracker.metrics_path.read_text().splitlines()] == [
         {"step": 1, "a": 2}, {"step": 2, "a": 3}]
     assert "dropped 1 repeated row(s)" in capsys.readouterr().err
+
+
+def test_a_config_json_that_contradicts_itself_is_one_line_naming_the_folder(tmp_path):
+    """num_hidden_layers raised while layer_types keeps 2 entries: transformers' config validation fails. Before: exit
+    1 with "StrictDataclassClassValidationError: ..." and no folder named."""
+    from stapo.models import load_policy
+
+    folder = _tiny_folder(tmp_path / "contradicts", num_hidden_layers=3)  # layer_types still lists 2 layers
+    with pytest.raises(ValueError) as err:
+        load_policy(str(folder))
+    msg = str(err.value)
+    assert msg.startswith(f"{folder}/config.json is not a valid model config: ") and "\n" not in msg, msg
+    assert msg.endswith("; fix it or copy the folder again")
