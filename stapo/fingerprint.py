@@ -7,7 +7,7 @@ compare it, not paths: a model folder whose weights were replaced has another ``
 the same; a run folder copied elsewhere keeps its parts. :func:`differences` names the parts that differ.
 
 Digests of large files are cached on disk (``$STAPO_CACHE_DIR/digests.json`` or ``~/.cache/stapo/digests.json``)
-keyed by (real path, size, modification time in ns, inode), so a 28-GB checkpoint is read once, not per launch;
+keyed by (real path, size, modification and change times in ns, inode), so a 28-GB checkpoint is read once, not per launch;
 a failed cache read or write only costs a re-hash.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ FINGERPRINT_FILE = "fingerprint.json"
 #: Files of a model folder that are its content: weights (any shard) and the configs that change what they compute.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _MODEL_CONFIGS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "chat_template.jinja", "special_tokens_map.json")
+                  "chat_template.jinja", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                  "added_tokens.json")
 _CACHE_MIN_BYTES = 16 * 2**20  # smaller files are re-hashed (faster than the cache's read-modify-write)
 
 
@@ -39,7 +40,8 @@ def _cache_file() -> Path:
 
 def _cache_key(path: Path) -> str:
     st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    # ctime too: an in-place rewrite whose mtime was restored (touch -r, cp -p) still changes it
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
 
 
 def _cache_get(key: str) -> str | None:

@@ -52,3 +52,31 @@ def test_differences_names_changed_and_missing_parts(tmp_path):
     assert fp.read_fingerprint(tmp_path) == new
     assert fp.read_fingerprint(tmp_path / "nowhere") is None
     assert fp.json_digest({"b": 1, "a": [1, 2]}) == hashlib.sha256(b'{"a":[1,2],"b":1}').hexdigest()
+
+
+def test_an_in_place_rewrite_with_its_mtime_restored_is_hashed_again(tmp_path, monkeypatch):
+    """Same size, inode and restored mtime (touch -r): the change time still differs, so the cache misses."""
+    import os
+    import time
+
+    monkeypatch.setenv("STAPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(fp, "_CACHE_MIN_BYTES", 4)
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"12345678")
+    st = f.stat()
+    assert fp.file_sha256(f) == hashlib.sha256(b"12345678").hexdigest()
+    time.sleep(0.01)
+    with open(f, "r+b") as h:  # in place: same inode and size
+        h.write(b"87654321")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime back
+    assert fp.file_sha256(f) == hashlib.sha256(b"87654321").hexdigest()
+
+
+def test_the_model_digest_covers_sentencepiece_and_bpe_tokenizer_files(tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "config.json").write_text("{}")
+    (a / "tokenizer.model").write_bytes(b"sp1")
+    before = fp.model_digest(a)
+    (a / "tokenizer.model").write_bytes(b"sp2")
+    assert fp.model_digest(a) != before

@@ -263,3 +263,17 @@ def test_summarize_run_script_refuses_what_is_not_a_run_in_one_line(tmp_path):
                              (tmp_path / "none", "metrics.jsonl not found")):
         out = subprocess.run([*script, str(folder)], capture_output=True, text=True, timeout=300)
         assert out.returncode == 2 and expected in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_a_non_finite_step_in_the_window_makes_its_mean_non_finite_not_dropped():
+    """Steps 3 and 4 in the window, step 4 diverged (inf entropy, NaN reward): the window's means are inf and NaN,
+    not step 3's values alone (the step is never silently left out)."""
+    import math
+
+    from stapo.train.summary import _mean
+
+    rows = [{"step": 3, "actor/entropy": 3.0, "critic/score/mean": -0.5},
+            {"step": 4, "actor/entropy": math.inf, "critic/score/mean": math.nan}]
+    assert _mean(rows, "actor/entropy") == math.inf
+    assert math.isnan(_mean(rows, "critic/score/mean"))
+    assert _mean(rows[:1], "actor/entropy") == 3.0

@@ -85,8 +85,9 @@ def window_size(num_steps: int, window: int) -> int:
 
 
 def _mean(rows: Sequence[dict[str, Any]], key: str) -> float:
+    """Mean of ``key`` over the rows that log it; a non-finite value in the window makes the mean non-finite (NaN /
+    ±inf), never silently left out (docs/metrics.md#non-finite-values)."""
     vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-    vals = [v for v in vals if math.isfinite(v)]
     return statistics.fmean(vals) if vals else float("nan")
 
 
