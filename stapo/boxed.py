@@ -36,8 +36,12 @@ def last_boxed_only_string(text: str) -> str | None:
     if not isinstance(text, str):
         raise TypeError(f"last_boxed_only_string expects str, got {type(text).__name__}")
     start = text.rfind(BOX_OPEN)
-    if start < 0:
-        return None
+    end = _box_end(text, start) if start >= 0 else None
+    return None if end is None else text[start:end]
+
+
+def _box_end(text: str, start: int) -> int | None:
+    """Index just past the brace that closes the ``\\boxed{`` at ``start`` (braces matched), or None if unclosed."""
     depth = 0
     for i in range(start, len(text)):
         ch = text[i]
@@ -46,7 +50,7 @@ def last_boxed_only_string(text: str) -> str | None:
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                return text[start : i + 1]
+                return i + 1
     return None
 
 
@@ -64,18 +68,7 @@ def first_boxed_end(text: str) -> int | None:
     if not isinstance(text, str):
         raise TypeError(f"first_boxed_end expects str, got {type(text).__name__}")
     start = text.find(BOX_OPEN)
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start + len(BOX_OPEN) - 1, len(text)):
-        ch = text[i]
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return _box_end(text, start) if start >= 0 else None
 
 
 def remove_boxed(boxed: str) -> str:
