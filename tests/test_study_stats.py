@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
+from stapo.study.stats import detectable_effect, moving_average, paired_bootstrap, t_band, window_steps
 
 nan = math.nan
 
@@ -116,3 +116,20 @@ def test_bootstrap_no_pairs():
     assert math.isnan(ci.mean) and math.isnan(ci.low) and math.isnan(ci.high) and ci.n_pairs == 0
     with pytest.raises(ValueError, match="n_boot"):
         paired_bootstrap(np.zeros(2), n_boot=0)
+
+
+def test_detectable_effect_by_hand():
+    # 0.02, 0.04, 0.06: s = 0.02, s/√3 = 0.0115470. With 2 degrees of freedom t_{p,2} = (2p − 1) / √(2p(1 − p)):
+    # t_{0.975,2} = 0.95 / √0.04875 = 4.302653, t_{0.8,2} = 0.6 / √0.32 = 1.060660
+    # half = 4.302653 · 0.0115470 = 0.0496827; mde = (4.302653 + 1.060660) · 0.0115470 = 0.0619302
+    d = detectable_effect(np.array([0.02, 0.04, 0.06]))
+    assert (d.n, d.s) == (3, pytest.approx(0.02))
+    assert d.half == pytest.approx(0.0496827, abs=1e-7) and d.mde == pytest.approx(0.0619302, abs=1e-7)
+    # 2 seeds 1 and 3: s = √2, s/√2 = 1; t_{0.975,1} = tan(π · 0.475) = 12.706205, t_{0.8,1} = tan(π · 0.3) = 1.376382
+    two = detectable_effect(np.array([1.0, 3.0, nan]))  # NaN left out
+    assert two.n == 2 and two.half == pytest.approx(12.706205, abs=1e-5)
+    assert two.mde == pytest.approx(12.706205 + 1.376382, abs=1e-5)
+    one = detectable_effect(np.array([5.0]))
+    assert one.n == 1 and math.isnan(one.half) and math.isnan(one.mde)
+    with pytest.raises(ValueError, match="power"):
+        detectable_effect(np.zeros(3), power=1.0)
