@@ -8,6 +8,8 @@
   two-stage (hierarchical) percentile bootstrap interval: seeds resampled, then steps within each resampled seed.
 - :func:`detectable_effect`: what a t-interval over n replicates can resolve: its half-width, and the effect that
   a two-sided t-test would detect with the given power (80 %), from the replicates' own spread.
+- :func:`block_bootstrap`: the mean of one autocorrelated series (a run's steps) and its moving-block bootstrap
+  percentile interval (the mechanism study's δ, :mod:`stapo.study.mechanism_claims`).
 
 Missing values are NaN and are left out everywhere (a step a run has not reached, a validation step, a metric a
 method does not log).
@@ -21,7 +23,7 @@ import numpy as np
 from scipy import stats as _scipy_stats
 
 __all__ = ["Band", "t_band", "moving_average", "window_steps", "BootstrapCI", "paired_bootstrap", "Detectable",
-           "detectable_effect"]
+           "detectable_effect", "BlockBootstrapCI", "block_bootstrap"]
 
 
 @dataclass(frozen=True)
@@ -287,3 +289,78 @@ def paired_bootstrap(diffs: np.ndarray, *, confidence: float = 0.95, n_boot: int
     alpha = 1 - confidence
     low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2], method="inverted_cdf")
     return BootstrapCI(estimate, float(low), float(high), n_seeds, n_pairs)
+
+
+@dataclass(frozen=True)
+class BlockBootstrapCI:
+    """What :func:`block_bootstrap` returns.
+
+    Attributes:
+        mean: the series' mean (NaN for an empty series).
+        low, high: the percentile interval's bounds (NaN for an empty series).
+        n: the series' length; block: the block length used (``min(block, n)``).
+    """
+
+    mean: float
+    low: float
+    high: float
+    n: int
+    block: int
+
+
+def block_bootstrap(values: np.ndarray, *, block: int = 5, confidence: float = 0.95, n_boot: int = 10_000,
+                    seed: int = 0) -> BlockBootstrapCI:
+    """Mean of one autocorrelated series and its moving-block bootstrap percentile interval (Künsch 1989).
+
+    The series x_0 … x_{n−1} (in step order) has the n − L + 1 overlapping blocks x_s … x_{s+L−1},
+    s = 0 … n − L, with L = ``min(block, n)``. Each replicate draws k = ⌈n / L⌉ block starts uniformly with
+    replacement (``numpy.random.default_rng(seed).integers(0, n − L + 1, size=(n_boot, k))``, one call, so the
+    result is exact to reproduce), concatenates the k blocks, keeps the first n values and takes their mean. The
+    interval is the ``(1−c)/2`` and ``(1+c)/2`` quantiles of the replicates (``numpy.quantile``,
+    ``method="inverted_cdf"``: each bound is one replicate's value). Blocks keep the dependence between
+    neighbouring steps that a plain bootstrap of single steps would break (which makes its interval too narrow).
+
+    Args:
+        values: [n] float, the series in step order (no NaN: leave missing steps out before).
+        block: L ≥ 1, the block length in points.
+        confidence: coverage c in (0, 1).
+        n_boot: replicates (≥ 1).
+        seed: the RNG seed.
+
+    Returns:
+        :class:`BlockBootstrapCI`. An empty series: NaN mean and bounds. A constant series c: ``[c, c]``.
+        n ≤ L: one block, the whole series, so the interval has zero width at the mean (said by ``block == n``).
+
+    Raises:
+        ValueError: ``block`` < 1, ``n_boot`` < 1, ``confidence`` not in (0, 1), ``values`` not 1-D or with NaN.
+
+    Example:
+        x = [0, 0, 0, 0, 0, 10], L = 5: blocks start at 0 (all zeros) or 1 (four zeros and the 10), k = 2 blocks,
+        the first 6 values kept; a replicate's mean is 0 (both starts 0), 10/6 (one start 1 and, if it is the
+        first, the 10 is kept: (0,1) → [0,0,0,0,0 | 0] = 0, (1,0) → [0,0,0,0,10 | 0] = 10/6, (1,1) → 10/6);
+        so the replicates are 0 or 10/6 and the interval is [0, 10/6] around the mean 10/6.
+    """
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f"values must be 1-D, got shape {x.shape}")
+    if np.isnan(x).any():
+        raise ValueError("values contain NaN: leave the missing steps out before the bootstrap")
+    n = x.size
+    if n == 0:
+        return BlockBootstrapCI(math.nan, math.nan, math.nan, 0, 0)
+    size = min(block, n)
+    k = -(-n // size)  # ⌈n / L⌉
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, n - size + 1, size=(n_boot, k))  # [n_boot, k]
+    idx = (starts[:, :, None] + np.arange(size)[None, None, :]).reshape(n_boot, k * size)[:, :n]  # [n_boot, n]
+    reps = x[idx].mean(axis=1)  # [n_boot]
+    alpha = 1 - confidence
+    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2], method="inverted_cdf")
+    return BlockBootstrapCI(float(x.mean()), float(low), float(high), int(n), int(size))
+
