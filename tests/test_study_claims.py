@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stapo.study import load_study_config, run_specs
-from stapo.study.claims import Claim, SubClaim, evaluate_claims, main, write_claims
+from stapo.study.claims import Claim, SubClaim, c3_testability, evaluate_claims, main, write_claims
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "study" / "tiny_test.yaml"
@@ -48,6 +48,36 @@ def test_claim_verdict_aggregates_its_subclaims():
     assert Claim("C", "", [], untested=["x"]).verdict == "not tested"
     empty = SubClaim("e", ">", 0.0, [], [])
     assert Claim("C", "", [yes, empty]).verdict == "inconclusive" and Claim("C", "", [empty]).verdict == "not tested"
+
+
+def test_subclaim_reports_what_its_replicates_can_resolve():
+    # 0.02, 0.04, 0.06: s/√3 = 0.011547; t_{0.975,2} = 4.302653, t_{0.8,2} = 1.060660 (t_{p,2} = (2p−1)/√(2p(1−p)))
+    s = SubClaim("d", ">", 0.0, [0.02, 0.04, 0.06], list("abc"))
+    assert s.half == pytest.approx(0.0496827, abs=1e-7)  # 4.302653 · 0.011547 = high − mean
+    assert s.half == pytest.approx(s.high - s.mean) and s.mde == pytest.approx(0.0619302, abs=1e-7)  # 5.363313 · …
+    one = SubClaim("d", ">", 0.0, [5.0], ["a"])
+    assert math.isnan(one.half) and math.isnan(one.mde)
+
+
+def test_c3_is_not_testable_without_a_baseline_whose_entropy_rose():
+    # JustRL late rises −0.14, 0.04, −0.11: mean −0.07, s = √(((−0.07)² + 0.11² + (−0.04)²) / 2) = √0.0093 = 0.096437,
+    # half = 4.302653 · 0.096437 / √3 = 0.23956 → [−0.3096, 0.1696]: straddles 0 → no established rise
+    justrl = SubClaim("justrl: final entropy − the smoothed minimum before the final window (late rise)", ">", 0.0,
+                      [-0.14, 0.04, -0.11], list("abc"))
+    e20 = SubClaim("entropy20: … (late rise)", ">", 0.0, [-0.11, -0.24, -0.13], list("abc"))
+    stapo = SubClaim("STAPO final / initial entropy (no collapse)", ">", 0.5, [0.05, 0.06, 0.17], list("abc"))
+    assert stapo.result == "not reproduced" and justrl.result == "inconclusive"
+    why = c3_testability([justrl, e20, stapo])
+    assert why.startswith("no baseline's entropy rose late") and "justrl -0.07 [-0.3096, 0.1696] (1 of 3 seeds " \
+        "above 0)" in why and "entropy20 " in why and "(0 of 3 seeds above 0)" in why
+    c3 = Claim("C3", "", [justrl, e20, stapo], not_testable=why)
+    assert (c3.verdict, c3.rule_verdict) == ("not testable", "not reproduced")  # the rule's output kept beside it
+    # a baseline whose rise is established (0.10, 0.12, 0.14 → [0.0703, 0.1697] > 0): C3 is testable, the rule decides
+    rose = SubClaim("justrl: … (late rise)", ">", 0.0, [0.10, 0.12, 0.14], list("abc"))
+    assert c3_testability([rose, e20, stapo]) == ""
+    assert Claim("C3", "", [rose, e20, stapo]).verdict == "not reproduced"
+    # no late-rise sub-claim tested (no baseline run): nothing to say here (the claim's untested list says it)
+    assert c3_testability([stapo]) == "" and c3_testability([SubClaim("x (late rise)", ">", 0.0, [], [])]) == ""
 
 
 def _write(run_dir: Path, rows: list[dict], acc: float | None = None) -> None:
@@ -318,7 +348,7 @@ def test_claims_exclude_a_run_with_non_finite_values_in_its_final_window(tmp_pat
     assert "**EXCLUDED: 1 run** whose data are not clean" in md and f"- grpo_seed1: {why}" in md
     assert "| C3: GRPO's entropy collapses, JustRL's and 20-Entropy's rise late, STAPO's stays stable | " \
            "**inconclusive** (from 1 of 2 planned seeds) |" in md
-    assert "| GRPO final / initial entropy (collapse) | < 0.5 | 1 of 2 | 0.1 | [n/a, n/a] | seed 0: 0.1 | " \
+    assert "| GRPO final / initial entropy (collapse) | < 0.5 | 1 of 2 | 0.1 | [n/a, n/a] | n/a | n/a | seed 0: 0.1 | " \
            "inconclusive (missing: seed 1) |" in md
     data = json.loads((tmp_path / "study" / "claims.json").read_text())
     assert data["runs"]["excluded"] == {"grpo_seed1": why}

@@ -40,8 +40,9 @@ def test_committed_claims_json_rebuilds(rebuilt):
     new, old = (json.loads((d / "claims.json").read_text(encoding="utf-8")) for d in (rebuilt, COMMITTED))
     assert new == old
     assert old["partial"] is False  # the committed verdicts are read off all 18 finished, evaluated runs
-    assert [c["verdict"] for c in old["claims"]] == ["inconclusive", "inconclusive", "not reproduced",
+    assert [c["verdict"] for c in old["claims"]] == ["inconclusive", "inconclusive", "not testable",
                                                      "inconclusive", "inconclusive"]
+    assert old["claims"][2]["rule_verdict"] == "not reproduced"  # C3: no baseline's entropy rose; the rule beside it
 
 
 def test_committed_report_rebuilds_but_for_its_config_line(rebuilt):

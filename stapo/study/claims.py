@@ -22,11 +22,16 @@ The sub-claims (paper: METHOD §4, §8, §9; roles map the paper's methods to th
 - C3 entropy: GRPO's final entropy (mean of the last W steps) / its step-1 entropy < 0.5 (collapse); JustRL's and
   20-Entropy's final entropy exceeds the lowest point of their smoothed curve before the final window (a late
   rise); STAPO's final/initial ratio > 0.5 (no collapse) and STAPO's final entropy > GRPO's (paired by seed).
+  C3 needs a baseline whose entropy rises (S2T is claimed to prevent that rise): when no late-rise sub-claim is
+  reproduced, C3 is **not testable** and the sub-claims' rule is shown beside it (:func:`c3_testability`).
 - C4 accuracy: STAPO − each baseline > 0 in the final evaluation's avg@N on the held-out benchmark, at each
   decoding setting (paired by seed).
 - C5 masking: STAPO − random masking > 0 and random − high-entropy masking > 0 (final avg@N, each setting, paired
   by seed); JustRL-FullMask's final/initial entropy < 0.5 (collapse). Also reported: the masked fractions of
   STAPO and random masking (matched rate).
+
+Beside every sub-claim: the interval's half-width and the effect 80 % power would need
+(:func:`stapo.study.stats.detectable_effect`). C2's notes say which of its sub-claims follow from the formulas.
 
 Only clean runs are read (:func:`stapo.study.report.run_exclusions`: the report's exclusions, each named with its
 reason in claims.md / claims.json); a verdict drawn from fewer seeds than the plan says so beside it. The role
@@ -49,7 +54,7 @@ from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.keys import QUADRANTS
 from stapo.study.report import (Series, _run_config, as_number, check_output_writable, collect, final_results,
                                 pooled_quadrant_stat, read_runs, run_exclusions, writing)
-from stapo.study.stats import moving_average, t_band, window_steps
+from stapo.study.stats import detectable_effect, moving_average, t_band, window_steps
 
 __all__ = ["ROLES", "ROLE_OBJECTIVES", "SubClaim", "Claim", "ClaimsError", "role_table", "evaluate_claims",
            "write_claims", "main"]
@@ -79,6 +84,9 @@ class SubClaim:
             not known; ``missing`` the planned ones without a value (a run unfinished, excluded or without the
             quantity), said beside the result: a verdict from fewer seeds than planned says so.
         mean, low, high: the mean and 95 % t-interval over the replicates (NaN with fewer than 2 for the bounds).
+        half, mde: what the replicates can resolve (:func:`stapo.study.stats.detectable_effect`): the interval's
+            half-width, and the effect (distance from the threshold) a two-sided test at α = 0.05 would detect
+            with 80 % power, from the replicates' own spread; NaN with fewer than 2.
         result: "reproduced" | "not reproduced" | "inconclusive" | "not tested" (no replicate has a value).
         note: a caveat shown beside the result (e.g. all replicates equal: a zero-width interval).
     """
@@ -93,6 +101,8 @@ class SubClaim:
     mean: float = math.nan
     low: float = math.nan
     high: float = math.nan
+    half: float = math.nan
+    mde: float = math.nan
     result: str = "inconclusive"
     note: str = ""
 
@@ -105,6 +115,8 @@ class SubClaim:
             return
         band = t_band(np.array(self.values))
         self.mean, self.low, self.high = float(band.mean[0]), float(band.low[0]), float(band.high[0])
+        power = detectable_effect(np.array(self.values))
+        self.half, self.mde = power.half, power.mde
         above, below = self.low > self.threshold, self.high < self.threshold  # False when NaN (one replicate)
         claimed, opposite = (above, below) if self.side == ">" else (below, above)
         self.result = "reproduced" if claimed else "not reproduced" if opposite else "inconclusive"
@@ -121,13 +133,19 @@ class Claim:
     """A claim's verdict from its sub-claims, and the numbers shown beside them (``info``).
 
     ``untested``: the sub-claims that could not be tested, each with its reason (a role without finished runs, runs
-    too short for the windows); a claim with an untested sub-claim is at best inconclusive."""
+    too short for the windows); a claim with an untested sub-claim is at best inconclusive.
+    ``not_testable``: why the runs cannot test the claim at all although its sub-claims have values (a
+    precondition the claim needs did not occur, e.g. C3 without a baseline whose entropy rose): the verdict is
+    then "not testable" and :attr:`rule_verdict` is what the sub-claims' rule alone gives, shown beside it.
+    ``notes``: caveats printed under the claim (e.g. a sub-claim that follows from the formulas)."""
 
     id: str
     statement: str
     subclaims: list[SubClaim]
     info: dict[str, Any] = field(default_factory=dict)
     untested: list[str] = field(default_factory=list)
+    not_testable: str = ""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def short_of_plan(self) -> str:
@@ -139,6 +157,13 @@ class Claim:
 
     @property
     def verdict(self) -> str:
+        """"not testable" when :attr:`not_testable` gives a reason, else :attr:`rule_verdict`."""
+        return "not testable" if self.not_testable else self.rule_verdict
+
+    @property
+    def rule_verdict(self) -> str:
+        """The sub-claims' rule: not tested (none tested), not reproduced (any), reproduced (all tested and
+        reproduced, none untested), inconclusive otherwise."""
         results = [s.result for s in self.subclaims]
         missing = bool(self.untested) or "not tested" in results
         tested = [r for r in results if r != "not tested"]
@@ -406,7 +431,8 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
             f"{n} {_fmt(r['low_p_low_h/grad_norm'] - r['high_p_high_h/grad_norm'])}" for n, r in per_run.items())
     claims.append(Claim("C2", f"among Â > 0 tokens (first {w} steps), the low-p/low-H quadrant has the largest "
                               "logit-gradient norm and raises entropy", subs, info,
-                        [] if per_run else ["the quadrant statistics: no finished run logged them"]))
+                        [] if per_run else ["the quadrant statistics: no finished run logged them"],
+                        notes=_c2_notes(done, rows, w) if per_run else []))
 
     # C3: entropy dynamics
     ent = {role: _by_seed(series, "entropy", m) for role, m in roles.items()}
@@ -446,7 +472,7 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
             vals = [v for v in ratio[role].values() if v == v]
             info[f"final / initial entropy: {m}"] = float(np.mean(vals)) if vals else math.nan
     claims.append(Claim("C3", "GRPO's entropy collapses, JustRL's and 20-Entropy's rise late, STAPO's stays stable",
-                        subs, info, untested))
+                        subs, info, untested, not_testable=c3_testability(subs)))
 
     # C4: accuracy on the held-out benchmark at each decoding setting
     settings = _settings(series, benchmark)
@@ -507,6 +533,64 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
     return claims, runs
 
 
+def c3_testability(subclaims: list[SubClaim]) -> str:
+    """Why C3 cannot be tested on these runs (``""`` when it can): the precondition of C3.
+
+    S2T is claimed to keep entropy stable where the baselines' entropy rises late (JustRL, 20-Entropy); that can be
+    tested only where a baseline's entropy did rise. The rise is established by the same rule as a sub-claim: a
+    late-rise sub-claim (its name contains "late rise") whose 95 % t-interval lies wholly above 0 (result
+    "reproduced"). When late-rise sub-claims were tested and none is reproduced, C3 is "not testable" and this
+    returns the reason with each baseline's mean late rise, its interval and how many seeds rose at all; when none
+    was tested (no baseline run), ``""`` (the claim's untested list says so).
+
+    Worked example: JustRL late rises −0.14, +0.04, −0.11 (mean −0.07, s = √(0.0186 / 2) = 0.0964, half-width
+    4.3027 · 0.0964 / √3 = 0.240 → [−0.31, 0.17], not wholly above 0) and 20-Entropy −0.11, −0.24, −0.13 → no baseline rose → not testable.
+    """
+    rises = [s for s in subclaims if "late rise" in s.name and s.result != "not tested"]
+    if not rises or any(s.result == "reproduced" for s in rises):
+        return ""
+    parts = [f"{s.name.split(':')[0]} {_fmt(s.mean)} [{_fmt(s.low)}, {_fmt(s.high)}] "
+             f"({sum(v > 0 for v in s.values)} of {len(s.values)} seeds above 0)" for s in rises]
+    return ("no baseline's entropy rose late (final entropy − the smoothed minimum before the final window, mean "
+            "[95 % t-interval]: " + "; ".join(parts) + "); C3 is about whether S2T prevents such a rise, so these "
+            "runs cannot test it")
+
+
+def _c2_notes(done: list[RunSpec], rows: dict[str, list], window: int) -> list[str]:
+    """Why two of C2's sub-claims follow from the formulas (docs/method.md#token-analysis), with the runs' numbers.
+
+    ΔH of a token = −p (ln p + H) Â (stapo.analysis.entropy_change_estimate) is > 0 for Â > 0 exactly when
+    H < −ln p; a low-p token has −ln p > −ln τ_p (6.21 nats at τ_p = 0.002), and a low_p_low_h token's H is below
+    its step's median cut (``s2t/quadrant/entropy_threshold``): when that cut stays below −ln τ_p, every such token
+    raises entropy by construction. The logit-gradient norm per unit Â, ‖e_y − π‖, lies in [1 − p, √2 (1 − p)]
+    (Σ_{v≠y} π_v² ≤ (1 − p)²): ≥ 1 − τ_p for a low-p token, near √2 when its H is low (the mass sits on one other
+    token), near 1 − p for a high-p, high-H token."""
+    taus = {float(s.train.algorithm.s2t.prob_threshold) for s in done}
+    qs = {float(s.train.algorithm.s2t.entropy_quantile) for s in done}
+    cuts = [as_number(r.get("s2t/quadrant/entropy_threshold")) for s in done
+            for r in [r for r in rows.get(s.name, []) if r.get("step", 0) >= 1][:window]]
+    cuts = [c for c in cuts if c == c]
+    if len(taus) != 1 or not cuts:
+        return []
+    tau = taus.pop()
+    bound = -math.log(tau)
+    first = (f"ΔH of low_p_low_h > 0 follows from the formula: ΔH = −p (ln p + H) Â is > 0 for Â > 0 whenever "
+             f"H < −ln p, and every low-p token has −ln p > −ln τ_p = {bound:.2f} nats; the median-H cut of the "
+             f"quadrants was at most {max(cuts):.2f} nats over these steps, so every low_p_low_h token has ΔH > 0")
+    if max(cuts) >= bound:
+        first = (f"ΔH of low_p_low_h: ΔH = −p (ln p + H) Â is > 0 for Â > 0 whenever H < −ln p (> {bound:.2f} nats "
+                 f"for a low-p token); the median-H cut reached {max(cuts):.2f} nats here, so it is not guaranteed")
+    second = ("‖∇‖ low_p_low_h > high_p_high_h is close to the formula too: per unit Â the norm is ‖e_y − π‖ ∈ "
+              f"[1 − p, √2 (1 − p)], at least {1 - tau:.3f} for a low-p token and near √2 when its entropy is low "
+              "(the mass on one other token), near 1 − p < 1 for a confident high-p token; the comparison with the "
+              "low-p/high-H quadrant, which the formula does not order, is the informative one")
+    q = f"{qs.pop():g}" if len(qs) == 1 else "algorithm.s2t.entropy_quantile"
+    third = ("low_p_low_h is a median-entropy split, not the set S2T silences: S2T's cut is the "
+             f"{q} quantile (algorithm.s2t.entropy_quantile) of the candidates' (Â > 0, p < τ_p) entropy; report.md "
+             "splits the tokens by S2T's own rule")
+    return [first, second, third]
+
+
 def _fmt(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
@@ -564,14 +648,26 @@ def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "ar
               "paper's side of the threshold, **not reproduced** when it is wholly on the other side, "
               "**inconclusive** otherwise (one replicate has no interval). A claim is reproduced when all its "
               "sub-claims are tested and reproduced, not reproduced when any is not reproduced, inconclusive "
-              "otherwise. Rules: `stapo/study/claims.py`; docs/study.md#claims.", "",
+              "otherwise; **not testable** when the runs lack what the claim presupposes (C3: a baseline whose "
+              "entropy rose), with the rule's output beside it. Rules: `stapo/study/claims.py`; "
+              "docs/study.md#claims.", "",
               "| claim | verdict |", "|---|---|"]
     short = {c.id: f" (from {c.short_of_plan})" if c.short_of_plan else "" for c in claims}
-    lines += [f"| {c.id}: {c.statement} | **{c.verdict}**{short[c.id]} |" for c in claims]
+    rule = {c.id: f" (the rule alone: {c.rule_verdict})" if c.not_testable else "" for c in claims}
+    lines += [f"| {c.id}: {c.statement} | **{c.verdict}**{rule[c.id]}{short[c.id]} |" for c in claims]
+    lines += ["", "Power, beside each sub-claim: **half-width**, the 95 % interval's half-width (a mean must be this "
+              "far from the threshold for the interval to exclude it), and **80 % power**, the distance from the "
+              "threshold that a two-sided t-test at α = 0.05 would detect with 80 % power, (t_{0.975, n−1} + "
+              "t_{0.8, n−1}) · s/√n from the replicates' own spread s (`stapo/study/stats.py::detectable_effect`; "
+              "docs/study.md#claims). An effect smaller than these is one the study could not have resolved."]
     for c in claims:
-        lines += ["", f"## {c.id}: {c.statement} — {c.verdict}{short[c.id]}", ""]
+        lines += ["", f"## {c.id}: {c.statement} — {c.verdict}{rule[c.id]}{short[c.id]}", ""]
+        if c.not_testable:
+            lines += [f"**Not testable**: {c.not_testable}. The sub-claims' rule, applied all the same, gives "
+                      f"**{c.rule_verdict}**.", ""]
         if c.subclaims:
-            lines += ["| sub-claim | claimed | n | mean | 95 % CI | values | result |", "|---|---|---|---|---|---|---|"]
+            lines += ["| sub-claim | claimed | n | mean | 95 % CI | half-width | 80 % power | values | result |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for s in c.subclaims:
                 vals = ", ".join(f"{lab}: {_fmt(v)}" for v, lab in zip(s.values, s.labels))
                 notes = [s.note] if s.note else []
@@ -580,15 +676,19 @@ def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "ar
                 note = f" ({'; '.join(notes)})" if notes else ""
                 n = f"{len(s.values)} of {len(s.values) + len(s.missing)}" if s.missing else f"{len(s.values)}"
                 lines.append(f"| {s.name} | {s.side} {_fmt(s.threshold)} | {n} | {_fmt(s.mean)} | "
-                             f"[{_fmt(s.low)}, {_fmt(s.high)}] | {vals} | {s.result}{note} |")
+                             f"[{_fmt(s.low)}, {_fmt(s.high)}] | {_fmt(s.half)} | {_fmt(s.mde)} | {vals} | "
+                             f"{s.result}{note} |")
         if c.untested:
             lines += [""] + [f"- Not tested: {u}." for u in c.untested]
         if c.info:
             lines += [""] + [f"- {k}: {_fmt(v) if isinstance(v, float) else v}" for k, v in c.info.items()]
+        if c.notes:
+            lines += [""] + [f"- Note: {n}." for n in c.notes]
     with writing(out / "claims.md"):
         (out / "claims.md").write_text("\n".join(lines) + "\n")
     payload = {"study": cfg.name, "partial": partial, "runs": runs, "benchmark": benchmark, "roles": table,
                "claims": [{"id": c.id, "statement": c.statement, "verdict": c.verdict,
+                           "rule_verdict": c.rule_verdict, "not_testable": c.not_testable, "notes": c.notes,
                            "short_of_plan": c.short_of_plan, "info": c.info, "untested": c.untested,
                            "subclaims": [asdict(s) for s in c.subclaims]} for c in claims]}
     with writing(out / "claims.json"):
