@@ -167,6 +167,9 @@ class AlgorithmConfig:
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: Optional[float] = None
     kl_coef: Optional[float] = None
+    # Load the reference (the initial policy, frozen) even at β = 0 and log actor/kl_to_ref, the token-mean k3 KL of
+    # the rollout policy to it (a diagnostic, never in the loss; one extra no-grad forward per step). Always on at β > 0.
+    log_kl_to_ref: bool = False
     loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]] = None
     # Parameters of the registered token masks (stapo.masks.MaskSpec.config_keys): S2T's in algorithm.s2t (also read
     # by the S2T ablations), 20-Entropy's ratio in algorithm.top_entropy_ratio, any other mask's under
@@ -951,7 +954,7 @@ def _get(cfg: Any, dotted: str) -> Any:
 #: gradient checkpointing, attention kernel, rank count / sharding, device, rollout engine and its memory options
 #: (the same update up to float rounding; ``actor.ppo_micro_batch_size`` only splits each mini-batch's
 #: forward/backward, the loss is normalised per mini-batch). Every other key is refused on resume: the objective
-#: and all of ``algorithm.*``, ``rollout.n`` / temperature / top_p / response_length, ``data.*`` but ``data.root``,
+#: and all of ``algorithm.*`` but ``log_kl_to_ref`` (a diagnostic), ``rollout.n`` / temperature / top_p / response_length, ``data.*`` but ``data.root``,
 #: ``actor.*`` but the keys here (mini-batch size, warm-up, weight decay, betas, grad clip), ``model.*`` but the
 #: keys here (path, param/compute dtype), ``trainer.seed``.
 RESUME_MUTABLE_KEYS: tuple[str, ...] = (
@@ -969,7 +972,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "data.root", "data.max_unparsable_gold_fraction",
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
     "rollout.tensor_parallel_size", "rollout.sleep_during_update", "rollout.sleep_level",
-    "mechanism",
+    "mechanism", "algorithm.log_kl_to_ref",
 )
 #: Keys not compared on resume: how this process was launched, not what the run is.
 RESUME_IGNORED_KEYS: tuple[str, ...] = ("trainer.resume",)

@@ -58,7 +58,7 @@ NEUTRAL_KEYS: tuple[str, ...] = (
     # when a run is stopped or refused, never what a finished run computed; measurements that leave the run
     # bit-identical (tests/test_mechanism.py)
     "trainer.stop_after_nonfinite_steps", "trainer.stop_after_silent_steps", "data.max_unparsable_gold_fraction",
-    "mechanism",
+    "mechanism", "algorithm.log_kl_to_ref",
 )
 #: Keys the resume guard lets change (:data:`stapo.config.RESUME_MUTABLE_KEYS`) that say how a run is computed, not
 #: what it trains or measures (the same update up to float rounding): a study tolerates a run recorded with other

@@ -17,6 +17,7 @@ from stapo.advantages import grpo_advantages
 from stapo.analysis import entropy_change_estimate, logit_grad_norm, quadrant_summary
 from stapo.masks import get_mask_spec, s2t_mask
 from stapo.mechanism import first_k_entropy
+from stapo.objectives import kl_k3
 from stapo.tensor_utils import masked_mean
 
 __all__ = ["MetricAccumulator", "MetricRows", "gather_metric_rows", "step_metrics", "silenced_examples"]
@@ -89,6 +90,8 @@ class MetricRows:
         rewards, advantages, truncated: [B] fp32 (truncated: 1 where the response hit the length budget).
         old_logprobs, old_entropy, old_collision: [B, R] fp32 old-policy statistics.
         engine_logprobs: [B, R] fp32 the rollout engine's log-probs, NaN where it reported none.
+        ref_logprobs: [B, R] fp32 reference-policy log-probs (a reference is loaded: β > 0 or
+            ``algorithm.log_kl_to_ref``), else None.
     """
 
     mask: torch.Tensor
@@ -99,6 +102,7 @@ class MetricRows:
     old_entropy: torch.Tensor
     old_collision: torch.Tensor
     engine_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
 
 
 def gather_metric_rows(sb, ctx: "dist.DistContext") -> MetricRows:
@@ -115,12 +119,15 @@ def gather_metric_rows(sb, ctx: "dist.DistContext") -> MetricRows:
     per_row = {"rewards": ro.rewards, "advantages": ro.advantages, "truncated": truncated}
     per_tok = {"mask": mask.float(), "old_logprobs": sb.old.logprobs, "old_entropy": sb.old.entropy,
                "old_collision": sb.old.collision, "engine_logprobs": engine}
+    if sb.ref_logprobs is not None:  # every rank has it or none does (the reference is loaded on all)
+        per_tok["ref_logprobs"] = sb.ref_logprobs
     rows, toks = dist.all_gather_rows(per_row, per_tok, ctx)
     full_mask = toks["mask"] > 0.5
     return MetricRows(mask=full_mask, rewards=rows["rewards"], advantages=rows["advantages"],
                       truncated=rows["truncated"], old_logprobs=toks["old_logprobs"],
                       old_entropy=toks["old_entropy"], old_collision=toks["old_collision"],
-                      engine_logprobs=torch.where(full_mask, toks["engine_logprobs"], torch.tensor(float("nan"))))
+                      engine_logprobs=torch.where(full_mask, toks["engine_logprobs"], torch.tensor(float("nan"))),
+                      ref_logprobs=toks.get("ref_logprobs"))
 
 
 def step_metrics(v: MetricRows, cfg, extra: dict[str, float]) -> dict[str, float]:
@@ -147,6 +154,8 @@ def step_metrics(v: MetricRows, cfg, extra: dict[str, float]) -> dict[str, float
     mc = getattr(cfg, "mechanism", None)
     if mc is not None and mc.enabled and mc.first_k:  # docs/metrics.md#mechanism-measurements-mechanism-probe
         m["actor/entropy_first_k"] = first_k_entropy(v.old_entropy, mask, mc.first_k)
+    if v.ref_logprobs is not None:  # the rollout policy's k3 KL to the reference (a diagnostic; in the loss only β > 0)
+        m["actor/kl_to_ref"] = masked_mean(kl_k3(v.old_logprobs, v.ref_logprobs), mask).item()
     m.update(extra)
     # train/inference mismatch: engine log-probs vs the trainer's recomputation (old policy)
     reported = ~torch.isnan(v.engine_logprobs)  # [B, R]

@@ -330,7 +330,9 @@ class Trainer:
         # device itself, so the whole fp32 model never sits on one GPU
         self.model = self._place_model(self.model, mp_policy=self.precision.fsdp_mp_policy())
         self.ref_model = None
-        if self.objective.kl_coef > 0:  # the initial policy, frozen, loaded again in the compute dtype (no fp32 copy)
+        # the initial policy, frozen, loaded again in the compute dtype (no fp32 copy); at β = 0 only for the
+        # actor/kl_to_ref diagnostic (algorithm.log_kl_to_ref)
+        if self.objective.kl_coef > 0 or cfg.algorithm.log_kl_to_ref:
             ref = self._load_initial_model(self.compute_dtype)
             ref = ref.eval().requires_grad_(False)
             # FSDP2: sharded like the policy (its no-grad forwards are collectives too); else on the device
