@@ -348,8 +348,8 @@ def test_claims_exclude_a_run_with_non_finite_values_in_its_final_window(tmp_pat
     assert "**EXCLUDED: 1 run** whose data are not clean" in md and f"- grpo_seed1: {why}" in md
     assert "| C3: GRPO's entropy collapses, JustRL's and 20-Entropy's rise late, STAPO's stays stable | " \
            "**inconclusive** (from 1 of 2 planned seeds) |" in md
-    assert "| GRPO final / initial entropy (collapse) | < 0.5 | 1 of 2 | 0.1 | [n/a, n/a] | n/a | n/a | seed 0: 0.1 | " \
-           "inconclusive (missing: seed 1) |" in md
+    assert "| GRPO final / initial entropy (collapse) | < 0.5 | 1 of 2 | 0.1 | [n/a, n/a] | n/a | n/a | " \
+           "seed 0: 0.1 | inconclusive (missing: seed 1) |" in md
     data = json.loads((tmp_path / "study" / "claims.json").read_text())
     assert data["runs"]["excluded"] == {"grpo_seed1": why}
     c3j = next(c for c in data["claims"] if c["id"] == "C3")

@@ -31,7 +31,8 @@ def rebuilt(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["claims.md", "final.csv", "quadrants.csv", "curves.csv"])
+@pytest.mark.parametrize("name", ["claims.md", "final.csv", "quadrants.csv", "curves.csv", "s2t_groups.csv",
+                                  "length_adjusted.csv"])
 def test_committed_tables_and_verdicts_rebuild_byte_for_byte(rebuilt, name):
     assert (rebuilt / name).read_text(encoding="utf-8") == (COMMITTED / name).read_text(encoding="utf-8")
 

@@ -544,7 +544,8 @@ def c3_testability(subclaims: list[SubClaim]) -> str:
     was tested (no baseline run), ``""`` (the claim's untested list says so).
 
     Worked example: JustRL late rises −0.14, +0.04, −0.11 (mean −0.07, s = √(0.0186 / 2) = 0.0964, half-width
-    4.3027 · 0.0964 / √3 = 0.240 → [−0.31, 0.17], not wholly above 0) and 20-Entropy −0.11, −0.24, −0.13 → no baseline rose → not testable.
+    4.3027 · 0.0964 / √3 = 0.240 → [−0.31, 0.17], not wholly above 0) and 20-Entropy −0.11, −0.24, −0.13 → no
+    baseline rose → not testable.
     """
     rises = [s for s in subclaims if "late rise" in s.name and s.result != "not tested"]
     if not rises or any(s.result == "reproduced" for s in rises):

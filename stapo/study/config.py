@@ -58,6 +58,9 @@ class ReportConfig:
     bootstrap_seed: int = 0  # the bootstrap's RNG seed (the report is reproducible)
     # Report names of stapo.study.keys.METRICS to report (empty: all of them).
     metrics: list[str] = field(default_factory=list)
+    # The figure's comparisons: each a list of methods drawn together in one panel per metric (empty: one panel of
+    # every method), e.g. [[grpo, entropy20, justrl, stapo], [stapo, stapo_random]].
+    panels: list[list[str]] = field(default_factory=list)
 
 
 @dataclass
@@ -192,6 +195,10 @@ def load_study_config(path: str | Path, overrides: list[str] | None = None) -> S
              f"(from the study's output_dir, name, seeds and run names), so an override of them is refused")
     unknown = [m for m in r.metrics if m not in METRICS]
     need(not unknown, "report.metrics", f"unknown {unknown}; known: {', '.join(METRICS)}")
+    stray = [m for panel in r.panels for m in panel if m not in cfg.methods]
+    need(not stray and all(r.panels), "report.panels",
+         f"{stray or 'an empty panel'}: each panel is a non-empty list of the study's methods "
+         f"({', '.join(cfg.methods)})")
     if cfg.base is not None:
         cfg.base = _resolve(src, cfg.base)
     for m in cfg.methods.values():

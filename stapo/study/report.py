@@ -443,6 +443,10 @@ def _fmt(x: float, digits: int = 4) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
 
 
+def _fmt_signed(x: float) -> str:
+    return "—" if x != x else f"{x:+.3f}"
+
+
 def _final_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[dict[str, Any]]:
     """One row per (series, method): the final value over seeds and the paired difference to the reference."""
     r = cfg.report
@@ -482,18 +486,26 @@ def _final_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[
     return out
 
 
+def _smoothed(cfg: StudyConfig, s: Series) -> np.ndarray:
+    """[S, T + 1] each run's curve after the report's trailing moving average (``report.smooth``)."""
+    return np.array([moving_average(v, cfg.report.smooth) for v in s.values]).reshape(s.values.shape)
+
+
 def _curve_rows(cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> list[dict[str, Any]]:
+    """One row per (series, method, step with a value): the mean over seeds, its t-interval and the seeds' min and
+    max, of each run's smoothed curve (:func:`_smoothed`)."""
     out = []
     for sname, by_method in series.items():
         for method, s in by_method.items():
-            smooth = np.array([moving_average(v, cfg.report.smooth) for v in s.values]).reshape(s.values.shape)
+            smooth = _smoothed(cfg, s)
             band = t_band(smooth, cfg.report.confidence)
             for j, step in enumerate(s.steps):
                 if band.n[j] == 0:
                     continue
+                col = smooth[:, j][~np.isnan(smooth[:, j])]
                 out.append({"metric": sname, "method": method, "step": int(step), "n_seeds": int(band.n[j]),
                             "mean": float(band.mean[j]), "ci_low": float(band.low[j]),
-                            "ci_high": float(band.high[j])})
+                            "ci_high": float(band.high[j]), "min": float(col.min()), "max": float(col.max())})
     return out
 
 
@@ -560,6 +572,141 @@ def _quadrant_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]
     return out
 
 
+#: The S2T-rule groups of the Â > 0 tokens (:func:`_s2t_group_rows`), in table order.
+S2T_GROUPS: tuple[str, ...] = ("silenced", "kept candidates", "candidates (silenced + kept)", "non-candidates")
+
+
+def _pooled_groups(run: list[dict[str, Any]]) -> dict[str, tuple[float, float, float, float]] | None:
+    """One run's S2T-rule split of its Â > 0 tokens over some steps: ``group → (share, grad_norm, entropy_change,
+    tokens)``, or None when a step lacks a key it needs (older logs).
+
+    Counts per step: Â > 0 tokens ``s2t/quadrant/num_tokens``; S2T's candidates (Â > 0, p < τ_p)
+    ``s2t/would_mask/num_candidates`` and what it silences ``s2t/would_mask/num_masked`` (the old policy's S2T on
+    the whole batch, logged by every objective). Candidates are exactly the two low-p quadrants (same τ_p, same
+    Â > 0), so their mean ‖∇‖ and ΔH are the count-weighted means of ``low_p_high_h`` and ``low_p_low_h``, and the
+    non-candidates' those of the two high-p quadrants; the silenced and the kept candidates are counted only (their
+    ‖∇‖ and ΔH are not logged: NaN). Shares are of the Â > 0 tokens, pooled over the steps by token.
+
+    Worked example: one step, 100 Â > 0 tokens, 6 candidates of which 4 silenced; low_p_high_h 4 tokens with ΔH
+    0.01, low_p_low_h 2 with ΔH 0.04 → silenced 0.04, kept 0.02, candidates 0.06 with ΔH (0.04 + 0.08) / 6 = 0.02,
+    non-candidates 0.94."""
+    keys = ("s2t/quadrant/num_tokens", "s2t/would_mask/num_candidates", "s2t/would_mask/num_masked")
+    if not run or any(as_number(r.get(k)) != as_number(r.get(k)) for r in run for k in keys):
+        return None
+    n = sum(as_number(r["s2t/quadrant/num_tokens"]) for r in run)
+    cand = sum(as_number(r["s2t/would_mask/num_candidates"]) for r in run)
+    masked = sum(as_number(r["s2t/would_mask/num_masked"]) for r in run)
+
+    def weighted(quadrants: tuple[str, str], stat: str) -> float:
+        num = den = 0.0
+        for r in run:
+            for q in quadrants:
+                c, v = as_number(r.get(quadrant_key(q, "count"))), as_number(r.get(quadrant_key(q, stat)))
+                if c == c and c > 0 and v == v:
+                    num, den = num + c * v, den + c
+        return num / den if den > 0 else math.nan
+
+    share = (lambda k: k / n) if n > 0 else (lambda k: math.nan)
+    low, high = ("low_p_high_h", "low_p_low_h"), ("high_p_high_h", "high_p_low_h")
+    return {"silenced": (share(masked), math.nan, math.nan, masked),
+            "kept candidates": (share(cand - masked), math.nan, math.nan, cand - masked),
+            "candidates (silenced + kept)": (share(cand), weighted(low, "grad_norm"), weighted(low, "entropy_change"),
+                                             cand),
+            "non-candidates": (share(n - cand), weighted(high, "grad_norm"), weighted(high, "entropy_change"),
+                               n - cand)}
+
+
+def _s2t_group_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]) -> list[dict[str, Any]]:
+    """The token taxonomy by S2T's own rule (docs/study.md#reading-the-report): per method and phase (step 1, the
+    first and each run's last ``report.window`` steps, as :func:`_quadrant_rows`), each group of
+    :data:`S2T_GROUPS` among the Â > 0 tokens (:func:`_pooled_groups`), its share, mean ‖∇‖ and mean ΔH averaged over
+    seeds (seeds without a value left out) and its tokens summed over seeds. Empty when no run logs the counts."""
+    out: list[dict[str, Any]] = []
+    window = cfg.report.window
+    for method in cfg.methods:
+        runs = [[r for r in rows[s.name] if r.get("step", 0) >= 1] for s in specs if s.method == method]
+        runs = [run for run in runs if run and _pooled_groups(run) is not None]
+        if not runs:
+            continue
+        for phase, pick in (("step 1 (base model)", lambda run: run[:1]),
+                            (f"first {window} steps", lambda run: run[:window]),
+                            (f"last {window} steps", lambda run: run[-window:])):
+            pooled = [_pooled_groups(pick(run)) for run in runs]
+            for g in S2T_GROUPS:
+                row: dict[str, Any] = {"method": method, "phase": phase, "group": g, "n_seeds": len(runs)}
+                for i, stat in enumerate(("share", "grad_norm", "entropy_change", "tokens")):
+                    vals = [p[g][i] for p in pooled if p is not None and p[g][i] == p[g][i]]
+                    row[stat] = (float(sum(vals)) if stat == "tokens" else float(np.mean(vals))) if vals else math.nan
+                out.append(row)
+    return out
+
+
+def _cut_comparison(specs: list[RunSpec], rows: dict[str, list]) -> tuple[int, int, float]:
+    """Over every training step of the runs that log S2T's own cut (``actor/s2t/entropy_threshold``, STAPO) next to
+    the quadrants' median cut (``s2t/quadrant/entropy_threshold``): ``(steps with both, steps where S2T's cut ≥ the
+    median cut, the largest S2T cut in nats)``. Where S2T's cut is the higher one, the low_p_low_h quadrant is a
+    subset of the silenced tokens (its lowest-entropy part)."""
+    both = above = 0
+    top = math.nan
+    for s in specs:
+        for r in rows.get(s.name, []):
+            a, b = as_number(r.get("actor/s2t/entropy_threshold")), as_number(r.get("s2t/quadrant/entropy_threshold"))
+            if r.get("step", 0) >= 1 and a == a and b == b:
+                both, above = both + 1, above + (a >= b)
+                top = a if top != top else max(top, a)
+    return both, above, top
+
+
+def _clip_counts(specs: list[RunSpec], rows: dict[str, list]) -> dict[str, tuple[int, int]]:
+    """``key → (training steps logging it, steps where it is > 0)`` over every run, for ``actor/pg_clipfrac``,
+    ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` (its absolute value): whether the PPO clip ever acted. With one
+    optimizer update per rollout the ratio is 1 at every token, so all three are 0."""
+    out: dict[str, tuple[int, int]] = {}
+    for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+        vals = [as_number(r.get(key)) for s in specs for r in rows.get(s.name, []) if r.get("step", 0) >= 1]
+        vals = [v for v in vals if v == v]
+        if vals:
+            out[key] = (len(vals), sum(abs(v) > 0 for v in vals))
+    return out
+
+
+def _length_rows(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list]
+                 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Exploratory: entropy against response length (docs/study.md#reading-the-report).
+
+    Over every training step of every run given, x = ``response_length/mean`` and y = ``actor/entropy``: the
+    Pearson correlation r and the least-squares line y ≈ a + b·x. A run's length-adjusted entropy is its mean
+    residual y − (a + b·x), over all its training steps and over the final window (its last ``report.window``
+    steps); ``diff_*`` is that minus the reference method's at the same seed (NaN without one).
+
+    Returns:
+        ``(fit, rows)``: fit = ``{"r", "a", "b", "points"}`` (NaN with fewer than 3 points or no spread); rows: one
+        per run (method, seed, resid_all, resid_final, diff_all, diff_final), in the study's order.
+    """
+    xy = {s.name: [(as_number(r.get("response_length/mean")), as_number(r.get("actor/entropy")))
+                   for r in rows.get(s.name, []) if r.get("step", 0) >= 1] for s in specs}
+    xy = {k: [(x, y) for x, y in v if x == x and y == y] for k, v in xy.items()}
+    pts = np.array([p for v in xy.values() for p in v], dtype=np.float64).reshape(-1, 2)  # [P, 2]
+    nan = {"r": math.nan, "a": math.nan, "b": math.nan, "points": int(pts.shape[0])}
+    if pts.shape[0] < 3 or np.ptp(pts[:, 0]) == 0 or np.ptp(pts[:, 1]) == 0:
+        return nan, []
+    b, a = np.polyfit(pts[:, 0], pts[:, 1], 1)
+    fit = {"r": float(np.corrcoef(pts[:, 0], pts[:, 1])[0, 1]), "a": float(a), "b": float(b),
+           "points": int(pts.shape[0])}
+    resid: dict[tuple[str, int], tuple[float, float]] = {}
+    for s in specs:
+        v = np.array(xy[s.name], dtype=np.float64).reshape(-1, 2)
+        if v.shape[0]:
+            e = v[:, 1] - (a + b * v[:, 0])  # [T] residuals in nats
+            resid[(s.method, s.seed)] = (float(e.mean()), float(e[-cfg.report.window:].mean()))
+    out = []
+    for (method, seed), (r_all, r_fin) in resid.items():
+        ref = resid.get((cfg.reference, seed)) if method != cfg.reference else None
+        out.append({"method": method, "seed": seed, "resid_all": r_all, "resid_final": r_fin,
+                    "diff_all": r_all - ref[0] if ref else math.nan, "diff_final": r_fin - ref[1] if ref else math.nan})
+    return fit, out
+
+
 def _tmp(path: Path) -> Path:
     """A temporary name beside ``path`` for an atomic replace, own to this process (a ``--report-only`` may write
     the report while the runner writes it too)."""
@@ -608,51 +755,68 @@ def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> No
         os.replace(tmp, path)
 
 
-def _plot(path: Path, cfg: StudyConfig, curves: list[dict[str, Any]]) -> bool:
+def _plot(path: Path, cfg: StudyConfig, series: dict[str, dict[str, Series]]) -> bool:
+    """``curves.png``: one panel per metric and comparison (``report.panels``; default one of every method). In each,
+    per method a thin line per seed, the mean over seeds as a thick line and a light band from the seeds' minimum to
+    their maximum, of each run's smoothed curve (:func:`_smoothed`): the band stays within the values the metric
+    took (no negative entropy, no accuracy above 1), unlike a t-band over 2–3 seeds. A method keeps its colour in
+    every panel. Returns False when there is nothing to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    names = list(dict.fromkeys(r["metric"] for r in curves if not r["metric"].startswith("final_eval")))
+    names = [n for n in series if not n.startswith("final_eval") and series[n]]
     if not names:
         return False
-    ncol = min(3, len(names))
-    nrow = math.ceil(len(names) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 3.6 * nrow), squeeze=False)
+    panels = cfg.report.panels or [list(cfg.methods)]
+    per_row = max(1, 4 // len(panels))  # metrics side by side in one row of the figure
+    ncol, nrow = per_row * len(panels), math.ceil(len(names) / per_row)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.3 * ncol, 3.3 * nrow), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, name in zip(axes.flat, names):
-        means: list[float] = []  # the y range shown: the means' range, padded (a band of 2 seeds, t = 12.7, is wider)
-        for k, method in enumerate(cfg.methods):
-            pts = [r for r in curves if r["metric"] == name and r["method"] == method]
-            if not pts:
-                continue
-            x = np.array([p["step"] for p in pts])
-            y = np.array([p["mean"] for p in pts])
-            c = colors[k % len(colors)]
-            ax.plot(x, y, color=c, label=method, marker="o" if len(x) < 12 else None, ms=3)
-            lo, hi = np.array([p["ci_low"] for p in pts]), np.array([p["ci_high"] for p in pts])
-            ax.fill_between(x, lo, hi, color=c, alpha=0.18, linewidth=0)
-            means += [float(v) for v in y if math.isfinite(v)]
-        if means:
-            low, high = min(means), max(means)
-            pad = 0.5 * (high - low) or 0.5 * abs(high) or 1.0
-            ax.set_ylim(low - pad, high + pad)
-        ax.set_title(_label(name), fontsize=10)
-        ax.set_xlabel("training step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    smooth = f", moving average over {cfg.report.smooth} steps" if cfg.report.smooth > 1 else ""
-    fig.suptitle(f"study {cfg.name}: mean over seeds, {cfg.report.confidence:.0%} t-band{smooth} (y axis: the means' "
-                 f"range ± 50 %; wider bands are cut, curves.csv has them whole)", fontsize=11)
+    color = {m: colors[k % len(colors)] for k, m in enumerate(cfg.methods)}
+    used = set()
+    for i, name in enumerate(names):
+        for j, panel in enumerate(panels):
+            ax = axes[i // per_row, (i % per_row) * len(panels) + j]
+            used.add(id(ax))
+            for method in panel:
+                s = series[name].get(method)
+                if s is None:
+                    continue
+                v = _smoothed(cfg, s)  # [S, T + 1]
+                logged = ~np.isnan(v).all(axis=0)  # [T + 1]
+                x = s.steps[logged]
+                if not x.size:
+                    continue
+                sparse = x.size < 12
+                for row in v[:, logged]:
+                    ok = ~np.isnan(row)
+                    ax.plot(x[ok], row[ok], color=color[method], lw=0.7, alpha=0.45)
+                with np.errstate(all="ignore"):
+                    mean, lo, hi = np.nanmean(v[:, logged], 0), np.nanmin(v[:, logged], 0), np.nanmax(v[:, logged], 0)
+                ax.fill_between(x, lo, hi, color=color[method], alpha=0.12, linewidth=0)
+                ax.plot(x, mean, color=color[method], lw=2.0, label=f"{method} ({len(s.seeds)})",
+                        marker="o" if sparse else None, ms=3)
+            ax.set_title(f"{_label(name)}" + (f"\n{', '.join(panel)}" if len(panels) > 1 else ""), fontsize=8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+            if i < per_row:
+                ax.legend(fontsize=7, title="method (seeds)", title_fontsize=7)
+            if i // per_row == nrow - 1:
+                ax.set_xlabel("training step", fontsize=8)
+    for ax in axes.flat:
+        if id(ax) not in used:
+            ax.axis("off")
+    smooth = f", each run smoothed over {cfg.report.smooth} steps" if cfg.report.smooth > 1 else ""
+    fig.suptitle(f"study {cfg.name}: thin lines = seeds, thick = mean over seeds, band = the seeds' min–max{smooth}",
+                 fontsize=11)
     fig.tight_layout()
     tmp = _tmp(path)
     with writing(path):
-        fig.savefig(tmp, dpi=110)
+        fig.savefig(tmp, dpi=90)
         plt.close(fig)
         os.replace(tmp, path)
     return True
@@ -792,11 +956,12 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
     series, _ = collect(cfg, specs, exclude=excluded, rows=rows)
     curves = _curve_rows(cfg, series)
     finals = _final_rows(cfg, series)
-    _write_csv(out / "curves.csv", curves, ["metric", "method", "step", "n_seeds", "mean", "ci_low", "ci_high"])
+    _write_csv(out / "curves.csv", curves, ["metric", "method", "step", "n_seeds", "mean", "ci_low", "ci_high",
+                                            "min", "max"])
     _write_csv(out / "final.csv", finals, ["metric", "method", "keys", "window_steps", "n_seeds", "final_mean",
                                            "final_ci_low", "final_ci_high", "reference", "diff_mean",
                                            "diff_ci_low", "diff_ci_high", "n_pairs"])
-    plotted = _plot(out / "curves.png", cfg, curves)
+    plotted = _plot(out / "curves.png", cfg, series)
     launches = {s.name: _launch_threads(s.run_dir) for s in specs}  # [(start step, threads)] per launch
     cost = _cost(cfg, specs, rows, launches)
     r = cfg.report
@@ -848,10 +1013,12 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                       "of a method's planned seeds remain:", ""]
         lines += [f"- {name}: {why}" for name, why in excluded.items()]
     lines += ["", "## Curves", "",
-              f"Mean over seeds per method and step, band: the {conf} t-interval over seeds "
-              f"(mean ± t_{{{(1 + r.confidence) / 2:.3g}, n−1}} · s/√n)"
+              "The figure: one panel per metric and comparison (`report.panels`), per method a thin line per seed, "
+              "the mean over seeds (thick) and the seeds' min–max range (band)"
               + (f", each run smoothed by a trailing moving average over {r.smooth} steps" if r.smooth > 1 else "")
-              + ". With one seed there is no band (n/a). Data: `curves.csv`.", ""]
+              + f". `curves.csv` has per method and step the mean, the {conf} t-interval over seeds "
+              f"(mean ± t_{{{(1 + r.confidence) / 2:.3g}, n−1}} · s/√n; empty with one seed; with 2–3 seeds it is "
+              "wide and may pass the metric's range) and the seeds' min and max.", ""]
     if plotted:
         lines += ["![curves](curves.png)", ""]
     lines += ["## Final values", "",
@@ -898,7 +1065,9 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                                                       *QUADRANT_STATS, "tokens"])
         lines += ["", "## Token taxonomy", "",
                   "Response tokens with Â > 0, split by p < τ_p (low_p) and H below the median H of those tokens "
-                  "(low_h); low_p_low_h is the quadrant S2T silences. share: the quadrant's fraction of those tokens; "
+                  "(low_h). low_p_low_h is a median-entropy split, **not the set S2T silences**: S2T's entropy cut is "
+                  "the q-quantile (algorithm.s2t.entropy_quantile) of the candidates' H, Â > 0 and p < τ_p (the next "
+                  "table splits by that rule). share: the quadrant's fraction of those tokens; "
                   "‖∇‖: mean logit-gradient norm |Â|·sqrt(1 − 2p + Σπ²)/T; ΔH: mean first-order entropy change per "
                   "unit step (docs/metrics.md, s2t/quadrant/*). At step 1 (the base model's rollouts), over the first "
                   f"and over each run's last {r.window} steps: a run's steps pooled by token, then the mean over "
@@ -906,6 +1075,62 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
                   "| method | phase | quadrant | share | ‖∇‖ | ΔH | tokens |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {q['method']} | {q['phase']} | {q['quadrant']} | {_fmt(q['share'])} | {_fmt(q['grad_norm'])} "
                   f"| {_fmt(q['entropy_change'])} | {_fmt(q['tokens'], 6)} |" for q in quadrants]
+    groups = _s2t_group_rows(cfg, kept, rows) if quadrants else []
+    if not groups:
+        with writing(out / "s2t_groups.csv"):
+            (out / "s2t_groups.csv").unlink(missing_ok=True)
+    else:
+        _write_csv(out / "s2t_groups.csv", groups, ["method", "phase", "group", "n_seeds", *QUADRANT_STATS, "tokens"])
+        both, above, top = _cut_comparison(kept, rows)
+        lines += ["", "### Token taxonomy by S2T's rule", "",
+                  "The same Â > 0 tokens split as S2T splits them (at the old policy, for every method: what S2T "
+                  "silences or would silence): **silenced** (p < τ_p and H below the q-quantile of the candidates' "
+                  "H), **kept candidates** (p < τ_p, H at or above that cut), **non-candidates** (p ≥ τ_p). Counts "
+                  "from `s2t/would_mask/num_candidates` and `num_masked` at every step. The candidates are exactly "
+                  "the two low-p quadrants, so their ‖∇‖ and ΔH are the quadrants' count-weighted means (and the "
+                  "non-candidates' those of the high-p quadrants); **the silenced and the kept candidates' own ‖∇‖ "
+                  "and ΔH are not in the logged metrics** (n/a): splitting them needs per-token statistics that the "
+                  "runs did not keep (their rollouts are not in the grid), i.e. training again with that split "
+                  "logged. Pooled by token per run, then the mean over seeds; tokens summed over seeds. Data: "
+                  "`s2t_groups.csv`.", ""]
+        if both:
+            lines += [f"Where S2T's own cut is logged (`actor/s2t/entropy_threshold`), it was at or above the "
+                      f"quadrants' median cut at {above} of {both} steps (there low_p_low_h is a subset of the "
+                      f"silenced tokens, their lowest-entropy part) and at most {top:.2f} nats, so every silenced "
+                      f"token had H < {top:.2f} < −ln τ_p and a positive first-order ΔH, by the formula.", ""]
+        lines += ["| method | phase | group | share | ‖∇‖ | ΔH | tokens |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {g['method']} | {g['phase']} | {g['group']} | {_fmt(g['share'])} | {_fmt(g['grad_norm'])} "
+                  f"| {_fmt(g['entropy_change'])} | {_fmt(g['tokens'], 6)} |" for g in groups]
+    clip = _clip_counts(kept, rows)
+    if clip:
+        lines += ["", "## Did the clip act?", "",
+                  "Training steps at which each quantity was > 0, over every run reported (the PPO ratio's clip, "
+                  "docs/metrics.md): " + "; ".join(f"`{k}` {pos} of {n}" for k, (n, pos) in clip.items()) + "."]
+        if all(pos == 0 for _, pos in clip.values()):
+            lines += ["", "The clip never acted: each rollout feeds one optimizer update "
+                          "(`actor.ppo_mini_batch_size` = `data.train_batch_size`), so the update is on-policy, the "
+                          "ratio is 1 at every token and no ε or dual clip can bind. Clip-higher and the dual clip of "
+                          "JustRL, 20-Entropy and STAPO are inert here: STAPO and JustRL differ only by S2T's mask."]
+    fit, length = _length_rows(cfg, kept, rows)
+    if length:
+        _write_csv(out / "length_adjusted.csv", length, ["method", "seed", "resid_all", "resid_final", "diff_all",
+                                                         "diff_final"])
+        lines += ["", "## Exploratory: entropy and response length", "",
+                  f"Not a pre-registered test. Over all {fit['points']} training steps of the runs reported, the "
+                  f"step's mean entropy (`actor/entropy`) and mean response length (`response_length/mean`) "
+                  f"correlate at r = {fit['r']:.3f} (Pearson); least squares: entropy ≈ {fit['a']:.3f} + "
+                  f"{fit['b']:.4f} · length (nats, tokens). Length-adjusted entropy of a run: its mean residual from "
+                  f"that line over all its training steps, and over its last {r.window} steps; Δ = method − "
+                  f"{cfg.reference} at the same seed (negative: lower entropy than {cfg.reference} at the same "
+                  "length). One line for every method, so a method whose entropy-length relation differs is "
+                  "compared on a line that is not its own. Data: `length_adjusted.csv`.", "",
+                  f"| method | seed | residual, all steps | residual, last {r.window} | Δ all steps | "
+                  f"Δ last {r.window} |", "|---|---|---|---|---|---|"]
+        lines += [f"| {x['method']} | {x['seed']} | {x['resid_all']:+.3f} | {x['resid_final']:+.3f} | "
+                  f"{_fmt_signed(x['diff_all'])} | {_fmt_signed(x['diff_final'])} |" for x in length]
+    else:
+        with writing(out / "length_adjusted.csv"):
+            (out / "length_adjusted.csv").unlink(missing_ok=True)
     se_rows = eval_se_rows(kept, r.confidence) if cfg.final_eval.enabled else []
     if se_rows:
         lines += ["", "## Final evaluation: sampling error", "",
