@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/cpu_smollm2_word_justrl.yaml", help="its model, prompt and budget")
     ap.add_argument("--out", default="results/word_task_probe.md")
     ap.add_argument("--dump", default=None, help="also write every response (JSON lines) to this file")
+    ap.add_argument("--json", default=None, help="also write the table's rows (one object per level) to this file")
     args = ap.parse_args()
     bad = [lv for lv in args.levels if lv not in WORD_LEVELS]
     if bad or args.problems < 1 or args.group_size < 1:
@@ -86,6 +87,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     examples: list[str] = []
     dumped: list[str] = []
+    rows: list[dict] = []
     try:
         for level in args.levels:
             t0 = time.perf_counter()
@@ -113,6 +115,13 @@ def main() -> None:
                 f"| {statistics.mean(cut_len):.0f} / {statistics.median(cut_len):.0f} / {_quantile(cut_len, 0.9):.0f} "
                 f"| {correct_mean} | {statistics.mean(ref):.0f} | {time.perf_counter() - t0:.0f} |")
             print(lines[-1], flush=True)
+            rows.append({"level": level, "operations": WORD_LEVELS[level].operations, "n": n,
+                         "accuracy": sum(x > 0 for x in rs) / n, "math_verify_accuracy": sum(x > 0 for x in rv) / n,
+                         "boxed_rate": sum(r.finish_reason == "boxed" for r in out) / n,
+                         "capped_rate": sum(r.finish_reason == "length" for r in out) / n,
+                         "varied_groups": sum(len(set(g)) > 1 for g in groups) / len(groups),
+                         "mean_length": statistics.mean(cut_len), "model": cfg.model.path,
+                         "temperature": cfg.rollout.temperature, "seed": args.seed})
             dumped += [json.dumps({"level": level, "problem": records[r.group].problem, "gold": golds[i],
                                    "strict": rs[i], "math_verify": rv[i], "finish_reason": r.finish_reason,
                                    "tokens": len(r.response_ids), "uncut_tokens": len(raw[i].response_ids),
@@ -127,6 +136,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines).rstrip() + "\n")
     print(f"wrote {args.out}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
     if args.dump:
         Path(args.dump).write_text("\n".join(dumped) + "\n")
         print(f"wrote {args.dump}")
