@@ -18,8 +18,9 @@ single logit-gradient step, which also depends on Σ_v π² (log π + H)):
 so a low-probability token (log p < −H) with positive advantage increases entropy.
 
 Quadrants: among response tokens with Â > 0 (tokens of responses that beat their group), split by
-probability (p < τ_p → "low_p") and entropy (H < τ_h → "low_h"); "low_p_low_h" is the spurious-risk
-quadrant that S2T silences.
+probability (p < τ_p → "low_p") and entropy (H < τ_h → "low_h", τ_h the median by default); "low_p_low_h" is
+the paper's spurious-risk quadrant. It is not the set S2T silences: S2T's cut is the q-quantile (0.75) of its
+candidates' H (Â > 0, p < τ_p; stapo.masks.s2t_mask), not the median of all Â > 0 tokens.
 """
 from __future__ import annotations
 
