@@ -3,6 +3,10 @@ held-out problems once (docs/metrics.md#mechanism-measurements-mechanism-probe).
 
     python scripts/build_probe_set.py --config configs/X.yaml --benchmark arith_test --num-prompts 32 \\
         --out probes/arith_test_32.jsonl [--samples 1] [--seed 0] [key=value ...]
+    python scripts/build_probe_set.py --config configs/mechanism/justrl.yaml --word-levels 3 4 13 ...
+
+With --word-levels the prompts are the first --num-prompts held-out word problems of exactly those levels
+(stapo.word_problems.generate_word_problems(split="test", seed=0), the levels in turn) instead of a benchmark's.
 
 The prompts are the benchmark's first --num-prompts problems (a benchmark under data.root or a generated one such as
 arith_test), encoded as training encodes them (data.prompt_style, data.system_prompt); the responses are sampled from
@@ -40,7 +44,10 @@ def _load(cfg):
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="build_probe_set.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="the training config whose model, prompts and rollout it uses")
-    ap.add_argument("--benchmark", required=True, help="held-out problems (e.g. arith_test, math500)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--benchmark", help="held-out problems (e.g. arith_test, math500)")
+    src.add_argument("--word-levels", type=int, nargs="+", metavar="LEVEL",
+                     help="held-out word problems of these levels (stapo.word_problems, split=test, seed 0)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=1, help="responses per prompt")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (the set is reproducible)")
@@ -61,14 +68,23 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        problems = load_problems(cfg.data.root, [args.benchmark], limit=args.num_prompts)[args.benchmark]
-    except (ConfigError, EvalError) as e:
+        if args.word_levels:  # (problem text, id) of held-out word problems of exactly these levels
+            from stapo.word_problems import generate_word_problems
+
+            source = f"word levels {' '.join(map(str, args.word_levels))}"
+            problems = [(r.problem, r.id) for r in generate_word_problems(args.num_prompts, seed=0,
+                                                                          levels=args.word_levels, split="test")]
+        else:
+            source = args.benchmark
+            problems = [(p.record.problem, p.id) for p in
+                        load_problems(cfg.data.root, [args.benchmark], limit=args.num_prompts)[args.benchmark]]
+    except (ConfigError, EvalError, ValueError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     try:
         tok, model = _load(cfg)
-        prompts = [(encode_prompt(p.record.problem, tok, use_chat_template=cfg.data.prompt_style,
-                                  system_prompt=cfg.data.system_prompt), p.id) for p in problems]
+        prompts = [(encode_prompt(text, tok, use_chat_template=cfg.data.prompt_style,
+                                  system_prompt=cfg.data.system_prompt), pid) for text, pid in problems]
         rc = cfg.rollout
         import torch
 
@@ -101,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
     tokens = sum(len(r.response_ids) for r in rows)
-    print(f"{prog}: wrote {len(rows)} probe pairs ({tokens} response tokens) of {args.benchmark} to {path}")
+    print(f"{prog}: wrote {len(rows)} probe pairs ({tokens} response tokens) of {source} to {path}")
     return 0
 
 

@@ -1,0 +1,179 @@
+"""The staged mechanism study of issue 32, one stage per command (rules: docs/study.md#mechanism-study-issue-32-rules-fixed-before-the-trunk).
+
+    python scripts/mechanism_study.py sft          # the cold-start model data/models/word_sft (~15-25 min)
+    python scripts/mechanism_study.py calibrate    # results/mechanism_study/calibration.{md,json}: gate A
+    python scripts/mechanism_study.py probe-set    # results/mechanism_study/probe_set.jsonl (fixed for every run)
+    python scripts/mechanism_study.py trunk        # the JustRL trunk, runs/mechanism/trunk (resumable)
+    python scripts/mechanism_study.py gate         # gate B on the trunk: results/mechanism_study/gate_b.json
+    python scripts/mechanism_study.py arms         # gate B passed: the forks; failed: STAPO from step 0 (resumable)
+    python scripts/mechanism_study.py verdicts     # results/mechanism_study/mechanism_claims.{md,json}, mechanism.png
+    python scripts/mechanism_study.py status       # what is done, what runs, what is next
+
+Every training stage calls ``train.py --resume``-able commands (``trainer.resume=auto``): rerunning a stage continues
+it from its latest checkpoint; a finished run is left as it is. Long stages are meant to run in the background::
+
+    nohup python scripts/mechanism_study.py trunk > runs/mechanism/trunk.log 2>&1 &
+
+The study's settings are fixed here and in configs/mechanism/*.yaml (pre-registered: docs/study.md); the stages
+print the commands they run. Exit codes: 0 done, 1 a stage failed (its command's output says why), 2 a stage whose
+inputs are missing (one line naming the stage to run first).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+OUT = REPO / "results" / "mechanism_study"
+RUNS = REPO / "runs" / "mechanism"
+SFT_MODEL = REPO / "data" / "models" / "word_sft"
+JUSTRL, STAPO = "configs/mechanism/justrl.yaml", "configs/mechanism/stapo.yaml"
+PROBE_SET = OUT / "probe_set.jsonl"
+#: the levels the cold start was trained on (a quick read of levels 3 / 13 / 23 after it: 52 / 25 / 5.5 %, so the large
+#: scale is left out) and 64 problems x 4 samples each (the design's 128 x 4 halved for time: a level's accuracy then
+#: has a standard error of at most 3 points, 256 responses)
+CAL_LEVELS = [2, 3, 4, 12, 13, 14]
+CAL_PROBLEMS, CAL_SAMPLES = 64, 4
+#: the cold start (scripts/sft_warm_start.py): 192 training-split problems over the easy and small levels, one pass
+SFT_ARGS = ["--num-problems", "192", "--levels", "2", "3", "4", "12", "13", "14", "--epochs", "1", "--lr", "2e-5",
+            "--batch-size", "8", "--seed", "1234"]
+
+
+def run(cmd: list[str]) -> None:
+    """Run ``cmd`` in the repository root (printed first); exit 1 when it fails."""
+    print("+ " + shlex.join(cmd), flush=True)
+    rc = subprocess.call(cmd, cwd=REPO)
+    if rc != 0:
+        sys.exit(f"mechanism_study.py: the command above failed (exit {rc})")
+
+
+def need(path: Path, stage: str) -> None:
+    if not path.exists():
+        print(f"mechanism_study.py: {path.relative_to(REPO)} is missing: run `python scripts/mechanism_study.py "
+              f"{stage}` first", file=sys.stderr)
+        sys.exit(2)
+
+
+def levels_overrides() -> list[str]:
+    """The calibrated mix as config overrides (training levels and the validation benchmark)."""
+    need(OUT / "gate_a.json", "calibrate")
+    gate = json.loads((OUT / "gate_a.json").read_text())
+    if not gate["passed"]:
+        print("mechanism_study.py: gate A failed (results/mechanism_study/gate_a.json): the study stops at "
+              "calibration", file=sys.stderr)
+        sys.exit(2)
+    levels = gate["mix"]
+    return [f"data.synthetic.levels=[{','.join(map(str, levels))}]",
+            f"validation.benchmarks=[{','.join(benchmarks(levels))}]"]
+
+
+def benchmarks(levels: list[int]) -> list[str]:
+    """The held-out word benchmarks covering ``levels`` (word_test: 2-4, word_mid: 12-14, word_hard: 22-24)."""
+    return [name for name, scale in (("word_test", 0), ("word_mid", 1), ("word_hard", 2))
+            if any(lv // 10 == scale for lv in levels)]
+
+
+def train(config: str, name: str, extra: list[str]) -> None:
+    run([PY, "train.py", "--config", config, f"trainer.output_dir={RUNS.relative_to(REPO)}",
+         f"trainer.run_name={name}", "trainer.resume=auto", *levels_overrides(), *extra])
+
+
+def stage_sft(_a) -> None:
+    if SFT_MODEL.exists():
+        print(f"{SFT_MODEL.relative_to(REPO)} exists: nothing to do")
+        return
+    run([PY, "scripts/sft_warm_start.py", "--out", str(SFT_MODEL.relative_to(REPO)), *SFT_ARGS])
+
+
+def stage_calibrate(a) -> None:
+    need(SFT_MODEL, "sft")
+    if (OUT / "calibration.json").exists():  # measured once (delete it to measure again)
+        print(f"{(OUT / 'calibration.json').relative_to(REPO)} exists: applying gate A to it")
+    else:
+        run([PY, "scripts/probe_word_task.py", "--config", JUSTRL, "--problems", str(a.problems), "--group-size",
+             str(CAL_SAMPLES), "--levels", *map(str, a.levels), "--seed", "0", "--out", str(OUT / "calibration.md"),
+             "--json", str(OUT / "calibration.json")])
+    from stapo.study.mechanism_claims import gate_a
+
+    rows = json.loads((OUT / "calibration.json").read_text())["rows"]
+    result = gate_a(rows)
+    (OUT / "gate_a.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(json.dumps(result, indent=1, default=str))
+
+
+def stage_probe_set(_a) -> None:
+    overrides = levels_overrides()
+    mix = json.loads((OUT / "gate_a.json").read_text())["mix"]
+    if PROBE_SET.exists():
+        print(f"{PROBE_SET.relative_to(REPO)} exists: the probe set is fixed once; nothing to do")
+        return
+    run([PY, "scripts/build_probe_set.py", "--config", JUSTRL, "--word-levels", *map(str, mix), "--num-prompts", "32",
+         "--seed", "0", "--out", str(PROBE_SET.relative_to(REPO)), *overrides])
+
+
+def stage_trunk(_a) -> None:
+    need(PROBE_SET, "probe-set")
+    train(JUSTRL, "trunk", [])
+
+
+def stage_gate(_a) -> None:
+    need(RUNS / "trunk" / "metrics.jsonl", "trunk")
+    run([PY, "-m", "stapo.study.mechanism_claims", "--trunk", str(RUNS / "trunk"), "--gate-only",
+         "--out", str(OUT)])
+
+
+def stage_arms(_a) -> None:
+    need(OUT / "gate_b.json", "gate")
+    gate = json.loads((OUT / "gate_b.json").read_text())
+    if gate["passed"]:  # paired forks from the checkpoint before the rise: same prompts and rollout seeds per pair
+        # a fork starts a new run folder from another run's checkpoint with its own seed; the trainer cannot do that
+        # yet (no trainer.init_from): the stage refuses rather than run something else
+        print(f"mechanism_study.py: gate B passed (fork at step {gate.get('fork_step')}); the forks need a trainer "
+              "option to start a run from another run's checkpoint, which does not exist yet", file=sys.stderr)
+        sys.exit(2)
+    else:  # C3 not testable: STAPO from step 0 with the trunk's seed, paired with it step by step
+        train(STAPO, "stapo_from_start", [])
+
+
+def stage_verdicts(_a) -> None:
+    need(RUNS / "trunk" / "metrics.jsonl", "trunk")
+    cmd = [PY, "-m", "stapo.study.mechanism_claims", "--trunk", str(RUNS / "trunk"),
+           "--calibration", str(OUT / "calibration.json"), "--out", str(OUT)]
+    forks = sorted(RUNS.glob("fork*_justrl"))
+    for j in forks:
+        cmd += ["--fork-pairs", f"{j}:{j.with_name(j.name.replace('_justrl', '_stapo'))}"]
+    if (RUNS / "stapo_from_start").exists():
+        cmd += ["--stapo-from-start", str(RUNS / "stapo_from_start")]
+    run(cmd)
+    run([PY, "scripts/plot_mechanism.py", str(RUNS / "trunk"), "--out", str(OUT / "mechanism.png")])
+
+
+def stage_status(_a) -> None:
+    for label, path in (("cold-start model", SFT_MODEL), ("calibration / gate A", OUT / "gate_a.json"),
+                        ("probe set", PROBE_SET), ("trunk metrics", RUNS / "trunk" / "metrics.jsonl"),
+                        ("gate B", OUT / "gate_b.json"), ("verdicts", OUT / "mechanism_claims.md")):
+        state = "missing"
+        if path.exists():
+            state = "present"
+            if path.name == "metrics.jsonl":
+                state = f"{sum(1 for _ in path.open())} rows"
+        print(f"{label:22s} {state:10s} {path.relative_to(REPO)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=("sft", "calibrate", "probe-set", "trunk", "gate", "arms", "verdicts", "status"))
+    ap.add_argument("--levels", type=int, nargs="+", default=CAL_LEVELS, help="calibrate: the levels measured")
+    ap.add_argument("--problems", type=int, default=CAL_PROBLEMS, help="calibrate: held-out problems per level")
+    a = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    globals()["stage_" + a.stage.replace("-", "_")](a)
+
+
+if __name__ == "__main__":
+    main()
