@@ -360,3 +360,15 @@ def test_plot_writes_a_png_for_a_full_and_a_partial_run(tmp_path):
     partial = _write_run(tmp_path / "partial", _rows("probe/entropy", [1.0, 0.9]), total_steps=120)
     png = plot_mechanism.plot(partial, tmp_path / "partial.png")
     assert png.stat().st_size > 1000
+
+
+def test_cli_gate_only_writes_gate_b_json(tmp_path):
+    import json
+
+    # probe/entropy 0.5 at step 1, then 0.6 at steps 2-21: a rise at step 2 from the minimum at step 1; the only
+    # checkpoint ≤ 1 − 1 = 0 is the initial model
+    trunk = _write_run(tmp_path / "trunk", _rows("probe/entropy", [0.5] + [0.6] * 20))
+    assert mc.main(["--trunk", str(trunk), "--gate-only", "--checkpoint-steps", "10", "--out", str(tmp_path)]) == 0
+    gate = json.loads((tmp_path / "gate_b.json").read_text())
+    assert (gate["passed"], gate["result"], gate["t0"], gate["min_step"], gate["fork_step"]) == (True, "pass", 2, 1, 0)
+    assert not (tmp_path / "mechanism_claims.md").exists()

@@ -4,6 +4,7 @@
     python -m stapo.study.mechanism_claims --trunk RUN_DIR [--calibration CSV_OR_JSON]
         [--fork-pairs JUSTRL_DIR:STAPO_DIR ...] [--stapo-from-start RUN_DIR] [--checkpoint-steps N ...] --out DIR
     # → DIR/mechanism_claims.md and DIR/mechanism_claims.json
+    python -m stapo.study.mechanism_claims --trunk RUN_DIR --gate-only --out DIR   # → DIR/gate_b.json (Gate B only)
 
 The stages (``../shared/notes/MECHANISM_STUDY_DESIGN.md`` §B3): calibration of the base model per difficulty level
 (:func:`gate_a`), a JustRL trunk with the mechanism measurements on (docs/metrics.md#mechanism-measurements-
@@ -440,9 +441,9 @@ def gate_b(rows: Sequence[Mapping[str, Any]], *, finished: bool = True,
         checkpoint_steps: the trunk's saved checkpoint steps (None: unknown).
 
     Returns:
-        ``result``: "pass" | "fail" | "pending" | "not testable"; ``reason``; ``series`` ({"S1": ..., "S2": ...},
-        each :func:`rise`'s dict with its ``key``); ``decided_by``, ``t0``, ``min_step``, ``max_ratio``,
-        ``fork_checkpoint``, ``checkpoint_steps``.
+        ``result``: "pass" | "fail" | "pending" | "not testable"; ``passed`` (result == "pass"); ``reason``;
+        ``series`` ({"S1": ..., "S2": ...}, each :func:`rise`'s dict with its ``key``); ``decided_by``, ``t0``,
+        ``min_step``, ``fork_checkpoint`` (also as ``fork_step``), ``checkpoint_steps``, ``finished``.
     """
     s1 = series(rows, PROBE_KEY)
     s2_steps, s2_raw = series(rows, FIRST_K_KEY)
@@ -467,6 +468,8 @@ def gate_b(rows: Sequence[Mapping[str, Any]], *, finished: bool = True,
                                          f"{RISE_STEPS} logged steps")
     else:
         out.update(result="pending", reason="no rise yet and the trunk is unfinished")
+    out["passed"] = out["result"] == "pass"
+    out["fork_step"] = out["fork_checkpoint"]
     return out
 
 
@@ -866,6 +869,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stapo-from-start", help="the STAPO run from step 0 (exploratory pairing with the trunk)")
     ap.add_argument("--checkpoint-steps", type=int, nargs="*", default=None,
                     help="the trunk's saved checkpoint steps (default: its complete checkpoints/step_N folders)")
+    ap.add_argument("--gate-only", action="store_true",
+                    help="write only Gate B on the trunk, as DIR/gate_b.json (the stage runner's gate)")
     ap.add_argument("--out", required=True, help="folder for mechanism_claims.md and mechanism_claims.json")
     args = ap.parse_args(argv)
     try:
@@ -883,19 +888,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpts = args.checkpoint_steps
         if ckpts is None and trunk is not None:
             ckpts = _checkpoint_steps(trunk.path)
-        res = evaluate(trunk=trunk, calibration=calibration, fork_pairs=pairs, stapo_from_start=start,
-                       checkpoint_steps=ckpts)
         out = Path(args.out)
+        if args.gate_only:
+            if trunk is None:
+                raise MechanismClaimsError("--gate-only needs --trunk")
+            _check_objective(trunk, "justrl", "trunk")
+            gate = gate_b(trunk.rows, finished=trunk.finished, checkpoint_steps=ckpts)
+            files = {"gate_b.json": json.dumps(_jsonable({**gate, "trunk": _run_summary(trunk)}), indent=1)}
+            summary = f"gate B: {gate['result']} ({gate['reason']})"
+        else:
+            res = evaluate(trunk=trunk, calibration=calibration, fork_pairs=pairs, stapo_from_start=start,
+                           checkpoint_steps=ckpts)
+            files = {"mechanism_claims.md": render_md(res), "mechanism_claims.json": json.dumps(_jsonable(res),
+                                                                                                indent=1)}
+            summary = ""
         try:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "mechanism_claims.md").write_text(render_md(res) + "\n")
-            (out / "mechanism_claims.json").write_text(json.dumps(_jsonable(res), indent=1) + "\n")
+            for name, text in files.items():
+                (out / name).write_text(text + "\n")
         except OSError as e:
             raise MechanismClaimsError(f"cannot write into {out}: {e}") from None
     except MechanismClaimsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out / 'mechanism_claims.md'} and {out / 'mechanism_claims.json'}")
+    print(f"wrote {' and '.join(str(out / name) for name in files)}" + (f"; {summary}" if summary else ""))
     return 0
 
 
