@@ -372,3 +372,15 @@ def test_cli_gate_only_writes_gate_b_json(tmp_path):
     gate = json.loads((tmp_path / "gate_b.json").read_text())
     assert (gate["passed"], gate["result"], gate["t0"], gate["min_step"], gate["fork_step"]) == (True, "pass", 2, 1, 0)
     assert not (tmp_path / "mechanism_claims.md").exists()
+
+
+def test_gate_a_tie_on_distance_goes_to_more_levels():
+    # accuracies 3: .35, 4: .30, 5: .40 → {3}, {4,5} and {3,4,5} all pool to 0.35 (the last is 0.35000000000000003
+    # in binary: equal at 9 decimals, a tie) → the most levels, {3,4,5}
+    row = {"boxed_rate": 0.9, "mean_length": 100.0, "n": 64}
+    levels = [dict(row, level=3, accuracy=0.35), dict(row, level=4, accuracy=0.30), dict(row, level=5, accuracy=0.40)]
+    assert mc.gate_a(levels)["mix"] == [3, 4, 5]
+    # level 3 alone boxes 0.5: every mix with it has pooled boxed < 0.85 ((0.5 + 0.9)/2 = 0.7, (0.5 + 1.8)/3 = 0.77)
+    # → admissible: {4}, {5}, {4,5}; {4,5} is 0.35 exactly
+    levels[0]["boxed_rate"] = 0.5
+    assert mc.gate_a(levels)["mix"] == [4, 5]

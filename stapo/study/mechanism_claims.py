@@ -342,8 +342,9 @@ def gate_a(rows: Sequence[Mapping[str, float]]) -> dict[str, Any]:
     mixes = [m for k in range(1, len(eligible) + 1) for m in itertools.combinations(eligible, k)]
 
     def key(m: tuple[int, ...]) -> tuple[float, int, tuple[int, ...]]:
-        # closest pooled accuracy to the target, then more levels, then the smaller level numbers
-        return (abs(pooled(m)["accuracy"] - MIX_TARGET_ACCURACY), -len(m), m)
+        # closest pooled accuracy to the target (distances equal to 9 decimals are a tie: 0.30 and 0.40 are
+        # equally close to 0.35, whatever the binary rounding), then more levels, then the smaller level numbers
+        return (round(abs(pooled(m)["accuracy"] - MIX_TARGET_ACCURACY), 9), -len(m), m)
 
     admissible = [m for m in mixes if not unmet(pooled(m))]
     best = min(admissible or mixes, key=key)
