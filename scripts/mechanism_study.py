@@ -136,8 +136,12 @@ def stage_arms(_a) -> None:
         print(f"mechanism_study.py: gate B passed (fork at step {gate.get('fork_step')}); the forks need a trainer "
               "option to start a run from another run's checkpoint, which does not exist yet", file=sys.stderr)
         sys.exit(2)
-    else:  # C3 not testable: STAPO from step 0 with the trunk's seed, paired with it step by step
+    elif gate["result"] == "fail":  # C3 not testable: STAPO from step 0 with the trunk's seed, paired with it
         train(STAPO, "stapo_from_start", [])
+    else:  # pending (the trunk is unfinished) or not testable (the trunk logs neither series)
+        print(f"mechanism_study.py: gate B is {gate['result']!r} ({gate.get('reason')}): finish the trunk and rerun "
+              "the gate stage", file=sys.stderr)
+        sys.exit(2)
 
 
 def stage_verdicts(_a) -> None:
