@@ -334,15 +334,19 @@ def test_groups_add_up_to_the_real_steps_first_order_probe_entropy_change(tmp_pa
 
 
 def test_counterfactual_delta_is_exactly_zero_when_nothing_is_silenced(tmp_path):
-    # τ_p = 1e-30: no token is a candidate, S2T silences nothing, the two arms run the same operations
-    trainer = _mech_trainer(tmp_path, ["algorithm.objective=justrl", "trainer.total_steps=1",
+    """τ_p = 1e-30: no token is a candidate, S2T silences nothing, so the S2T arm is the JustRL update itself: δ = 0
+    exactly (the unmasked arm is not run), and the arm's probe-entropy change is the one the JustRL run's real step
+    makes (the next step's probe/entropy minus this one's), up to float rounding of the two plans' operation order."""
+    trainer = _mech_trainer(tmp_path, ["algorithm.objective=justrl", "trainer.total_steps=2",
                                        "algorithm.s2t.prob_threshold=1e-30", "rollout.response_length=4"],
-                            attribution_every=0)
-    for m in trainer.train():
-        assert m["mechanism/counterfactual/num_silenced"] == 0.0
-        assert m["mechanism/counterfactual/delta"] == 0.0
-        assert m["mechanism/counterfactual/dH_s2t"] == m["mechanism/counterfactual/dH_unmasked"] != 0.0
-        assert "mechanism/counterfactual/delta_masked" not in m
+                            attribution_every=0, counterfactual_every=2)
+    m1, m2 = trainer.train()
+    assert m1["mechanism/counterfactual/num_silenced"] == 0.0
+    assert m1["mechanism/counterfactual/delta"] == 0.0
+    assert m1["mechanism/counterfactual/dH_s2t"] == m1["mechanism/counterfactual/dH_unmasked"] != 0.0
+    assert "mechanism/counterfactual/delta_masked" not in m1
+    real = m2["probe/entropy"] - m1["probe/entropy"]  # the real JustRL step's change of H_probe
+    assert m1["mechanism/counterfactual/dH_s2t"] == pytest.approx(real, rel=1e-4, abs=1e-9)
 
 
 @pytest.mark.slow

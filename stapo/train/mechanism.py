@@ -18,8 +18,8 @@ metrics; the formulas are in :mod:`stapo.mechanism`. Per measured step:
 * counterfactual (every ``mechanism.counterfactual_every``): a copy of the policy and of the optimizer state, the
   step's whole update (:class:`stapo.train.update.PolicyUpdate`, the same plan, batch, old statistics and learning
   rate) with the run's recipe plus the S2T mask, then — reloaded to θ_t and the same optimizer state — without a
-  token mask, the probe entropy after each. Both arms follow one plan (built for S2T), so when S2T silences nothing
-  they run the same operations and δ is exactly 0.
+  token mask, the probe entropy after each. Both arms follow one plan (built for S2T); when S2T silences nothing the
+  unmasked arm is the same update, so it is not run and δ is exactly 0.
 
 The real run is not disturbed: its weights, gradients, optimizer state, learning-rate scheduler and updater are only
 read (the arms work on copies), the model's train/eval mode and the Python, NumPy and torch random states are
@@ -337,9 +337,13 @@ class MechanismHook:
                 scratch.eval()
                 h1 = probe_entropy(functools.partial(self._stats, scratch), self.batch, self.micro).value
                 dH[name] = h1 - h0
+                del opt, arm
                 if name == "s2t":
                     silenced = float(result.metrics.get("actor/s2t/num_masked", 0.0))
-                del opt, arm, result
+                    if silenced == 0:  # an empty mask in every mini-batch: the unmasked arm is the same update
+                        dH["unmasked"] = dH["s2t"]  # (δ = 0 exactly, not a float-rounding difference of two paths)
+                        break
+                del result
         finally:
             del scratch
         out = {"mechanism/counterfactual/dH_s2t": dH["s2t"], "mechanism/counterfactual/dH_unmasked": dH["unmasked"],
