@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DCP_DIR", "MARKER", "FULL_HASH_LIMIT", "WEIGHT_GLOBS", "has_hf_weights", "is_sharded", "verify_checkpoint",
-           "step_folders", "resumable_checkpoints", "complete_checkpoints", "latest_checkpoint"]
+           "checkpoint_digest", "step_folders", "resumable_checkpoints", "complete_checkpoints", "latest_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 #: The ``torch.distributed.checkpoint`` subfolder of a checkpoint.
@@ -121,6 +121,27 @@ def verify_checkpoint(checkpoint_dir: str | Path, checksums: bool = True) -> str
             if digest != want["sha256"]:
                 return f"{name} does not match its checksum (its bytes changed after the save)"
     return None
+
+
+def checkpoint_digest(checkpoint_dir: str | Path) -> str:
+    """The content digest of a checkpoint folder (64 hex characters): SHA-256 of its :data:`MARKER`'s file list
+    (every file's relative path, size and SHA-256 — of the whole file, or of its first and last MiB above
+    :data:`FULL_HASH_LIMIT`), so it costs one small read; a folder without a marker (written before it existed):
+    :func:`stapo.fingerprint.model_digest` of its weights, configs and ``trainer_state.pt``. A copy of the folder
+    elsewhere has the same digest. Recorded by a fork (``trainer.init_from``) in its ``run_info.json``.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    path = Path(checkpoint_dir)
+    marker = path / MARKER
+    if marker.is_file():
+        files = json.loads(marker.read_text()).get("files", {})
+        text = json.dumps(files, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+    from stapo.fingerprint import model_digest
+
+    return model_digest(path)
 
 
 def step_folders(checkpoint_root: str | Path) -> list[Path]:
