@@ -149,9 +149,38 @@ class PromptLoader:
             self.position += 1
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "position"}``, and ``"order"`` (the epoch's prompt indices) while the epoch's order is not
+        the seed's permutation (the first epoch of a fork, :meth:`branch`)."""
+        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position}
+        if not np.array_equal(self._order, self._permutation(self.epoch)):
+            state["order"] = [int(i) for i in self._order]
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._permutation(self.epoch)
+        order = state.get("order")
+        if order is not None and len(order) != len(self.prompts):
+            raise ValueError(f"the loader state's order has {len(order)} prompts, the training set {len(self.prompts)}")
+        self._order = np.asarray(order, dtype=np.int64) if order is not None else self._permutation(self.epoch)
+
+    def branch(self, state: dict[str, Any], source_seed: int) -> None:
+        """Continue another run's loader (``state``: its :meth:`state_dict`; ``source_seed``: its seed) under this
+        loader's seed — a fork (``trainer.init_from``).
+
+        The epoch and position are the source's. The prompts the source drew in this epoch keep their places; the
+        rest of the epoch (the source's order from the position on) is permuted by
+        ``np.random.default_rng([seed, epoch, position])``, and later epochs are this seed's permutations. So no
+        prompt comes twice within the epoch, and the prompts of every later step are a function of (this seed, the
+        step) for a given source checkpoint: two forks with one seed draw the same prompts. With the source's seed
+        (or ``shuffle`` off) the order is the source's own: the fork continues the source exactly.
+
+        Example: 6 prompts, source order [4, 0, 5, 1, 3, 2] at position 2 → [4, 0] + a permutation of [5, 1, 3, 2].
+        """
+        source = PromptLoader(self.prompts, self.batch_size, source_seed, self.shuffle)
+        source.load_state_dict(state)
+        self.epoch, self.position, self._order = source.epoch, source.position, source._order
+        if source_seed != self.seed and self.shuffle:
+            rest = np.random.default_rng([self.seed, self.epoch, self.position]).permutation(
+                self._order[self.position:])
+            self._order = np.concatenate([self._order[:self.position], rest])
