@@ -54,7 +54,9 @@ __all__ = [
     "get_key",
     "RESUME_MUTABLE_KEYS",
     "RESUME_IGNORED_KEYS",
+    "FORK_MUTABLE_KEYS",
     "resume_key_changes",
+    "fork_key_changes",
 ]
 
 
@@ -299,6 +301,14 @@ class TrainerConfig:
     # null: never stop (skip and count only).
     stop_after_nonfinite_steps: Optional[int] = 3
     stop_after_silent_steps: Optional[int] = 3
+    # A fork (docs/runs.md#forks-trainerinit_from): the checkpoint folder of another run (e.g.
+    # runs/trunk/checkpoints/step_000040) that a fresh run starts from: its weights, AdamW state, lr-scheduler position,
+    # step counter k and prompt-loader position, in this run's own folder, with this run's trainer.seed (the branch
+    # seed: the rollout seeds of steps k+1.., and the order of the prompts the source had not drawn yet in its epoch,
+    # reshuffled by it) and this run's objective. The checkpoint's config may differ only in FORK_MUTABLE_KEYS (the
+    # objective and mask keys, the seed, the run length and folder, how the update is computed); total_steps must
+    # exceed k. A run with checkpoints of its own resumes from them and ignores it. Part of the run's identity.
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -707,6 +717,8 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.trainer.gpu_memory_gib is None or cfg.trainer.gpu_memory_gib > 0, "trainer.gpu_memory_gib",
          "must be > 0 (GiB) or null (read the device)")
     need(0 <= cfg.trainer.seed < 2**32, "trainer.seed", "must be in [0, 2^32) (numpy's seed range)")
+    need(cfg.trainer.init_from is None or bool(str(cfg.trainer.init_from).strip()), "trainer.init_from",
+         "must be a checkpoint folder (<run>/checkpoints/step_N) or null")
     need(cfg.trainer.log_examples_every >= 0, "trainer.log_examples_every", "must be ≥ 0 (0 disables)")
     for key in ("stop_after_nonfinite_steps", "stop_after_silent_steps"):
         v = getattr(cfg.trainer, key)
@@ -974,6 +986,15 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "rollout.tensor_parallel_size", "rollout.sleep_during_update", "rollout.sleep_level",
     "mechanism", "algorithm.log_kl_to_ref",
 )
+#: Keys (dotted; a key or a section prefix) in which a fork's config (``trainer.init_from``) may differ from the config
+#: stored in the checkpoint it starts from: :data:`RESUME_MUTABLE_KEYS` but ``actor.lr`` (the fork keeps the recipe),
+#: the objective and the token masks' keys (the other arm of a pair), ``trainer.seed`` (the branch seed) and
+#: ``trainer.init_from`` itself (a fork of a fork). Every other difference is refused (:func:`fork_key_changes`).
+FORK_MUTABLE_KEYS: tuple[str, ...] = (
+    *(k for k in RESUME_MUTABLE_KEYS if k != "actor.lr"),
+    "algorithm.objective", "algorithm.s2t", "algorithm.top_entropy_ratio", "algorithm.masks",
+    "algorithm.mask_stats_source", "trainer.seed", "trainer.init_from",
+)
 #: Keys not compared on resume: how this process was launched, not what the run is.
 RESUME_IGNORED_KEYS: tuple[str, ...] = ("trainer.resume",)
 
@@ -1004,6 +1025,18 @@ def resume_key_changes(saved: dict[str, Any], cfg: TrainConfig) -> tuple[list[tu
         ``(refused, allowed)``: lists of ``(dotted key, old value, new value)`` sorted by key; ``allowed`` holds
         the changes of :data:`RESUME_MUTABLE_KEYS`, ``refused`` every other change.
     """
+    return _key_changes(saved, cfg, RESUME_MUTABLE_KEYS)
+
+
+def fork_key_changes(saved: dict[str, Any], cfg: TrainConfig) -> tuple[list[tuple[str, Any, Any]],
+                                                                     list[tuple[str, Any, Any]]]:
+    """:func:`resume_key_changes` for a fork (``trainer.init_from``): ``allowed`` holds the changes of
+    :data:`FORK_MUTABLE_KEYS`, ``refused`` every other change (``actor.lr`` among them)."""
+    return _key_changes(saved, cfg, FORK_MUTABLE_KEYS)
+
+
+def _key_changes(saved: dict[str, Any], cfg: TrainConfig, mutable: tuple[str, ...]) -> tuple[
+        list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
     old, new = _flatten(saved), _flatten(to_dict(cfg))
     default = _flatten(to_dict(TrainConfig()))
     refused: list[tuple[str, Any, Any]] = []
@@ -1015,7 +1048,7 @@ def resume_key_changes(saved: dict[str, Any], cfg: TrainConfig) -> tuple[list[tu
         after = new.get(key)
         if before == after or (isinstance(before, (list, tuple)) and list(before) == after):
             continue
-        (allowed if _matches(key, RESUME_MUTABLE_KEYS) else refused).append((key, before, after))
+        (allowed if _matches(key, mutable) else refused).append((key, before, after))
     return refused, allowed
 
 

@@ -9,7 +9,8 @@ Every launch of train.py writes ``<run_dir>/fingerprint.json`` beside ``config.j
 
 - ``config``: :func:`config_digest` of the resolved config (the run's ``config.json``) without
   :data:`NEUTRAL_KEYS`, the keys that cannot change the result (where it is written, what it is called, how it is
-  logged, how often it is checkpointed). ``trainer.seed`` is in it too.
+  logged, how often it is checkpointed). ``trainer.seed`` is in it too, and ``trainer.init_from`` (a fork's source
+  checkpoint: docs/runs.md#forks-trainerinit_from).
 - ``model``: :func:`stapo.fingerprint.model_digest` of the resolved local model folder (the converted folder for
   the embedded model); a hub id: ``hub:<id>@<commit>`` of its cached snapshot, or ``id:<id>``; ``model.path=tiny``
   (the test model built from code and ``trainer.seed``): ``id:tiny``. An ``id:`` part is not content and is never
