@@ -9,23 +9,29 @@ Before anything is loaded (:func:`plan_resume`, called by the trainer before it 
 in one line and skipped), and its stored config is compared with the new one
 (:func:`stapo.config.resume_key_changes`): a change of a key that cannot change mid-run is refused, the others
 (:data:`stapo.config.RESUME_MUTABLE_KEYS`) are applied and recorded in ``<run_dir>/config_changes.jsonl``.
+
+A fork (``trainer.init_from``, :func:`plan_fork`): a run without checkpoints of its own starts from another run's
+checkpoint the way a resume would, with its own seed and objective (:class:`ForkSource`;
+docs/runs.md#forks-trainerinit_from).
 """
 from __future__ import annotations
 
 import json
+import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stapo import distributed as dist
 from stapo.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
-                              resumable_checkpoints, rng_state, save_checkpoint, set_rng_state)
-from stapo.config import ConfigError, resume_key_changes, to_dict
+                              resumable_checkpoints, rng_state, save_checkpoint, set_rng_state, verify_checkpoint)
+from stapo.config import ConfigError, fork_key_changes, resume_key_changes, to_dict
 
-__all__ = ["RunState", "ResumePlan", "plan_resume", "CHANGES_FILE"]
+__all__ = ["RunState", "ResumePlan", "ForkSource", "plan_resume", "plan_fork", "CHANGES_FILE"]
 
 #: The run folder's record of the config changes applied on resume: one JSON object a line,
 #: ``{"step": the checkpoint's step, "key": dotted key, "old": ..., "new": ...}``.
@@ -33,14 +39,34 @@ CHANGES_FILE = "config_changes.jsonl"
 
 
 @dataclass
+class ForkSource:
+    """Where a fork starts (:func:`plan_fork`): the checkpoint folder as given (``trainer.init_from``), its step,
+    its content digest (:func:`stapo.checkpoint_files.checkpoint_digest`), the source run's ``trainer.seed`` and
+    the keys in which the fork's config differs from the checkpoint's (``"key: old → new"``)."""
+
+    path: str
+    step: int
+    digest: str
+    source_seed: int
+    differs: list[str] = field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        """The ``init_from`` entry of the fork's first launch in ``run_info.json``."""
+        return {"path": self.path, "step": self.step, "digest": self.digest, "source_seed": self.source_seed,
+                "differs": list(self.differs)}
+
+
+@dataclass
 class ResumePlan:
     """What a resume will load (:func:`plan_resume`): the checkpoint folder, its step, its ``trainer_state.pt``
-    (loaded once) and the allowed config changes ``(dotted key, old, new)``."""
+    (loaded once) and the allowed config changes ``(dotted key, old, new)``. A fork's plan (:func:`plan_fork`) has
+    ``fork`` set and no changes to apply."""
 
     checkpoint: Path
     step: int
     state: dict[str, Any]
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+    fork: ForkSource | None = None
 
 
 def _say(ctx: dist.DistContext | None, line: str) -> None:
@@ -119,6 +145,58 @@ def plan_resume(root: Path, cfg: Any, *, required: bool, ctx: dist.DistContext |
     raise CheckpointError(f"cannot resume {run_dir}: no intact checkpoint: {'; '.join(damaged)}")
 
 
+def plan_fork(path: str, cfg: Any) -> ResumePlan:
+    """Check ``trainer.init_from`` (``path``) for a fork of ``cfg`` and plan loading it, loading no weights.
+
+    Args:
+        path: a checkpoint folder of another run (``<run>/checkpoints/step_N``), as given in the config.
+        cfg: the fork's :class:`~stapo.config.TrainConfig`.
+
+    Returns:
+        A :class:`ResumePlan` with ``fork`` set (its :class:`ForkSource`).
+
+    Raises:
+        stapo.config.ConfigError: one line naming ``trainer.init_from`` (the path is not an intact checkpoint, or it
+            stores no config), the keys that differ beyond :data:`stapo.config.FORK_MUTABLE_KEYS` (``key: old →
+            new``), or ``trainer.total_steps`` (not above the checkpoint's step).
+    """
+    from stapo.checkpoint_files import checkpoint_digest, latest_checkpoint as latest
+
+    folder = Path(path).expanduser()
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"invalid value for 'trainer.init_from' ({path}): {why}")
+
+    if not folder.is_dir():
+        raise refuse("no such folder (give a checkpoint folder, <run>/checkpoints/step_N)")
+    reason = verify_checkpoint(folder)
+    if reason is not None:
+        inner = latest(folder / "checkpoints") or latest(folder)  # a run folder or its checkpoints/ folder
+        hint = f"; its latest checkpoint is {inner}" if inner is not None else ""
+        raise refuse(f"not an intact train.py checkpoint folder ({reason}){hint}")
+    try:
+        state = load_trainer_state(folder, mmap=not is_sharded(folder))
+    except Exception as e:  # noqa: BLE001 — unpicklable / torn: not a checkpoint we can fork
+        raise refuse(f"trainer_state.pt does not load ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    saved = state.get("config")
+    if not isinstance(saved, dict) or "step" not in state or "loader" not in state:
+        raise refuse("its trainer_state.pt holds no config, step or loader state (not a checkpoint train.py wrote)")
+    step = int(state["step"])
+    refused, allowed = fork_key_changes(saved, cfg)
+    if refused:
+        diff = "; ".join(f"{k}: {_fmt(a)} → {_fmt(b)}" for k, a, b in refused)
+        raise refuse(f"a fork keeps the checkpoint's recipe, but these keys differ: {diff} (a fork may change only "
+                     f"the objective and mask keys, trainer.seed, the run length and folder, and how the update is "
+                     f"computed: stapo.config.FORK_MUTABLE_KEYS)")
+    if cfg.trainer.total_steps <= step:
+        raise ConfigError(f"invalid value for 'trainer.total_steps' ({cfg.trainer.total_steps}): the fork starts "
+                          f"at step {step} (trainer.init_from={path}); it must be above that")
+    source = ForkSource(path=str(path), step=step, digest=checkpoint_digest(folder),
+                        source_seed=int(saved.get("trainer", {}).get("seed", 0)),
+                        differs=[f"{k}: {_fmt(a)} → {_fmt(b)}" for k, a, b in allowed])
+    return ResumePlan(folder, step, state, [], fork=source)
+
+
 class RunState:
     """Everything a step's checkpoint saves and a resume restores, for one trainer.
 
@@ -163,7 +241,9 @@ class RunState:
         Model + optimizer from ``dcp/``, re-sharded to this run's ranks and strategy (checkpoints of the previous
         format: weights from the HF files, the full optimizer state from ``trainer_state.pt``); then scheduler,
         prompt loader and RNG (this rank's when the rank count is unchanged, else rank 0's); then the plan's
-        config changes (:meth:`_apply_changes`).
+        config changes (:meth:`_apply_changes`). A fork's plan (:func:`plan_fork`): the loader continues the
+        source's position under this run's seed (:meth:`~stapo.train.prompts.PromptLoader.branch`), and the RNGs are
+        the source's when the seeds agree, else seeded with this run's ``trainer.seed`` as a fresh run's are.
 
         Raises:
             stapo.checkpoint.CheckpointError: a torn, damaged or foreign checkpoint (naming the folder).
@@ -184,9 +264,19 @@ class RunState:
             raise CheckpointError(f"cannot resume from {ckpt}: {msg[:600]} — move that folder out of "
                                   f"{self.root} to resume from the previous checkpoint") from e
         self.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["loader"])
+        fork = plan.fork
+        if fork is not None:  # the source's loader position, the rest of its epoch in the branch seed's order
+            self.loader.branch(state["loader"], fork.source_seed)
+        else:
+            self.loader.load_state_dict(state["loader"])
         per_rank = state.get("rng_per_rank")
-        set_rng_state(per_rank[self.ctx.rank] if per_rank and len(per_rank) == self.ctx.world else state["rng"])
+        if fork is None or fork.source_seed == self.cfg.trainer.seed:  # a fork with the source's seed continues it
+            set_rng_state(per_rank[self.ctx.rank] if per_rank and len(per_rank) == self.ctx.world else state["rng"])
+        else:  # the branch seed's, as a fresh run seeds them (one state for every arm of a pair)
+            seed = self.cfg.trainer.seed
+            random.seed(seed)
+            np.random.seed(seed)
+            torch.manual_seed(seed)
         self._apply_changes(plan)
         return ckpt, plan.step
 

@@ -53,7 +53,7 @@ from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metr
 from stapo.train.plan import UpdatePlan, build_plan, max_over_ranks
 from stapo.train.prompts import PromptLoader, load_prompts
 from stapo.train.samples import completions_table, drop_rollouts_after, response_records, write_rollouts
-from stapo.train.state import RunState, plan_resume
+from stapo.train.state import RunState, plan_fork, plan_resume
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
 
 __all__ = ["Trainer", "StepProgress", "Interrupted", "CannotLearn"]
@@ -249,7 +249,9 @@ class Trainer:
         FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is ``never``.
         FileNotFoundError: ``trainer.resume=required`` (train.py ``--resume``) and the run folder holds no checkpoint.
         stapo.checkpoint.CheckpointError: resuming, and no checkpoint of the run folder is intact.
-        stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key); resuming
+        stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key); a fork
+            whose ``trainer.init_from`` is not a checkpoint or whose recipe, model or data differ from it
+            (:func:`stapo.train.state.plan_fork`; ``trainer.total_steps`` not above its step); resuming
             with a changed key that cannot change mid-run (:func:`stapo.train.state.plan_resume`), or with a model or
             training data whose content changed under the same key (:mod:`stapo.run_identity`); before any model
             loads (:mod:`stapo.preflight`): ``trainer.device`` not available, the run folder not writable,
@@ -300,6 +302,8 @@ class Trainer:
         elif latest_checkpoint(self.ckpt_root) is not None:  # before loading anything
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
                                   f"(or trainer.resume=auto) or choose another trainer.run_name")
+        if self.resume_plan is None and tc.init_from is not None:  # a fork: another run's checkpoint, checked now
+            self.resume_plan = plan_fork(tc.init_from, cfg)
         self._seed_everything(tc.seed)
 
         # --- tokenizer and training prompts: before the model, so a data problem costs seconds -------------
@@ -439,10 +443,13 @@ class Trainer:
         from stapo.run_identity import resume_identity_check, run_fingerprint
 
         fp, notes, refused = None, [], None
+        fork = self.resume_plan.fork if self.resume_plan is not None else None
         if self.dist.is_main:
             try:
                 fp = run_fingerprint(self.cfg)
-                if self.resume_plan is not None:
+                if fork is not None:
+                    self._check_fork_identity(fp, fork.path)
+                elif self.resume_plan is not None:
                     notes = resume_identity_check(self.run_dir, fp, self.cfg)
             except ConfigError as e:
                 refused = str(e)
@@ -455,6 +462,26 @@ class Trainer:
         for line in notes:
             print(line, file=sys.stderr, flush=True)
         return fp, notes
+
+    def _check_fork_identity(self, fp: dict[str, Any], init_from: str) -> None:
+        """A fork's model and training data are the source run's (its ``fingerprint.json``, two folders above the
+        checkpoint; nothing to compare when it has none): the config keys are compared by
+        :func:`stapo.train.state.plan_fork`, this compares their content.
+
+        Raises:
+            stapo.config.ConfigError: the ``model`` or ``data`` part differs, naming ``trainer.init_from``.
+        """
+        from stapo.fingerprint import read_fingerprint
+        from stapo.run_identity import data_part
+
+        source = read_fingerprint(Path(init_from).expanduser().parent.parent) or {}
+        for part in ("model", "data"):
+            old, new = source.get(part), fp.get(part)
+            if old is not None and old != new and not str(old).startswith("id:") and not str(new).startswith("id:"):
+                key = "model.path" if part == "model" else data_part(self.cfg.data)[1]
+                raise ConfigError(f"invalid value for 'trainer.init_from' ({init_from}): the source run's {part} "
+                                  f"is not this run's ({key}: fingerprint.json {part} {str(old)[:12]}… → "
+                                  f"{str(new)[:12]}…); a fork keeps the source's model and training data")
 
     def _record_identity(self) -> None:
         """Rank 0, at start-up: write ``<run_dir>/fingerprint.json`` (its ``config`` part of the config just written
@@ -599,7 +626,8 @@ class Trainer:
                 finite (one-line message).
         """
         tc = self.cfg.trainer
-        if tc.resume != "never":
+        fork = self.resume_plan.fork if self.resume_plan is not None else None
+        if tc.resume != "never" or fork is not None:  # a fork loads its source checkpoint the way a resume does
             self._maybe_resume()
             if self.step >= tc.total_steps and self.dist.is_main:
                 print(f"resume: the run is at step {self.step}, trainer.total_steps={tc.total_steps}: nothing to "
@@ -613,8 +641,10 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
             self._record_identity()  # fingerprint.json: what the run is made from (stapo/run_identity.py)
             # provenance (stapo/provenance.py): this launch appended to run_info.json, and in the W&B config
-            launches = record_launch(self.run_dir, launch_record(self.argv, start_step=self.step,
-                                                                 world_size=self.dist.world))
+            launch = launch_record(self.argv, start_step=self.step, world_size=self.dist.world)
+            if fork is not None:  # the fork's first launch: where it started from (path, step, digest)
+                launch["init_from"] = fork.record()
+            launches = record_launch(self.run_dir, launch)
             lc = self.cfg.logging
             self.tracker = Tracker(self.run_dir, {**to_dict(self.cfg), "run_info": {**launches[-1],
                                                                                     "launch": len(launches)}},
@@ -811,7 +841,10 @@ class Trainer:
         ckpt, self.step = resumed
         self.engine.sync_weights(self.model)
         if self.dist.is_main:
-            tqdm.write(f"resumed from {ckpt} at step {self.step}")
+            fork = self.resume_plan.fork if self.resume_plan is not None else None
+            tqdm.write(f"forked from {ckpt} at step {self.step} (trainer.seed={self.cfg.trainer.seed}, "
+                       f"algorithm.objective={self.cfg.algorithm.objective})" if fork is not None else
+                       f"resumed from {ckpt} at step {self.step}")
 
     def save(self) -> Path:
         """Write this step's checkpoint (:meth:`RunState.save`; collective under torchrun)."""
