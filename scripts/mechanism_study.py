@@ -6,6 +6,7 @@
     python scripts/mechanism_study.py trunk        # the JustRL trunk, runs/mechanism/trunk (resumable)
     python scripts/mechanism_study.py gate         # gate B on the trunk: results/mechanism_study/gate_b.json
     python scripts/mechanism_study.py arms         # gate B passed: the forks; failed: STAPO from step 0 (resumable)
+    python scripts/mechanism_study.py snapshot     # the runs' small files into results/mechanism_study/runs/ (to commit)
     python scripts/mechanism_study.py verdicts     # results/mechanism_study/mechanism_claims.{md,json}, mechanism.png
     python scripts/mechanism_study.py status       # what is done, what runs, what is next
 
@@ -123,8 +124,8 @@ def stage_trunk(_a) -> None:
 
 def stage_gate(_a) -> None:
     need(RUNS / "trunk" / "metrics.jsonl", "trunk")
-    run([PY, "-m", "stapo.study.mechanism_claims", "--trunk", str(RUNS / "trunk"), "--gate-only",
-         "--out", str(OUT)])
+    run([PY, "-m", "stapo.study.mechanism_claims", "--trunk", str((RUNS / "trunk").relative_to(REPO)),
+         "--gate-only", "--out", str(OUT.relative_to(REPO))])
 
 
 def stage_arms(_a) -> None:
@@ -144,17 +145,42 @@ def stage_arms(_a) -> None:
         sys.exit(2)
 
 
+def stage_snapshot(_a) -> None:
+    """Copy every run's small files (metrics, configs, run info, fingerprint, validation results; not checkpoints,
+    W&B files or rollouts: stapo.study.runner.EXPORT_EXCLUDE) to results/mechanism_study/runs/<run>/, to commit."""
+    import fnmatch
+    import shutil
+
+    from stapo.study.runner import EXPORT_EXCLUDE
+
+    need(RUNS, "trunk")
+    n = 0
+    for path in sorted(RUNS.rglob("*")):
+        rel = path.relative_to(RUNS)
+        if (len(rel.parts) < 2 or not path.is_file()
+                or any(fnmatch.fnmatch(part, pat) for part in rel.parts for pat in EXPORT_EXCLUDE)):
+            continue
+        out = OUT / "runs" / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, out)
+        n += 1
+    print(f"copied {n} files to {(OUT / 'runs').relative_to(REPO)}")
+
+
 def stage_verdicts(_a) -> None:
-    need(RUNS / "trunk" / "metrics.jsonl", "trunk")
-    cmd = [PY, "-m", "stapo.study.mechanism_claims", "--trunk", str(RUNS / "trunk"),
-           "--calibration", str(OUT / "calibration.json"), "--out", str(OUT)]
-    forks = sorted(RUNS.glob("fork*_justrl"))
+    # the live run folders when this machine has them, else the committed snapshot (a fresh clone)
+    runs = (RUNS if (RUNS / "trunk" / "metrics.jsonl").exists() else OUT / "runs").relative_to(REPO)
+    need(REPO / runs / "trunk" / "metrics.jsonl", "trunk")
+    out = OUT.relative_to(REPO)  # relative paths: the written files name them (the commands run in the repo root)
+    cmd = [PY, "-m", "stapo.study.mechanism_claims", "--trunk", str(runs / "trunk"),
+           "--calibration", str(out / "calibration.json"), "--out", str(out)]
+    forks = sorted(p.relative_to(REPO) for p in (REPO / runs).glob("fork*_justrl"))
     for j in forks:
         cmd += ["--fork-pairs", f"{j}:{j.with_name(j.name.replace('_justrl', '_stapo'))}"]
-    if (RUNS / "stapo_from_start").exists():
-        cmd += ["--stapo-from-start", str(RUNS / "stapo_from_start")]
+    if (REPO / runs / "stapo_from_start").exists():
+        cmd += ["--stapo-from-start", str(runs / "stapo_from_start")]
     run(cmd)
-    run([PY, "scripts/plot_mechanism.py", str(RUNS / "trunk"), "--out", str(OUT / "mechanism.png")])
+    run([PY, "scripts/plot_mechanism.py", str(runs / "trunk"), "--out", str(out / "mechanism.png")])
 
 
 def stage_status(_a) -> None:
@@ -171,7 +197,8 @@ def stage_status(_a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("sft", "calibrate", "probe-set", "trunk", "gate", "arms", "verdicts", "status"))
+    ap.add_argument("stage", choices=("sft", "calibrate", "probe-set", "trunk", "gate", "arms", "snapshot", "verdicts",
+                                      "status"))
     ap.add_argument("--levels", type=int, nargs="+", default=CAL_LEVELS, help="calibrate: the levels measured")
     ap.add_argument("--problems", type=int, default=CAL_PROBLEMS, help="calibrate: held-out problems per level")
     a = ap.parse_args()
