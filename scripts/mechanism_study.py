@@ -35,6 +35,10 @@ RUNS = REPO / "runs" / "mechanism"
 SFT_MODEL = REPO / "data" / "models" / "word_sft"
 JUSTRL, STAPO = "configs/mechanism/justrl.yaml", "configs/mechanism/stapo.yaml"
 PROBE_SET = OUT / "probe_set.jsonl"
+#: gate B passed: {JustRL, STAPO} x these branch seeds, FORK_STEPS steps each from the checkpoint before the rise
+#: (trainer.init_from; a pair shares its prompts and rollout seeds: docs/runs.md, "Forks")
+FORK_SEEDS = (1, 2, 3)
+FORK_STEPS = 30
 #: the levels the cold start was trained on (a quick read of levels 3 / 13 / 23 after it: 52 / 25 / 5.5 %, so the large
 #: scale is left out) and 64 problems x 4 samples each (the design's 128 x 4 halved for time: a level's accuracy then
 #: has a standard error of at most 3 points, 256 responses)
@@ -132,11 +136,15 @@ def stage_arms(_a) -> None:
     need(OUT / "gate_b.json", "gate")
     gate = json.loads((OUT / "gate_b.json").read_text())
     if gate["passed"]:  # paired forks from the checkpoint before the rise: same prompts and rollout seeds per pair
-        # a fork starts a new run folder from another run's checkpoint with its own seed; the trainer cannot do that
-        # yet (no trainer.init_from): the stage refuses rather than run something else
-        print(f"mechanism_study.py: gate B passed (fork at step {gate.get('fork_step')}); the forks need a trainer "
-              "option to start a run from another run's checkpoint, which does not exist yet", file=sys.stderr)
-        sys.exit(2)
+        k = int(gate["fork_step"])
+        ckpt = (RUNS / "trunk" / "checkpoints" / f"step_{k:06d}").relative_to(REPO)
+        start = [f"trainer.init_from={ckpt}"] if k > 0 else []  # step 0: the cold-start model itself
+        for seed in FORK_SEEDS:  # E3's endpoint is probe/entropy: the forks skip attribution and counterfactual
+            for config, name in ((JUSTRL, "justrl"), (STAPO, "stapo")):
+                train(config, f"fork{seed}_{name}", [*start, f"trainer.seed={seed}",
+                                                     f"trainer.total_steps={k + FORK_STEPS}",
+                                                     "mechanism.attribution_every=0",
+                                                     "mechanism.counterfactual_every=0"])
     elif gate["result"] == "fail":  # C3 not testable: STAPO from step 0 with the trunk's seed, paired with it
         train(STAPO, "stapo_from_start", [])
     else:  # pending (the trunk is unfinished) or not testable (the trunk logs neither series)
