@@ -9,9 +9,12 @@ Data root layout (``data.root`` in the configs; ``../shared/data`` in the sandbo
 
 Every built-in set is one entry of :data:`BENCHMARK_REGISTRY` (:class:`Benchmark`) or :data:`TRAIN_REGISTRY`
 (:class:`TrainSet`); the name tables (``BENCHMARKS``, ``EXPECTED_ROWS``, the eval config's ``PAPER_SAMPLES`` and
-``BENCHMARK_ALIASES``, the reports' ``DISPLAY_NAMES``, ...) derive from them.  A user's own JSONL / JSON / parquet
-file is loaded by config with :class:`FileSetConfig` / :func:`load_file_set` (read with Hugging Face
-``datasets``; see docs/extending.md).
+``BENCHMARK_ALIASES``, the reports' ``DISPLAY_NAMES``, ...) derive from them.  The user's own data is loaded by
+config with :class:`FileSetConfig` / :func:`load_file_set`: a JSONL / JSON / parquet file, a list of files or a hub
+dataset (``hf:<id>``), columns named by (dotted) keys, a chat-list column giving its user message (a verl-format
+parquet loads as is; see docs/extending.md).  Every file, built-in or the user's, is read by one function,
+:func:`_read_table` (Hugging Face ``datasets``, imported on first use); a file ``datasets`` cannot read (a line
+that is not JSON, not UTF-8, no rows) is refused whole, in one line naming the file (and the row and line).
 
 Every loader returns a :class:`LoadedSet`: ``records`` (:class:`Record`: ``id, problem, answer,
 source``) and ``stats`` (:class:`LoadStats`: rows read, rows kept, rows skipped by reason).
@@ -73,6 +76,10 @@ __all__ = [
     "load_math_train",
     "load_train_set",
     "FileSetConfig",
+    "HUB_PREFIX",
+    "file_set_sources",
+    "file_set_name",
+    "file_set_digest",
     "load_file_set",
     "save_records_jsonl",
     "load_records_jsonl",
@@ -286,6 +293,8 @@ def _field(row: dict, key: str) -> Any:
 
 def _text_field(row: dict, key: str) -> str:
     value = _field(row, key)
+    if value is None:  # datasets reads a key absent from some rows of a file as null
+        raise _RowError(f"field {key!r} is null or missing")
     if not isinstance(value, str):
         raise _RowError(f"field {key!r} is {type(value).__name__}, expected str")
     if not value.strip():
@@ -323,7 +332,8 @@ def _conv_minerva(row: dict, i: int) -> Record:
     boxed = last_boxed_content(solution)
     if boxed is None:
         raise _RowError("field 'solution' has no closed \\boxed{...} to take the gold answer from")
-    idx = row.get("idx", i)
+    idx = row.get("idx")
+    idx = i if idx is None else idx
     return Record(f"minerva_math/{idx}", _text_field(row, "problem"), _gold("minerva_math", boxed, "solution (last \\boxed{})"), "minerva_math")
 
 
@@ -349,7 +359,8 @@ def _conv_dapo(row: dict, i: int) -> Record:
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise _RowError("field 'reward_model' has no 'ground_truth'")
     extra = row.get("extra_info") or {}
-    index = extra.get("index", i) if isinstance(extra, dict) else i
+    index = extra.get("index") if isinstance(extra, dict) else None
+    index = i if index is None else index
     return Record(f"dapo_math_17k/{index}", problem, _gold("dapo_math_17k", reward_model["ground_truth"], "reward_model.ground_truth"), "dapo_math_17k")
 
 
@@ -374,7 +385,9 @@ class Benchmark:
         expected_rows: rows of the reference file (SOURCES.md); :mod:`scripts.prepare_data` checks it.
         integer_answers: canonicalise integer gold answers (``"025"`` -> ``"25"``).
         convert: ``(row dict, row index) -> Record``; raises ``_RowError`` naming the field.
-        file: path under the data root (default ``benchmarks/<name>/test.jsonl``).
+        columns: the columns ``convert`` needs (a file without one is refused in one line, before any row).
+        file: path under the data root (default ``benchmarks/<name>/test.jsonl``); read, like every data file, by
+            :func:`_read_table` (Hugging Face ``datasets``; the format follows the suffix).
     """
 
     name: str
@@ -384,6 +397,7 @@ class Benchmark:
     expected_rows: int
     integer_answers: bool
     convert: Callable[[dict, int], Record]
+    columns: tuple[str, ...] = ()
     file: str = ""
 
     @property
@@ -398,87 +412,39 @@ class TrainSet:
 
     Attributes:
         name: config value of ``data.train_set`` and ``Record.source``.
-        file: path under ``<root>/train``.
-        read: ``Path -> iterator of (row index, row dict or _RowError)``.
+        file: path under ``<root>/train`` (read by :func:`_read_table`, as every data file).
         convert: as :attr:`Benchmark.convert`.
         expected_rows: rows of the reference file.
         integer_answers: as :attr:`Benchmark.integer_answers`.
+        columns: as :attr:`Benchmark.columns`.
     """
 
     name: str
     file: str
-    read: Callable[[Path], Iterator[tuple[int, Any]]]
     convert: Callable[[dict, int], Record]
     expected_rows: int
     integer_answers: bool
+    columns: tuple[str, ...] = ()
 
 
 #: The six benchmarks, in table order (docs/method.md#evaluation-protocol; raw fields in SOURCES.md).
 BENCHMARK_REGISTRY: tuple[Benchmark, ...] = (
-    Benchmark("aime24", "AIME24", 32, ("aime2024",), 30, True, _conv_aime24),
-    Benchmark("aime25", "AIME25", 32, ("aime2025",), 30, True, _conv_aime25),
-    Benchmark("amc23", "AMC23", 32, ("amc2023", "amc"), 40, True, _conv_amc23),
-    Benchmark("math500", "MATH500", 4, ("math", "math_500", "math-500"), 500, False, _conv_math500),
-    Benchmark("minerva_math", "Minerva", 4, ("minerva", "minervamath"), 272, False, _conv_minerva),
-    Benchmark("olympiadbench", "OlympiadBench", 4, ("olympiad", "olympiad_bench"), 675, False, _conv_olympiad),
+    Benchmark("aime24", "AIME24", 32, ("aime2024",), 30, True, _conv_aime24, ("id", "problem", "answer")),
+    Benchmark("aime25", "AIME25", 32, ("aime2025",), 30, True, _conv_aime25, ("question", "answer")),
+    Benchmark("amc23", "AMC23", 32, ("amc2023", "amc"), 40, True, _conv_amc23, ("id", "problem", "answer")),
+    Benchmark("math500", "MATH500", 4, ("math", "math_500", "math-500"), 500, False, _conv_math500,
+              ("unique_id", "problem", "answer")),
+    Benchmark("minerva_math", "Minerva", 4, ("minerva", "minervamath"), 272, False, _conv_minerva,
+              ("problem", "solution")),
+    Benchmark("olympiadbench", "OlympiadBench", 4, ("olympiad", "olympiad_bench"), 675, False, _conv_olympiad,
+              ("id", "question", "final_answer")),
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Raw readers (yield (row number, row dict or exception))
-# ---------------------------------------------------------------------------------------------
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(row_index, parsed object or _RowError)``; row_index counts non-blank lines from 0."""
-    try:
-        handle = path.open("r", encoding="utf-8")
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open: {exc}") from None
-    with handle:
-        row = 0
-        try:
-            for lineno, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield row, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield row, _RowError(f"line {lineno} is not valid JSON ({exc.msg} at column {exc.colno})")
-                row += 1
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path}: not UTF-8 text after row {row}: {exc}") from None
-
-
-def _read_json_list(path: Path) -> Iterator[tuple[int, Any]]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
-    yield from enumerate(data)
-
-
-def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for corrupt files
-        raise DataError(f"{path}: cannot read parquet: {type(exc).__name__}: {exc}") from None
-    for name in ("prompt", "reward_model"):
-        if name not in table.column_names:
-            raise DataError(f"{path}: missing column {name!r} (columns: {', '.join(table.column_names)})")
-    yield from enumerate(table.to_pylist())
 
 
 #: The file-backed training sets.  math_train keeps 7,470 of its 7,474 rows (4 have no answer).
 TRAIN_REGISTRY: tuple[TrainSet, ...] = (
-    TrainSet("dapo_math_17k", "dapo_math_17k.parquet", _read_parquet, _conv_dapo, 17917, True),
-    TrainSet("math_train", "math_train_7474.json", _read_json_list, _conv_math_train, 7474, False),
+    TrainSet("dapo_math_17k", "dapo_math_17k.parquet", _conv_dapo, 17917, True, ("prompt", "reward_model")),
+    TrainSet("math_train", "math_train_7474.json", _conv_math_train, 7474, False, ("problem", "answer")),
 )
 
 # Derived tables (do not edit: add an entry to BENCHMARK_REGISTRY / TRAIN_REGISTRY instead).
@@ -494,8 +460,8 @@ _CONVERTERS: dict[str, Callable[[dict, int], Record]] = {
 
 
 def _row_object(row: Any) -> dict:
-    """A row of :func:`_read_jsonl` (or a table) as the object it must be. Raises :class:`_RowError`: the row's own
-    read error, or a row that is not an object."""
+    """A row of a table (:func:`_read_table`) as the object it must be. Raises :class:`_RowError`: a row that is
+    not an object."""
     if isinstance(row, _RowError):
         raise row
     if not isinstance(row, dict):
@@ -521,14 +487,17 @@ def _load(
     rows: Iterable[tuple[int, Any]],
     on_bad_row: OnBadRow,
     convert: Callable[[dict, int], Record] | None = None,
+    seen_ids: set[str] | None = None,
 ) -> LoadedSet:
+    """Convert ``rows`` (``(row index, row)``) of the file ``path`` with ``convert`` (default: the registry's
+    converter of ``source``); ``seen_ids``: ids already taken (the earlier files of a list), updated in place."""
     if on_bad_row not in ("raise", "skip"):
         raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
     convert = convert if convert is not None else _CONVERTERS[source]
     stats = LoadStats(source=source, path=str(path))
     records: list[Record] = []
     kept_rows: list[int] = []
-    seen_ids: set[str] = set()
+    seen_ids = set() if seen_ids is None else seen_ids
     for i, row in rows:
         stats.rows_read += 1
         try:
@@ -559,15 +528,189 @@ def _quiet_datasets() -> Iterator[Any]:
     import datasets
     from datasets.utils import logging as ds_logging
 
-    bars, level = datasets.is_progress_bar_enabled(), ds_logging.get_verbosity()
+    hub_logger = logging.getLogger("huggingface_hub")  # "Retrying in 1s" lines of an unreachable hub
+    bars, level, hub_level = datasets.is_progress_bar_enabled(), ds_logging.get_verbosity(), hub_logger.level
     datasets.disable_progress_bars()
     ds_logging.set_verbosity(logging.CRITICAL)
+    hub_logger.setLevel(logging.CRITICAL)
     try:
         yield datasets
     finally:
         ds_logging.set_verbosity(level)
+        hub_logger.setLevel(hub_level)
         if bars:
             datasets.enable_progress_bars()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files: one datasets path for the built-in sets, the user's files and hub datasets
+# ---------------------------------------------------------------------------------------------
+
+_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+#: ``FileSetConfig.path`` values starting with this name a hub dataset: ``hf:<id>[:<config>][@<split>]``.
+HUB_PREFIX = "hf:"
+
+
+def _file_format(path: Path, key: str | None) -> str:
+    """``"json"`` / ``"parquet"`` from the suffix of ``path``; another suffix: :class:`DataError` (``key``: the
+    config key that named the file, for the message)."""
+    fmt = _FILE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        where = f" for {key}" if key else ""
+        raise DataError(f"{path}: unknown format {path.suffix!r}{where}; use {', '.join(_FILE_FORMATS)}")
+    return fmt
+
+
+def _read_table(path: Path, *, key: str | None = None) -> Any:
+    """Read one JSON-lines / JSON-list / parquet file with Hugging Face ``datasets`` (imported here, on first use:
+    its import takes about 1.5 s) → a ``datasets.Dataset`` with at least one row.
+
+    Every data file goes through here: the six benchmarks, the training sets and the user's own files
+    (:func:`load_file_set`).  ``key``: the config key that named the file (``data.train_file.path``), for messages.
+
+    Raises:
+        DataError: one line naming the file: an unknown suffix; no rows; a line that is not JSON, not an object or
+            not UTF-8 (``"row <i> (line <n>): ..."``, found with the stdlib after ``datasets`` failed: the whole
+            file is refused); another unreadable file (``"cannot read as <format>: <error>"``).
+    """
+    fmt = _file_format(path, key)
+    try:
+        with _quiet_datasets() as datasets:
+            table = datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for a bad file
+        # datasets names neither the row nor an empty file: find the cause with the stdlib / pyarrow (only now,
+        # so that a good file is read by datasets alone)
+        reason = _json_file_problem(path) if fmt == "json" else _parquet_file_problem(path)
+        if reason is None:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            reason = f"cannot read as {fmt}: {type(exc).__name__}: {first}"
+        raise DataError(f"{path}: {reason}") from None
+    if len(table) == 0:
+        raise DataError(f"{path}: no rows" + (f" ({key})" if key else ""))
+    return table
+
+
+def _hub_source(source: str) -> tuple[str, str | None, str]:
+    """``"hf:<id>[:<config>][@<split>]"`` → ``(id, config or None, split)`` (split ``"train"`` by default)."""
+    rest, _, split = source[len(HUB_PREFIX):].partition("@")
+    repo, _, config = rest.partition(":")
+    return repo.strip(), (config.strip() or None), (split.strip() or "train")
+
+
+def _read_hub(source: str, key: str) -> Any:
+    """Load the hub dataset ``source`` (``hf:<id>[:<config>][@<split>]``) with ``datasets.load_dataset`` (from the
+    local cache when the hub cannot be reached) → a ``datasets.Dataset`` with at least one row.
+
+    Raises:
+        DataError: one line naming ``key``, the dataset and the reason (not reachable and not cached, no such
+            dataset / config / split, no rows).
+    """
+    repo, config, split = _hub_source(source)
+    if not repo:
+        raise DataError(f"{key}: {source!r} names no hub dataset "
+                        f"(write {HUB_PREFIX}<owner>/<name>[:<config>][@<split>])")
+    what = f"hub dataset {repo}" + (f" (config {config})" if config else "") + f" split {split}"
+    try:
+        with _quiet_datasets() as datasets:
+            table = datasets.load_dataset(repo, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - hub, network and builder errors have many types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        hint = (" (the hub cannot be reached from here and the dataset is not in the local datasets cache: load it "
+                "once where the hub is reachable, or name a local file)" if isinstance(exc, ConnectionError) else "")
+        raise DataError(f"{key}: cannot load {what}: {type(exc).__name__}: {first}{hint}") from None
+    if not hasattr(table, "column_names"):
+        raise DataError(f"{key}: {what} is not one table (name a split with @<split>)")
+    if len(table) == 0:
+        raise DataError(f"{key}: {what} has no rows")
+    return table
+
+
+def _key_parts(key: str, columns: Sequence[str]) -> list[str]:
+    """A column key as path segments: a column named ``key`` itself, else ``key`` split at its dots
+    (``reward_model.ground_truth`` → ``["reward_model", "ground_truth"]``; a digit segment indexes a list)."""
+    return [key] if key in columns or "." not in key else key.split(".")
+
+
+def _check_columns(table: Any, where: Any, needed: Sequence[tuple[str, str]]) -> None:
+    """Refuse, in one line naming ``where`` (the file or the hub dataset), a table that lacks a needed column or
+    nested field, or whose column mixes value types (``datasets`` reads such a JSON column as JSON values, which
+    decodes number-like strings: ``"007"`` -> ``7``).
+
+    Args:
+        table: a ``datasets.Dataset``.
+        where: the file (or the hub source), for the message.
+        needed: ``(key, what)`` pairs: a column key (dotted keys reach into struct columns) and what asks for it
+            (``data.train_file.answer_key``, ``needed by dapo_math_17k``).
+
+    Raises:
+        DataError: ``"<where>: no column 'q' (<what>); columns: a, b"``, ``"<where>: no field 'x' in column 'c'
+            (<what>); its fields: ..."`` or ``"<where>: column 'c' (<what>) mixes value types ..."``.
+    """
+    columns = list(table.column_names)
+    for key, what in needed:
+        parts = _key_parts(key, columns)
+        if parts[0] not in columns:
+            raise DataError(f"{where}: no column {parts[0]!r} ({what}); columns: {', '.join(columns)}")
+        feature = table.features[parts[0]]
+        for depth, part in enumerate(parts[1:], start=1):
+            if type(feature).__name__ == "Json":
+                break
+            if isinstance(feature, dict):  # a struct column (or field)
+                if part not in feature:
+                    inside = ".".join(parts[:depth])
+                    raise DataError(f"{where}: no field {part!r} in column {inside!r} ({what}); its fields: "
+                                    f"{', '.join(feature)}")
+                feature = feature[part]
+            elif part.isdigit() and hasattr(feature, "feature"):  # a list: item <part>
+                feature = feature.feature
+            else:
+                break  # not checkable from the schema: the rows say
+        if type(feature).__name__ == "Json":
+            raise DataError(f"{where}: column {key!r} ({what}) mixes value types (e.g. strings and numbers); write "
+                            f"every value of it with one type")
+
+
+def _value_at(row: dict, key: str, parts: Sequence[str]) -> Any:
+    """The value of column key ``key`` (segments ``parts``, :func:`_key_parts`) in ``row``.
+
+    Raises:
+        _RowError: a missing field, a null or out-of-range step, or a step into a value that has no fields."""
+    value: Any = row
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[:depth + 1])
+        if isinstance(value, dict):
+            if part not in value:
+                raise _RowError(f"missing field {here!r} (fields present: {', '.join(sorted(value)) or 'none'})")
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and part.isdigit():
+            if int(part) >= len(value):
+                raise _RowError(f"field {key!r}: the list {'.'.join(parts[:depth])!r} has {len(value)} items")
+            value = value[int(part)]
+        else:
+            kind = "null" if value is None else type(value).__name__
+            raise _RowError(f"field {key!r}: {'.'.join(parts[:depth])!r} is {kind}, not an object")
+    return value
+
+
+def _problem_text(value: Any, key: str) -> str:
+    """The problem text of a value: a non-empty string, or a chat (a list of ``{role, content}`` messages, as verl's
+    ``prompt`` column) with one user message: its content.
+
+    Raises:
+        _RowError: anything else (naming ``key``)."""
+    if isinstance(value, (list, tuple)) and all(isinstance(m, dict) for m in value):
+        users = [m for m in value if m.get("role") == "user"]
+        if len(users) != 1:
+            raise _RowError(f"field {key!r} is a chat of {len(value)} messages with {len(users)} user messages; "
+                            f"expected one")
+        value, key = users[0].get("content"), f"{key}[user].content"
+    if value is None:
+        raise _RowError(f"field {key!r} is null or missing")
+    if not isinstance(value, str):
+        raise _RowError(f"field {key!r} is {type(value).__name__}, expected str")
+    if not value.strip():
+        raise _RowError(f"field {key!r} is empty")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -595,7 +738,17 @@ def load_benchmark(name: str, root: str | os.PathLike, *, on_bad_row: OnBadRow =
     """
     path = benchmark_path(root, name)
     _require_file(path, f"benchmark {name}")
-    return _load(name, path, _read_jsonl(path), on_bad_row)
+    return _load_registered(name, path, BENCHMARK_BY_NAME[name].columns, on_bad_row)
+
+
+def _load_registered(name: str, path: Path, columns: Sequence[str], on_bad_row: OnBadRow) -> LoadedSet:
+    """Read ``path`` with :func:`_read_table` (as a user's file), check the registry's ``columns`` and convert the
+    rows with ``name``'s converter."""
+    if on_bad_row not in ("raise", "skip"):
+        raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
+    table = _read_table(path)
+    _check_columns(table, path, [(c, f"needed by {name}") for c in columns])
+    return _load(name, path, _table_rows(table, path, _file_format(path, None)), on_bad_row)
 
 
 def load_benchmarks(root: str | os.PathLike, names: Sequence[str] = BENCHMARKS, *, on_bad_row: OnBadRow = "raise") -> dict[str, LoadedSet]:
@@ -634,9 +787,9 @@ def load_math_train(path: str | os.PathLike, *, on_bad_row: OnBadRow = "skip") -
 
 
 def _load_train_file(name: str, path: Path, on_bad_row: OnBadRow) -> LoadedSet:
-    """Load ``path`` as the registered training set ``name`` (its reader and converter from the registry)."""
+    """Load ``path`` as the registered training set ``name`` (its columns and converter from the registry)."""
     _require_file(path, name)
-    return _load(name, path, TRAIN_BY_NAME[name].read(path), on_bad_row)
+    return _load_registered(name, path, TRAIN_BY_NAME[name].columns, on_bad_row)
 
 
 def load_train_set(
@@ -681,28 +834,88 @@ def load_train_set(
 
 @dataclass
 class FileSetConfig:
-    """A data set from the user's own JSONL / JSON / parquet file, by config (no code): which column holds what.
+    """A data set from the user's own files or a hub dataset, by config (no code): where, and which column holds what.
 
     Used for ``data.train_file`` (train.py, with ``data.train_set: file``) and each entry of
-    ``data.custom_benchmarks`` (evaluate.py).  Read with Hugging Face ``datasets``; the format follows the suffix
-    (``.jsonl`` / ``.json``: JSON lines or a JSON list; ``.parquet``).
+    ``data.custom_benchmarks`` (evaluate.py).  Read with Hugging Face ``datasets``, as the built-in sets
+    (:func:`_read_table`).
 
     Attributes:
-        path: the file (``~`` expanded; relative paths from the working directory).
-        problem_key: column with the problem text (non-empty str).
-        answer_key: column with the gold answer (str or number; normalised by :func:`normalize_gold`).
-        id_key: column with a unique id (``Record.id`` = ``"<name>/<value>"``); ``None``: the row index.
+        path: where the rows come from: a file (``.jsonl`` / ``.json``: JSON lines or a JSON list; ``.parquet``,
+            e.g. a verl-format parquet; ``~`` expanded, relative paths from the working directory); a list of such
+            files (rows in list order; ids without ``id_key`` count across them); or a hub dataset
+            ``hf:<id>[:<config>][@<split>]`` (``hf:openai/gsm8k:main@test``; split ``train`` by default) loaded with
+            ``datasets.load_dataset``, from its local cache when the hub cannot be reached.
+        problem_key: column with the problem text (non-empty str).  A dotted key reaches into a nested column
+            (``extra_info.question``; a digit indexes a list); a chat column (a list of ``{role, content}``
+            messages, as verl's ``prompt``) gives the content of its one user message (the other messages, e.g. a
+            system prompt, are not used: ``data.system_prompt`` sets that).
+        answer_key: column with the gold answer (str or number; normalised by :func:`normalize_gold`); dotted keys
+            as above (verl: ``reward_model.ground_truth``).
+        id_key: column with a unique id (``Record.id`` = ``"<name>/<value>"``; dotted keys as above, verl:
+            ``extra_info.index``); ``None``: the row index.
         integer_answers: canonicalise integer gold answers (``"025"`` -> ``"25"``) as for AIME.
     """
 
-    path: Optional[str] = None
+    path: Any = None
     problem_key: str = "problem"
     answer_key: str = "answer"
     id_key: Optional[str] = None
     integer_answers: bool = False
 
 
-_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+def file_set_sources(spec: FileSetConfig, *, key: str = "data.train_file") -> list[Path] | str:
+    """Where ``spec`` reads from: its files (``~`` expanded; nothing checked on disk) or its hub source (a str
+    ``hf:...``).
+
+    Raises:
+        DataFileNotFoundError: ``spec.path`` unset or empty.
+        DataError: ``spec.path`` is not a string or a list of strings, or a list holds a hub source."""
+    value = spec.path
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise DataFileNotFoundError(f"{key}.path is not set (the file of the data set)")
+    if isinstance(value, str):
+        return value.strip() if value.strip().startswith(HUB_PREFIX) else [Path(value).expanduser()]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v.strip() for v in value):
+        if any(v.strip().startswith(HUB_PREFIX) for v in value):
+            raise DataError(f"{key}.path: a list holds files only; name one hub dataset as {key}.path itself")
+        return [Path(v).expanduser() for v in value]
+    raise DataError(f"{key}.path: expected a file, a list of files or {HUB_PREFIX}<hub id>, got {value!r}")
+
+
+def file_set_name(spec: FileSetConfig) -> str:
+    """A name for the records of ``spec`` (``Record.source`` and id prefix): the stem of its (first) file, or the
+    hub dataset's name (``hf:openai/gsm8k:main`` -> ``gsm8k``); ``"file"`` when ``spec.path`` is unset."""
+    try:
+        sources = file_set_sources(spec)
+    except DataError:
+        return "file"
+    if isinstance(sources, str):
+        return _hub_source(sources)[0].rsplit("/", 1)[-1] or "file"
+    return sources[0].stem
+
+
+def file_set_digest(spec: FileSetConfig, *, name: str = "file", key: str = "data.train_file") -> str:
+    """The content digest of the data ``spec`` names (a run's or an evaluation's ``data`` fingerprint part).
+
+    Returns:
+        one file: its SHA-256 (:func:`stapo.fingerprint.file_sha256`; 64 hex characters); a list of files:
+        :func:`stapo.fingerprint.json_digest` of their SHA-256 in list order; a hub dataset:
+        ``"hub:<source>:"`` + the ``json_digest`` of its records' ``[id, problem, answer]`` (loaded as
+        :func:`load_file_set` does).
+
+    Raises:
+        OSError: a file cannot be read.  DataError: as :func:`load_file_set`, for a hub dataset.
+    """
+    from stapo.fingerprint import file_sha256, json_digest
+
+    sources = file_set_sources(spec, key=key)
+    if isinstance(sources, str):
+        records = load_file_set(name, spec, key=key).records
+        return f"hub:{sources}:" + json_digest([[r.id, r.problem, r.answer] for r in records])
+    if len(sources) == 1:
+        return file_sha256(sources[0])
+    return json_digest([file_sha256(p) for p in sources])
 
 
 def load_file_set(name: str, spec: FileSetConfig, *, key: str = "data.train_file",
@@ -711,65 +924,87 @@ def load_file_set(name: str, spec: FileSetConfig, *, key: str = "data.train_file
 
     Args:
         name: ``Record.source`` and id prefix (``"my_set"`` -> ids ``"my_set/0"``, ...).
-        spec: the file and its field mapping.
+        spec: the file(s) or hub dataset and the column mapping.
         key: the config key of ``spec`` (``"data.train_file"``, ``"data.custom_benchmarks.my_set"``), for errors.
         on_bad_row: ``"skip"`` (count rows without a usable problem/answer) or ``"raise"``.
 
     Returns:
-        :class:`LoadedSet`, rows in file order.
+        :class:`LoadedSet`, rows in file order (files in list order).  With several files, ``rows`` and the
+        default ids count rows across the files, ``stats.path`` lists the files (``", "``-separated) and
+        ``stats.first_skipped`` names the file of each row.
 
     Raises:
-        DataFileNotFoundError: ``spec.path`` unset or not a file (``"<key>.path: file not found: <file>"``, plus the
-            working directory for a relative path).
-        DataError: one line naming the file and the problem: an unknown suffix; a file without rows
-            (``"<file>: no rows (the file is empty)"``); a line that is not JSON, not a JSON object or not UTF-8
-            (``"<file>: row <i> (line <n>): not valid JSON (...)"``: found with the stdlib when ``datasets`` fails;
-            the whole file is refused, whatever ``on_bad_row``); another unreadable file; a mapped column that the
-            file lacks (``"<file>: no column 'q' (<key>.problem_key); columns: ..."``) or whose values mix types
-            (strings and numbers: ``datasets`` would decode ``"007"`` to ``7``); or (with ``on_bad_row="raise"``) a
-            bad row (``"<file>: row <i>: <reason>"``).
+        DataFileNotFoundError: ``spec.path`` unset or a file missing (``"<key>.path: file not found: <file>"``, plus
+            the working directory for a relative path).
+        DataError: one line naming the file (or ``key`` for a hub dataset) and the problem: an unknown suffix or
+            files of two formats; a file without rows (``"<file>: no rows (the file is empty)"``); a line that is
+            not JSON, not a JSON object or not UTF-8 (``"<file>: row <i> (line <n>): not valid JSON (...)"``: found
+            with the stdlib when ``datasets`` fails; the whole file is refused, whatever ``on_bad_row``); another
+            unreadable file; a hub dataset that cannot be loaded (not reachable and not cached, no such split:
+            ``"<key>.path: cannot load hub dataset <id> split <split>: ..."``); a mapped column or nested field
+            that the data lacks (``"<file>: no column 'q' (<key>.problem_key); columns: ..."``) or whose values mix
+            types (strings and numbers: ``datasets`` would decode ``"007"`` to ``7``); or (with
+            ``on_bad_row="raise"``) a bad row (``"<file>: row <i>: <reason>"``).
     """
-    if not spec.path:
-        raise DataFileNotFoundError(f"{key}.path is not set (the file of data set {name!r})")
-    path = Path(spec.path).expanduser()
-    _require_user_file(path, f"{key}.path")
-    fmt = _FILE_FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise DataError(f"{path}: unknown format {path.suffix!r} for {key}.path; use {', '.join(_FILE_FORMATS)}")
-    try:
-        with _quiet_datasets() as datasets:
-            table = datasets.load_dataset(fmt, data_files=str(path), split="train")
-    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for a bad file
-        # datasets names neither the row nor an empty file: find the cause with the stdlib / pyarrow (only now,
-        # so that a good file is read by datasets alone)
-        reason = _json_file_problem(path) if fmt == "json" else _parquet_file_problem(path)
-        if reason is None:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            reason = f"cannot read as {fmt}: {type(exc).__name__}: {first}"
-        raise DataError(f"{path}: {reason}") from None
-    if len(table) == 0:
-        raise DataError(f"{path}: no rows ({key}.path)")
-    columns = list(table.column_names)
-    for attr in ("problem_key", "answer_key", "id_key"):
-        column = getattr(spec, attr)
-        if column is not None and column not in columns:
-            raise DataError(f"{path}: no column {column!r} ({key}.{attr}); columns: {', '.join(columns)}")
-        # a JSON column mixing types (strings and numbers) is read by datasets as JSON values, which decodes
-        # number-like strings ("007" -> 7): refuse it rather than change gold answers silently
-        if column is not None and type(table.features[column]).__name__ == "Json":
-            raise DataError(f"{path}: column {column!r} ({key}.{attr}) mixes value types (e.g. strings and "
-                            f"numbers); write every value of it with one type")
+    if on_bad_row not in ("raise", "skip"):
+        raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
+    sources = file_set_sources(spec, key=key)
+    if isinstance(sources, str):
+        tables: list[tuple[Any, Any, str]] = [(sources, _read_hub(sources, f"{key}.path"), "")]
+    else:
+        for path in sources:
+            _require_user_file(path, f"{key}.path")
+        formats = {path: _file_format(path, f"{key}.path") for path in sources}
+        if len(set(formats.values())) > 1:
+            mix = ", ".join(f"{p.name}: {f}" for p, f in formats.items())
+            raise DataError(f"{key}.path: the files mix formats ({mix}); list files of one format")
+        tables = [(path, _read_table(path, key=f"{key}.path"), formats[path]) for path in sources]
+    needed = [(getattr(spec, attr), f"{key}.{attr}") for attr in ("problem_key", "answer_key", "id_key")
+              if getattr(spec, attr) is not None]
+    for where, table, _ in tables:
+        _check_columns(table, where, needed)
 
-    def convert(row: dict, i: int) -> Record:
-        rid = row[spec.id_key] if spec.id_key is not None else i
-        answer = _field(row, spec.answer_key)
-        try:
-            gold = normalize_gold(name, answer, integer=spec.integer_answers)
-        except ValueError as exc:
-            raise _RowError(f"field {spec.answer_key!r}: {exc}") from None
-        return Record(f"{name}/{rid}", _text_field(row, spec.problem_key), gold, name)
+    def converter(columns: Sequence[str], offset: int) -> Callable[[dict, int], Record]:
+        problem_parts = _key_parts(spec.problem_key, columns)
+        answer_parts = _key_parts(spec.answer_key, columns)
+        id_parts = _key_parts(spec.id_key, columns) if spec.id_key is not None else None
 
-    return _load(name, path, _table_rows(table, path, fmt), on_bad_row, convert=convert)
+        def convert(row: dict, i: int) -> Record:
+            rid = _value_at(row, spec.id_key, id_parts) if id_parts is not None else offset + i
+            answer = _value_at(row, spec.answer_key, answer_parts)
+            try:
+                gold = normalize_gold(name, answer, integer=spec.integer_answers)
+            except ValueError as exc:
+                raise _RowError(f"field {spec.answer_key!r}: {exc}") from None
+            problem = _problem_text(_value_at(row, spec.problem_key, problem_parts), spec.problem_key)
+            return Record(f"{name}/{rid}", problem, gold, name)
+
+        return convert
+
+    parts: list[LoadedSet] = []
+    seen_ids: set[str] = set()
+    offset = 0
+    for where, table, fmt in tables:
+        parts.append(_load(name, where, _table_rows(table, where, fmt), on_bad_row,
+                           convert=converter(table.column_names, offset), seen_ids=seen_ids))
+        offset += len(table)
+    if len(parts) == 1:
+        return parts[0]
+    stats = LoadStats(source=name, path=", ".join(str(w) for w, _, _ in tables))
+    records: list[Record] = []
+    rows: list[int] = []
+    offset = 0
+    for (where, table, _), part in zip(tables, parts):
+        records += part.records
+        rows += [offset + r for r in part.rows]
+        offset += len(table)
+        stats.rows_read += part.stats.rows_read
+        for reason, count in part.stats.skipped_by_reason.items():
+            stats.skipped_by_reason[reason] = stats.skipped_by_reason.get(reason, 0) + count
+        stats.first_skipped += [f"{Path(str(where)).name}: {s}" for s in part.stats.first_skipped]
+    stats.rows_loaded = len(records)
+    stats.first_skipped = stats.first_skipped[:10]
+    return LoadedSet(records=records, stats=stats, rows=rows)
 
 
 def _table_rows(table: Any, path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
@@ -852,17 +1087,17 @@ def save_records_jsonl(records: Iterable[Record], path: str | os.PathLike) -> in
 
 
 def load_records_jsonl(path: str | os.PathLike, *, on_bad_row: OnBadRow = "raise") -> LoadedSet:
-    """Read a file written by :func:`save_records_jsonl`.
+    """Read a file written by :func:`save_records_jsonl` (with :func:`_read_table`, as every data file).
 
     Raises:
-        DataFileNotFoundError / DataError: missing file, or a row without the four string fields
-            (``"<file>: row <i>: <reason>"``) when ``on_bad_row="raise"``.
+        DataFileNotFoundError / DataError: missing or unreadable file (as :func:`_read_table`), or a row without
+            the four string fields (``"<file>: row <i>: <reason>"``) when ``on_bad_row="raise"``.
     """
     path = Path(path)
     _require_file(path, "records")
     stats = LoadStats(source="records", path=str(path))
     records: list[Record] = []
-    for i, row in _read_jsonl(path):
+    for i, row in _table_rows(_read_table(path), path, "json"):
         stats.rows_read += 1
         try:
             obj = _row_object(row)

@@ -155,7 +155,8 @@ def data_part(data: Any) -> tuple[str, str, str]:
     """The ``data`` part of a config's ``data`` section, with the key and the file it comes from (for messages).
 
     Returns:
-        ``(digest, key, what)``: ``data.train_set=file`` → (file digest, ``data.train_file.path``, the file);
+        ``(digest, key, what)``: ``data.train_set=file`` → (:func:`stapo.data.file_set_digest`: the file's digest,
+        of its files' digests for a list, of the records for a hub dataset; ``data.train_file.path``, the files);
         a registered set → (file digest, ``data.train_set``, ``<root>/train/<file>``); ``synthetic`` →
         (digest of the generated ``(id, problem, answer)`` list, ``data.synthetic``, the parameters).
 
@@ -170,9 +171,12 @@ def data_part(data: Any) -> tuple[str, str, str]:
         params = f"num_problems={s.num_problems}, levels={list(s.levels)}, seed={s.seed}, split={s.split}"
         digest = _synthetic_digest(s.num_problems, s.seed, tuple(s.levels), s.split, data.train_set)
         return digest, "data.synthetic", params
-    if data.train_set == "file":
-        path = Path(str(data.train_file.path)).expanduser()
-        return file_sha256(path), "data.train_file.path", str(path)
+    if data.train_set == "file":  # a file, a list of files or a hub dataset (stapo.data.FileSetConfig)
+        from stapo.data import file_set_digest, file_set_name, file_set_sources
+
+        sources = file_set_sources(data.train_file)
+        what = sources if isinstance(sources, str) else ", ".join(str(p) for p in sources)
+        return file_set_digest(data.train_file, name=file_set_name(data.train_file)), "data.train_file.path", what
     path = train_path(data.root, data.train_set)
     return file_sha256(path), "data.train_set", str(path)
 

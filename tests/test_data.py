@@ -137,19 +137,27 @@ def test_bad_rows_raise_with_file_and_row(tmp_path):
             {"problem": "p0", "answer": "1", "unique_id": "a"},
             "",  # blank line: not a row
             {"problem": "p1", "answer": "2", "unique_id": "b"},
-            {"problem": "p2", "unique_id": "c"},  # row 2: no answer
-            "{not json",  # row 3
+            {"problem": "p2", "unique_id": "c"},  # row 2: no answer (datasets reads it as null)
+            {"problem": "p3", "answer": "4", "unique_id": "d"},
             {"problem": "p4", "answer": "5", "unique_id": "a"},  # row 4: duplicate id
         ],
     )
-    with pytest.raises(DataError, match=r"math500/test\.jsonl: row 2: missing field 'answer'"):
+    with pytest.raises(DataError, match=r"math500/test\.jsonl: row 2: field 'answer': answer is null"):
         load_benchmark("math500", tmp_path)
     loaded = load_benchmark("math500", tmp_path, on_bad_row="skip")
-    assert [r.answer for r in loaded] == ["1", "2"]
-    assert loaded.stats.rows_read == 5 and loaded.stats.skipped == 3
-    assert loaded.stats.first_skipped[1].startswith("row 3: line 5 is not valid JSON")
-    assert loaded.stats.first_skipped[2] == "row 4: duplicate id 'math500/a' (is the id key the right column?)"
+    assert [r.answer for r in loaded] == ["1", "2", "4"]
+    assert loaded.stats.rows_read == 5 and loaded.stats.skipped == 2
+    assert loaded.rows == [0, 1, 3]  # file rows (blank lines are not rows)
+    assert loaded.stats.first_skipped[1] == "row 4: duplicate id 'math500/a' (is the id key the right column?)"
     assert path.exists()
+    # a line that is not JSON: the file is read by datasets, as a user's file, and refused whole, naming the row
+    # (0-based, blank lines not counted) and the line, whatever on_bad_row
+    _write_jsonl(path, [{"problem": "p0", "answer": "1", "unique_id": "a"}, "", "{not json"])
+    for on_bad_row in ("raise", "skip"):
+        with pytest.raises(DataError) as err:
+            load_benchmark("math500", tmp_path, on_bad_row=on_bad_row)
+        assert str(err.value) == (f"{path}: row 1 (line 3): not valid JSON "
+                                  f"(Expecting property name enclosed in double quotes at column 2)")
 
 
 def test_benchmark_specific_row_errors(tmp_path):
@@ -159,9 +167,10 @@ def test_benchmark_specific_row_errors(tmp_path):
     _write_jsonl(tmp_path / "benchmarks" / "minerva_math" / "test.jsonl", [{"problem": "q", "solution": "no box", "idx": 0}])
     with pytest.raises(DataError, match=r"row 0: field 'solution' has no closed \\boxed"):
         load_benchmark("minerva_math", tmp_path)
-    _write_jsonl(tmp_path / "benchmarks" / "aime25" / "test.jsonl", [{"problem": "q", "answer": "1"}])
-    with pytest.raises(DataError, match=r"row 0: missing field 'question'"):
+    aime25 = _write_jsonl(tmp_path / "benchmarks" / "aime25" / "test.jsonl", [{"problem": "q", "answer": "1"}])
+    with pytest.raises(DataError) as err:  # a column the converter needs: refused before any row, in one line
         load_benchmark("aime25", tmp_path)
+    assert str(err.value) == f"{aime25}: no column 'question' (needed by aime25); columns: problem, answer"
     _write_jsonl(tmp_path / "benchmarks" / "amc23" / "test.jsonl", [{"id": 0, "problem": "q", "answer": None}])
     with pytest.raises(DataError, match=r"row 0: field 'answer': answer is null"):
         load_benchmark("amc23", tmp_path)
@@ -170,11 +179,12 @@ def test_benchmark_specific_row_errors(tmp_path):
 def test_parquet_errors(tmp_path):
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"prompt": ["x"]}), bad)
-    with pytest.raises(DataError, match=r"bad\.parquet: missing column 'reward_model'"):
+    with pytest.raises(DataError) as err:
         load_dapo_math_17k(bad)
+    assert str(err.value) == f"{bad}: no column 'reward_model' (needed by dapo_math_17k); columns: prompt"
     garbage = tmp_path / "garbage.parquet"
     garbage.write_bytes(b"not a parquet file")
-    with pytest.raises(DataError, match=r"garbage\.parquet: cannot read parquet"):
+    with pytest.raises(DataError, match=r"garbage\.parquet: cannot read as parquet: "):
         load_dapo_math_17k(garbage)
     rows = pa.table(
         {
@@ -255,9 +265,9 @@ def test_prepare_data_from_local_errors(subset_root, tmp_path, capsys):
     (subset_root / "benchmarks" / "aime25" / "test.jsonl").unlink()
     assert prepare.main(["--from-local", str(subset_root), "--out", str(tmp_path / "o1")]) == 2
     assert "aime25/test.jsonl" in capsys.readouterr().err
-    _write_jsonl(subset_root / "benchmarks" / "aime25" / "test.jsonl", [{"question": "q"}])
+    _write_jsonl(subset_root / "benchmarks" / "aime25" / "test.jsonl", [{"question": "q", "answer": "1"}, {"question": "r"}])
     assert prepare.main(["--from-local", str(subset_root), "--out", str(tmp_path / "o2"), "--only", "aime25"]) == 2
-    assert "row 0: missing field 'answer'" in capsys.readouterr().err
+    assert "aime25/test.jsonl: row 1: field 'answer': answer is null" in capsys.readouterr().err
 
 
 def test_every_benchmark_table_derives_from_the_registry():

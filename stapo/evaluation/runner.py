@@ -179,13 +179,17 @@ def resolve_prompt(prompt_cfg: Any, source: ModelSource | None = None) -> Prompt
 
 # --- problems and blocks --------------------------------------------------------------------------------
 def benchmark_file(root: str | os.PathLike, name: str, custom: Mapping[str, Any] | None = None) -> Path | None:
-    """The file benchmark ``name`` is read from: ``data.custom_benchmarks.<name>.path``, or its file under the data
-    root; None for a generated benchmark (no file). Nothing is checked here (:func:`load_problems` does)."""
+    """The file benchmark ``name`` is read from: ``data.custom_benchmarks.<name>.path`` (the first of a list of
+    files), or its file under the data root; None for a generated benchmark or a hub dataset (no file). Nothing is
+    checked here (:func:`load_problems` does)."""
     custom = dict(custom or {})
     if name in GENERATED_BENCHMARKS:
         return None
     if name in custom:
-        return Path(custom[name].path).expanduser()
+        from stapo.data import file_set_sources
+
+        sources = file_set_sources(custom[name], key=f"data.custom_benchmarks.{name}")
+        return None if isinstance(sources, str) else sources[0]
     from stapo.data import benchmark_path
 
     return benchmark_path(resolve_data_root(root), name)
@@ -947,6 +951,15 @@ def _content_digests(cfg: EvalConfig, source: ModelSource,
         raise EvalError(f"model.path: cannot read {source.path} to fingerprint it: {os_reason(e)}") from None
     data = {}
     for name, plist in problems.items():
+        if name in cfg.data.custom_benchmarks:  # a file, a list of files or a hub dataset (stapo.data.FileSetConfig)
+            from stapo.data import file_set_digest
+
+            spec = cfg.data.custom_benchmarks[name]
+            try:
+                data[name] = file_set_digest(spec, name=name, key=f"data.custom_benchmarks.{name}")
+            except OSError as e:
+                raise EvalError(f"benchmark {name}: cannot read {spec.path}: {os_reason(e)}") from None
+            continue
         path = benchmark_file(cfg.data.root, name, cfg.data.custom_benchmarks)
         try:
             data[name] = data_part(path, name, plist)

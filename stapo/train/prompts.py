@@ -1,7 +1,6 @@
 """Training prompts: loading and tokenising the training set, and their seeded, resumable order."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,7 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
             left (every row skipped or longer than ``data.max_prompt_length``): one line naming the source, the rows
             read / skipped / too long and the key to change.
     """
-    from stapo.data import load_file_set, load_train_set
+    from stapo.data import file_set_name, load_file_set, load_train_set
     from stapo.prompts import encode_prompt
 
     dc = cfg.data
@@ -39,7 +38,7 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
         records = load_train_set(dc.train_set, n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
                                  levels=tuple(dc.synthetic.levels), split=dc.synthetic.split)
     elif dc.train_set == "file":
-        name = Path(dc.train_file.path).stem if dc.train_file.path else "file"
+        name = file_set_name(dc.train_file)
         records = load_file_set(name, dc.train_file, key="data.train_file")
     else:
         records = load_train_set(dc.train_set, dc.root)
