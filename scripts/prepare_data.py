@@ -49,7 +49,7 @@ Usage::
     python scripts/prepare_data.py --from-local ../shared/data --synthetic 2048
 
 Exit codes: 0 ok; 1 row counts differ from the reference counts and ``--check-counts`` was given;
-2 a file is missing or unreadable, or a benchmark has a bad row.
+2 a file is missing or unreadable, a benchmark has a bad row, or a data set name is unknown.
 """
 from __future__ import annotations
 
@@ -80,7 +80,10 @@ from stapo.data import (  # noqa: E402
     train_path,
 )
 
-ALL_SETS = BENCHMARKS + tuple(TRAIN_FILES)
+#: The training sets this script can validate and fetch (each needs a loader here and a hub recipe below).
+_TRAIN_LOADERS: dict[str, Callable[..., LoadedSet]] = {"dapo_math_17k": load_dapo_math_17k,
+                                                       "math_train": load_math_train}
+ALL_SETS = BENCHMARKS + tuple(name for name in TRAIN_FILES if name in _TRAIN_LOADERS)
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -102,13 +105,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _refuse_unknown(names: Iterable[str]) -> list[str]:
+    """``names`` as a list; a name that is not one of :data:`ALL_SETS` is refused (before anything is read or
+    downloaded): ``ValueError("unknown data set 'x'; known: ...")``, one line."""
+    names = list(names)
+    unknown = [name for name in names if name not in ALL_SETS]
+    if unknown:
+        raise ValueError(f"unknown data set {', '.join(map(repr, unknown))}; known: {', '.join(ALL_SETS)}")
+    return names
+
+
 def _load_any(name: str, path: Path) -> LoadedSet:
-    """Load ``path`` as dataset ``name`` (benchmarks strictly, training sets skipping bad rows)."""
+    """Load ``path`` as dataset ``name`` (benchmarks strictly, training sets skipping bad rows).
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`ALL_SETS` (never read as another set's file)."""
+    _refuse_unknown([name])
     if name in BENCHMARKS:
         return load_benchmark(name, path.parents[2], on_bad_row="raise")
-    if name == "dapo_math_17k":
-        return load_dapo_math_17k(path, on_bad_row="skip")
-    return load_math_train(path, on_bad_row="skip")
+    return _TRAIN_LOADERS[name](path, on_bad_row="skip")
 
 
 def _write_jsonl(rows: Iterable[dict], path: Path) -> int:
@@ -135,10 +150,10 @@ def copy_local(src_root: Path, out_root: Path, names: Iterable[str]) -> dict[str
 
     Raises:
         DataError (incl. DataFileNotFoundError): a missing/unreadable file or a bad benchmark row.
-        ValueError: source and destination are the same file.
+        ValueError: source and destination are the same file, or an unknown name (before anything is copied).
     """
     manifest: dict[str, dict[str, Any]] = {}
-    for name in names:
+    for name in _refuse_unknown(names):
         rel = _relpath(name)
         src = src_root / rel
         dst = out_root / rel
@@ -262,7 +277,11 @@ def _hub_math_train(load: Callable) -> tuple[list[dict], dict[str, int]]:
 
 def download_hub(out_root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Download each dataset from the hub into ``out_root`` in the raw layout, then load it back
-    with :mod:`stapo.data` for the manifest.  Untested offline (see the module docstring)."""
+    with :mod:`stapo.data` for the manifest.  Untested offline (see the module docstring).
+
+    Raises:
+        ValueError: an unknown name, before anything is downloaded (it is never fetched as another set)."""
+    names = _refuse_unknown(names)
     from datasets import Dataset, load_dataset
 
     manifest: dict[str, dict[str, Any]] = {}
@@ -283,9 +302,11 @@ def download_hub(out_root: Path, names: Iterable[str]) -> dict[str, dict[str, An
         elif name == "dapo_math_17k":
             rows, notes = _hub_dapo(load_dataset)
             Dataset.from_list(rows).to_parquet(str(path))
-        else:
+        elif name == "math_train":
             rows, notes = _hub_math_train(load_dataset)
             path.write_text(json.dumps(rows, ensure_ascii=False, indent=2), encoding="utf-8")
+        else:  # in ALL_SETS but no hub recipe: a set registered in stapo.data without one here
+            raise ValueError(f"{name}: no hub recipe in scripts/prepare_data.py; use --from-local")
         loaded = _load_any(name, path)
         entry = loaded.stats.as_dict()
         entry.pop("path", None)

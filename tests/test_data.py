@@ -270,6 +270,29 @@ def test_prepare_data_from_local_errors(subset_root, tmp_path, capsys):
     assert "aime25/test.jsonl: row 1: field 'answer': answer is null" in capsys.readouterr().err
 
 
+def test_prepare_data_refuses_an_unknown_name_in_one_line(subset_root, tmp_path, capsys):
+    """A name prepare_data.py does not know is refused before anything is read, copied or downloaded (it was read
+    as, or fetched as, MATH-train: `_load_any` / `download_hub` sent every other name there)."""
+    prepare = _prepare_data_module()
+    known = "aime24, aime25, amc23, math500, minerva_math, olympiadbench, dapo_math_17k, math_train"
+    assert prepare.ALL_SETS == tuple(known.split(", "))
+    math_file = subset_root / "train" / "math_train_7474.json"
+    for call in (lambda: prepare._load_any("gsm8k", math_file),
+                 lambda: prepare.copy_local(subset_root, tmp_path / "o", ["aime24", "gsm8k"]),
+                 lambda: prepare.download_hub(tmp_path / "h", ["gsm8k"])):  # refused before any network access
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == f"unknown data set 'gsm8k'; known: {known}"
+    assert not (tmp_path / "o").exists() and not (tmp_path / "h").exists()  # nothing copied (not even aime24)
+    # a training set registered in stapo.data but unknown to this script is refused too, not read as MATH-train
+    with pytest.raises(ValueError, match=r"^unknown data set 'new_set'; known: aime24, "):
+        prepare._load_any("new_set", math_file)
+    with pytest.raises(SystemExit) as exit_info:  # the command line: argparse's one-line refusal, exit 2
+        prepare.main(["--from-local", str(subset_root), "--out", str(tmp_path / "o"), "--only", "gsm8k"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'gsm8k'" in capsys.readouterr().err
+
+
 def test_every_benchmark_table_derives_from_the_registry():
     """One registry entry per benchmark; the seven tables are views of it (values written out by hand)."""
     from stapo.data import _CONVERTERS, _INTEGER_SOURCES, BENCHMARK_REGISTRY, EXPECTED_ROWS, TRAIN_REGISTRY
