@@ -261,6 +261,24 @@ def test_hub_source_loads_through_datasets(tmp_path):
         [["toy/10", "What is 1+1?", "2"], ["toy/11", "What is 3*3?", "9"], ["toy/12", "Pad 007?", "007"]])
 
 
+def test_a_custom_benchmark_from_a_verl_parquet_and_a_list(tmp_path):
+    """evaluate.py's data.custom_benchmarks go through the same FileSetConfig: a verl parquet by nested keys, and a
+    list of files (benchmark_file, the file the evaluation fingerprints, is its first; a hub dataset has none)."""
+    from stapo.evaluation.config import CustomBenchmarkConfig
+    from stapo.evaluation.runner import benchmark_file, load_problems
+
+    path = _verl_parquet(tmp_path / "bench.parquet")
+    custom = {"mine": CustomBenchmarkConfig(path=str(path), samples=1, **VERL_KEYS)}
+    problems = load_problems(tmp_path / "no_root", ["mine"], None, custom)  # no data root needed for custom sets
+    assert [(p.record.id, p.record.problem, p.record.answer) for p in problems["mine"]] == [
+        ("mine/10", "What is 1+1?", "2"), ("mine/11", "What is 3*3?", "9"), ("mine/12", "Pad 007?", "007")]
+    a = _jsonl(tmp_path / "a.jsonl", [{"problem": "p0", "answer": "1"}])
+    b = _jsonl(tmp_path / "b.jsonl", [{"problem": "p1", "answer": "2"}])
+    custom = {"two": CustomBenchmarkConfig(path=[str(a), str(b)]), "hub": CustomBenchmarkConfig(path="hf:x/y")}
+    assert [p.record.id for p in load_problems(tmp_path, ["two"], None, custom)["two"]] == ["two/0", "two/1"]
+    assert benchmark_file(tmp_path, "two", custom) == a and benchmark_file(tmp_path, "hub", custom) is None
+
+
 if __name__ == "__main__":  # the digest table of OLD_READER_DIGESTS, from the stapo package under argv[1]
     sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1]))
     import stapo.data as _data
