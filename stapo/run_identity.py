@@ -55,7 +55,7 @@ __all__ = ["NEUTRAL_KEYS", "HOW_KEYS", "flat_config", "config_digest", "model_pa
 NEUTRAL_KEYS: tuple[str, ...] = (
     "trainer.output_dir", "trainer.run_name", "trainer.resume", "trainer.progress_bar", "trainer.save_every",
     "trainer.keep_last", "trainer.save_on_interrupt", "trainer.save_rollouts", "trainer.log_examples_every",
-    "trainer.gpu_memory_gib", "logging", "model.cache_dir", "data.root",
+    "trainer.gpu_memory_gib", "trainer.peak_flops", "logging", "model.cache_dir", "data.root",
     # when a run is stopped or refused, never what a finished run computed; measurements that leave the run
     # bit-identical (tests/test_mechanism.py)
     "trainer.stop_after_nonfinite_steps", "trainer.stop_after_silent_steps", "data.max_unparsable_gold_fraction",

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from stapo.config import ConfigError, load_config
-from stapo.provenance import (RUN_INFO, TRAIN_STEP_METRIC, apply_identity, config_family, git_state, launch_record,
-                              read_launches, record_launch, resolve_identity)
+from stapo.provenance import (RUN_INFO, TRAIN_STEP_METRIC, apply_identity, config_family, config_method, git_state,
+                              launch_record, read_launches, record_launch, resolve_identity)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy_run import make_trainer  # noqa: E402
@@ -45,22 +45,44 @@ def test_config_family_without_a_file_is_none():
     assert config_family(None, OBJECTIVES) is None
 
 
-def test_the_four_methods_of_a_family_share_a_group_and_differ_in_tags():
+def test_the_four_methods_of_a_family_get_one_group_each_and_share_the_family():
     idents = {}
     for objective in ("grpo", "justrl", "entropy20", "stapo"):
         cfg = load_config(REPO / f"configs/cpu_smollm2_{objective}.yaml")
         idents[objective] = apply_identity(cfg, f"configs/cpu_smollm2_{objective}.yaml")
         assert (cfg.logging.group, cfg.logging.tags, cfg.logging.job_type) == (
             idents[objective].group, idents[objective].tags, "train")
-    assert {i.group for i in idents.values()} == {"cpu_smollm2"}
-    assert idents["stapo"].tags == ["stapo", "embedded-smollm2", "math_verify"]
-    assert idents["grpo"].tags == ["grpo", "embedded-smollm2", "math_verify"]
+        assert (cfg.logging.family, cfg.logging.method, cfg.logging.study) == ("cpu_smollm2", objective, None)
+    # group = <family>-<method>: four groups, W&B's grouped view draws four lines
+    assert {o: i.group for o, i in idents.items()} == {"grpo": "cpu_smollm2-grpo", "justrl": "cpu_smollm2-justrl",
+                                                       "entropy20": "cpu_smollm2-entropy20",
+                                                       "stapo": "cpu_smollm2-stapo"}
+    assert idents["stapo"].tags == ["stapo", "embedded-smollm2", "math_verify", "family:cpu_smollm2"]
+    assert idents["grpo"].tags == ["grpo", "embedded-smollm2", "math_verify", "family:cpu_smollm2"]
+
+
+@pytest.mark.parametrize("path, objective, method", [
+    ("configs/cpu_smollm2_justrl_fullmask.yaml", "justrl_fullmask", "justrl_fullmask"),
+    ("configs/cpu_smollm2_stapo_high_entropy.yaml", "stapo_high_entropy", "stapo_high_entropy"),
+    ("configs/cpu_smollm2_stapo.yaml", "grpo", "grpo"),  # an override changed the objective: the objective wins
+    ("configs/tiny_test.yaml", "stapo", "stapo"),  # no method part in the name
+    (None, "justrl", "justrl")])
+def test_config_method(path, objective, method):
+    assert config_method(path, objective, OBJECTIVES) == method
+
+
+def test_a_study_run_is_grouped_by_study_and_method_and_tagged_with_both():
+    cfg = load_config(REPO / "configs/cpu_smollm2_stapo.yaml", ["logging.study=s1", "logging.method=stapo_lr2"])
+    ident = apply_identity(cfg, "configs/cpu_smollm2_stapo.yaml")
+    assert (ident.group, ident.family, ident.study, ident.method) == ("s1-stapo_lr2", "cpu_smollm2", "s1",
+                                                                      "stapo_lr2")
+    assert ident.tags == ["stapo", "embedded-smollm2", "math_verify", "family:cpu_smollm2", "study:s1"]
 
 
 def test_the_paper_family_and_a_changed_objective_stay_in_their_config_family():
     cfg = load_config(REPO / "configs/paper/qwen3_8b_stapo.yaml", ["algorithm.objective=grpo"])
     ident = apply_identity(cfg, "configs/paper/qwen3_8b_stapo.yaml")
-    assert ident.group == "paper_qwen3_8b"
+    assert (ident.group, ident.family) == ("paper_qwen3_8b-grpo", "paper_qwen3_8b")
     assert ident.tags[:2] == ["grpo", "Qwen3-8B-Base"]
 
 
@@ -72,14 +94,14 @@ def test_values_set_in_the_config_are_kept_and_a_second_call_changes_nothing():
     cfg2 = load_config(REPO / "configs/tiny_test.yaml")
     apply_identity(cfg2, "configs/tiny_test.yaml")
     apply_identity(cfg2)  # the trainer's call without a file: the family stays
-    assert cfg2.logging.group == "tiny_test"
+    assert (cfg2.logging.group, cfg2.logging.family) == ("tiny_test-stapo", "tiny_test")
 
 
-def test_without_a_config_file_the_group_is_the_model_short_name():
+def test_without_a_config_file_the_family_is_the_model_short_name():
     ident = resolve_identity(group=None, tags=[], job_type=None, notes=None, objective="stapo",
                              model_path="Qwen/Qwen3-8B-Base", reward="math_verify", default_job_type="eval")
-    assert (ident.group, ident.tags, ident.job_type) == ("Qwen3-8B-Base", ["stapo", "Qwen3-8B-Base", "math_verify"],
-                                                         "eval")
+    assert (ident.group, ident.tags, ident.job_type) == (
+        "Qwen3-8B-Base-stapo", ["stapo", "Qwen3-8B-Base", "math_verify", "family:Qwen3-8B-Base"], "eval")
 
 
 @pytest.mark.parametrize("override, key", [("logging.group=' '", "logging.group"),
@@ -147,8 +169,8 @@ def test_a_resumed_run_appends_its_launch_and_keeps_the_first(tmp_path):
     launches = read_launches(tmp_path / "toy")
     assert [(r["argv"][2], r["start_step"]) for r in launches] == [("first", 0), ("second", 1)]
     config = json.loads((tmp_path / "toy" / "config.json").read_text())["logging"]
-    # resolved and recorded; without a config file (make_trainer) the group is the model's short name
-    assert config["group"] == "tiny" and config["tags"] == ["stapo", "tiny", "strict_box"]
+    # resolved and recorded; without a config file (make_trainer) the family is the model's short name
+    assert config["group"] == "tiny-stapo" and config["tags"] == ["stapo", "tiny", "strict_box", "family:tiny"]
     assert config["job_type"] == "train"
 
 
@@ -201,14 +223,14 @@ def test_train_py_offline_run_carries_its_identity_and_provenance(tmp_path):
     run_dir = tmp_path / "r"
     records = _wandb_records(_one_wandb_file(run_dir), until="run")
     run = next(r["run"] for r in records if r["type"] == "run")
-    assert run["run_group"] == "tiny_test" and run["job_type"] == "train"
-    assert run["tags"] == ["stapo", "tiny", "strict_box"]
+    assert run["run_group"] == "tiny_test-stapo" and run["job_type"] == "train"
+    assert run["tags"] == ["stapo", "tiny", "strict_box", "family:tiny_test"]
     launch = read_launches(run_dir)[0]
     assert launch["argv"][1:] == ["--config", str(REPO / "configs/tiny_test.yaml"), f"trainer.output_dir={tmp_path}",
                                   "trainer.run_name=r", "trainer.total_steps=1", "logging.wandb_mode=offline"]
     assert launch["start_step"] == 0 and "torch" in launch["packages"]
     config = run["config"]["update"]
     assert config["run_info"]["argv"] == launch["argv"] and config["run_info"]["launch"] == 1
-    assert config["logging"]["group"] == "tiny_test"
+    assert config["logging"]["group"] == "tiny_test-stapo" and config["logging"]["family"] == "tiny_test"
     # the end-of-run summary on stdout: the files and the next commands
     assert "next:" in out.stdout and f"wandb sync {run_dir}/wandb/offline-run-*" in out.stdout

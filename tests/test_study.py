@@ -51,7 +51,14 @@ def test_config_runs_in_seed_major_order_with_their_overrides(tmp_path):
     s = specs[3]
     assert s.run_dir == tmp_path / "study" / "runs" / "grpo_seed1"
     assert s.train.algorithm.objective == "grpo" and s.train.trainer.seed == 1 and s.total_steps == 2
-    assert s.train.logging.group == "tiny_test" and s.train.trainer.run_name == "grpo_seed1"
+    assert (s.train.logging.study, s.train.logging.method) == ("tiny_test", "grpo")
+    assert s.train.trainer.run_name == "grpo_seed1"
+    # the W&B group train.py resolves: <study>-<method>, shared by the seeds of a method, one per method
+    from stapo.provenance import apply_identity
+
+    groups = {spec.name: apply_identity(spec.train, spec.config).group for spec in specs}
+    assert groups == {"stapo_seed0": "tiny_test-stapo", "grpo_seed0": "tiny_test-grpo",
+                      "stapo_seed1": "tiny_test-stapo", "grpo_seed1": "tiny_test-grpo"}
     assert s.config == str(REPO / "configs" / "tiny_test.yaml")  # relative to the study file
     assert cfg.reference == "grpo"
 
@@ -79,6 +86,7 @@ def test_config_method_seeds(tmp_path):
                                                      "'trainer.run_name=x'"),
     ("overrides=[+trainer.output_dir=/tmp/x]", "invalid value for 'overrides'"),
     ("methods.stapo.overrides=[logging.group=g]", "invalid value for 'methods.stapo.overrides'"),
+    ("methods.stapo.overrides=[logging.method=g]", "invalid value for 'methods.stapo.overrides'"),
 ])
 def test_config_errors_are_one_line(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -358,6 +366,7 @@ def test_final_eval_state_and_report(tmp_path):
     assert "is of step 1, not 3" in said[0]
     cmd = study_runner.eval_command(cfg, by["stapo_seed1"])
     assert cmd[cmd.index("--model") + 1] == str(by["stapo_seed1"].run_dir / "checkpoints" / "step_000002")
+    assert cmd[-3:] == [f"logging.group={cfg.name}-stapo", f"logging.study={cfg.name}", "logging.method=stapo"]
     write_report(cfg, specs)
     final = {(r["metric"], r["method"]): r for r in csv.DictReader((Path(cfg.output_dir) / "final.csv").open())}
     r = final[("final_eval[t1.0_p1.0]", "stapo")]  # seed 0 only: 0.5; paired with grpo seed 0: 0.5 − 0.25

@@ -83,7 +83,8 @@ class ModelSource:
 
         Returns:
             ``None`` when this is not a train.py checkpoint; else ``{"run", "run_dir", "step", "objective",
-            "model", "seed", "reward", "project", "entity", "group", "tags"}``: ``run`` the run folder's name,
+            "model", "seed", "reward", "project", "entity", "group", "tags", "family", "study", "method"}``:
+            ``run`` the run folder's name,
             ``step`` the checkpoint's training step, the others from ``algorithm.objective``, ``model.path``,
             ``trainer.seed``, ``algorithm.reward`` and ``logging.*`` (``None`` / ``[]`` where the file is missing,
             unreadable or predates the key). ``group`` falls back to the run's name and ``tags`` to
@@ -109,7 +110,9 @@ class ModelSource:
             str(t) for t in (objective, model_tag, reward) if t]
         return {"run": run, "run_dir": self.run_dir, "step": self.step, "objective": objective, "model": model,
                 "seed": get("trainer", "seed"), "reward": reward, "project": get("logging", "project"),
-                "entity": get("logging", "entity"), "group": get("logging", "group") or run, "tags": tags}
+                "entity": get("logging", "entity"), "group": get("logging", "group") or run, "tags": tags,
+                "family": get("logging", "family"), "study": get("logging", "study"),
+                "method": get("logging", "method")}
 
 
 def _folder_source(spec: str, folder: Path) -> ModelSource:

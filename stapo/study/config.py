@@ -11,7 +11,10 @@ Run ``<method>_seed<k>`` is::
 
     train.py --config <methods.<name>.config or base> <overrides> <methods.<name>.overrides>
              trainer.seed=<k> trainer.output_dir=<output_dir>/runs trainer.run_name=<method>_seed<k>
-             logging.group=<name>
+             logging.study=<name> logging.method=<method>
+
+so its W&B group is ``<name>-<method>`` (:func:`stapo.provenance.default_group`: the seeds of a method share a
+group, each method has its own) and it carries the tags ``study:<name>`` and ``family:<config family>``.
 """
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ __all__ = ["RUNNER_TRAIN_KEYS", "RUNNER_EVAL_KEYS", "MethodConfig", "ReportConfi
            "load_study_config", "run_specs"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-#: Train keys the runner sets for every run (:func:`run_specs`): an override of one in the study is refused.
-RUNNER_TRAIN_KEYS = ("trainer.output_dir", "trainer.run_name", "trainer.seed", "logging.group")
-#: Evaluation keys the runner sets for a final evaluation (``--model``, ``--label``, ``--output``, the group).
-RUNNER_EVAL_KEYS = ("model.path", "model.label", "output.dir", "logging.group")
+#: Train keys the runner sets for every run (:func:`run_specs`; ``logging.group`` follows from ``logging.study`` and
+#: ``logging.method``): an override of one in the study is refused.
+RUNNER_TRAIN_KEYS = ("trainer.output_dir", "trainer.run_name", "trainer.seed", "logging.group", "logging.study",
+                     "logging.method")
+#: Evaluation keys the runner sets for a final evaluation (``--model``, ``--label``, ``--output``, the identity).
+RUNNER_EVAL_KEYS = ("model.path", "model.label", "output.dir", "logging.group", "logging.study", "logging.method")
 
 
 def _override_key(override: str) -> str:
@@ -89,7 +94,7 @@ class RunnerConfig:
 
 @dataclass
 class StudyConfig:
-    name: str = ""  # the study's name: logging.group of every run, default output folder runs/study/<name>
+    name: str = ""  # the study's name: logging.study of every run (group <name>-<method>), output runs/study/<name>
     base: Optional[str] = None  # the train.py YAML of methods without their own ``config``
     output_dir: Optional[str] = None  # default runs/study/<name> (relative to the current directory)
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # trainer.seed of each run (methods.<m>.seeds: its own)
@@ -255,7 +260,7 @@ def run_specs(cfg: StudyConfig) -> list[RunSpec]:
             config = m.config or cfg.base
             assert config is not None
             overrides = (*cfg.overrides, *m.overrides, f"trainer.seed={seed}", f"trainer.output_dir={runs}",
-                         f"trainer.run_name={name}", f"logging.group={cfg.name}")
+                         f"trainer.run_name={name}", f"logging.study={cfg.name}", f"logging.method={method}")
             try:
                 train = load_config(config, list(overrides))
             except ConfigError as e:

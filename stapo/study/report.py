@@ -970,7 +970,7 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
     conf = f"{r.confidence:.0%}"
     seeds = "; ".join(f"{m} {', '.join(str(s.seed) for s in specs if s.method == m)}" for m in cfg.methods)
     lines = [f"# Study report: {cfg.name}", "",
-             f"- Config: `{cfg.source}`; output: `{out}`; W&B group `{cfg.name}`",
+             f"- Config: `{cfg.source}`; output: `{out}`; W&B groups `{cfg.name}-<method>` (tag `study:{cfg.name}`)",
              f"- Methods: {', '.join(cfg.methods)}; reference for the differences: **{cfg.reference}**; "
              f"seeds: {seeds}",
              f"- **Cost**: {cost['runs']} runs, {cost['steps']} steps, {cost['tokens']:.0f} response tokens; "

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from stapo.checkpoint_files import latest_checkpoint
+from stapo.provenance import default_group
 from stapo.runlock import LOCK_NAME, Holder, RunLock, RunLockError
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.tracking import CorruptJsonlError, read_jsonl_rows
@@ -471,7 +472,8 @@ def eval_command(cfg: StudyConfig, spec: RunSpec) -> list[str]:
     ckpt = spec.run_dir / "checkpoints" / f"step_{spec.total_steps:06d}"
     return [sys.executable, str(REPO / "evaluate.py"), "--config", cfg.final_eval.config, "--model", str(ckpt),
             "--label", spec.name, "--output", str(spec.run_dir / EVAL_DIR), *cfg.final_eval.overrides,
-            f"logging.group={cfg.name}"]
+            f"logging.group={default_group(cfg.name, spec.method)}", f"logging.study={cfg.name}",
+            f"logging.method={spec.method}"]
 
 
 #: What :func:`export_study` leaves out of a run folder: the large or rebuildable parts.
