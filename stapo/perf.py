@@ -25,7 +25,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 __all__ = ["ModelShape", "cpu_flags", "native_bf16", "machine_line", "gemm_rate", "memory_bandwidth",
-           "prefill_work", "decode_work", "forward_work", "Work"]
+           "prefill_work", "decode_work", "forward_work", "Work", "PEAK_FLOPS", "peak_flops", "update_flops",
+           "mfu", "max_memory_gb"]
 
 
 # --- the machine ----------------------------------------------------------------------------------------------
@@ -262,3 +263,72 @@ def forward_work(shape: ModelShape, rows: int, prompt_width: int, response_width
 def fraction(achieved_s: float, floor_s: float) -> float:
     """floor / achieved (1.0 = at the machine's limit); NaN when either is not positive."""
     return floor_s / achieved_s if achieved_s > 0 and floor_s > 0 else math.nan
+
+
+# --- logged utilisation: perf/mfu/actor, perf/max_memory_allocated_gb ------------------------------------------
+#: Dense bf16/fp16 tensor-core peak FLOP/s of one GPU (no sparsity), by a substring of ``torch.cuda.get_device_name``,
+#: the first match in this order (vendor datasheets; the same figures as verl's ``get_device_flops``). A device not
+#: here has no known peak: ``trainer.peak_flops`` sets one.
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+    ("H20", 148e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
+    ("A40", 149.7e12), ("L20", 119.5e12), ("L4", 121e12),
+)
+
+
+def peak_flops(device_name: str | None, compute_dtype: str, configured: float | None = None) -> float | None:
+    """Peak FLOP/s of one device for the MFU: ``configured`` (``trainer.peak_flops``) when set; else the
+    :data:`PEAK_FLOPS` entry whose key is in ``device_name`` (a CUDA device's name) when ``compute_dtype`` is
+    ``bfloat16`` or ``float16`` (the table's peaks are for those); else None (unknown: MFU is not logged).
+
+    Example: ``peak_flops("NVIDIA H100 80GB HBM3", "bfloat16")`` → 989e12; ``peak_flops("NVIDIA H100 PCIe",
+    "bfloat16")`` → 756e12; ``peak_flops(None, "float32")`` → None; ``peak_flops(None, "float32", 1e12)`` → 1e12.
+    """
+    if configured is not None:
+        return float(configured)
+    if not device_name or compute_dtype not in ("bfloat16", "float16"):
+        return None
+    return next((v for key, v in PEAK_FLOPS if key in device_name), None)
+
+
+def update_flops(shape: ModelShape, prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> float:
+    """Model FLOPs of the policy update over these rows: 3 × the forward of each row at its real length (prompt +
+    response positions, logits for its response positions + 1; forward + backward = 3 forwards, this module's
+    convention). Padding, recompute (gradient checkpointing) and the no-grad passes are not counted.
+
+    Example (:class:`ModelShape` d = 4, 1 layer, 1 head of 4, MLP 8, V = 10; layer params 16 + 2·16 + 16 + 3·32 =
+    160): one row of 2 + 1 tokens: forward = 2·160·3 + 4·4·6 (keys 1 + 2 + 3) + 2·40·2 = 960 + 96 + 160 = 1,216;
+    ``update_flops`` = 3,648.
+
+    Raises:
+        ValueError: the two length lists differ in length.
+    """
+    if len(prompt_lengths) != len(response_lengths):
+        raise ValueError(f"update_flops: {len(prompt_lengths)} prompts but {len(response_lengths)} responses")
+    total = 0.0
+    for p, r in zip(prompt_lengths, response_lengths):
+        n = int(p) + int(r)
+        total += _forward_flops(shape, n, _causal_keys(n), int(r) + 1)
+    return 3.0 * total
+
+
+def mfu(flops: float, seconds: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: ``flops / (seconds · peak)`` (a fraction), or None when ``peak`` is unknown or
+    ``seconds`` is not positive."""
+    if peak is None or peak <= 0 or seconds <= 0:
+        return None
+    return flops / (seconds * peak)
+
+
+def max_memory_gb(device: Any = None) -> float:
+    """Peak memory of this process so far in GiB (2^30 bytes; verl's ``perf/max_memory_allocated_gb``): on a CUDA
+    ``device`` ``torch.cuda.max_memory_allocated`` (tensors allocated by PyTorch on that GPU); otherwise the
+    process's peak resident set size, ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on
+    macOS) — everything the process held in RAM, not only tensors."""
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20

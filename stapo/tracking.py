@@ -1,11 +1,18 @@
-"""Metrics tracking: a JSONL file of every step's metrics (always) plus Weights & Biases.
+"""Metrics tracking: a JSONL file of every step's metrics (always) plus the chosen backends (``logging.backends``):
+Weights & Biases (``wandb``, the default), TensorBoard (``tensorboard``: every scalar at its step, in
+``<run_dir>/tensorboard``; ``tensorboard --logdir runs`` shows every run of a folder with no W&B server) or ``none``.
 
 W&B runs in ``offline`` mode by default and never needs an API key; ``online`` syncs, ``disabled`` turns it
 off (the JSONL file alone is then complete). ``online`` fails fast when W&B cannot start: no credentials (checked
 before ``wandb.init``, so it never prompts or waits) or a server that does not answer within a short init timeout
 (:data:`INIT_TIMEOUT_S`); ``fallback`` then decides between continuing offline (one line on stderr saying so) and
 a one-line :class:`TrackerError`. Tables (e.g. silenced-token examples) go to W&B as
-``wandb.Table`` and to ``tables.jsonl`` in the run directory.
+``wandb.Table`` and to ``tables.jsonl`` in the run directory; a table logged every few steps under one name
+(``log_table(..., incremental=True)``: ``completions``, ``s2t/examples``) is ONE W&B incremental table
+(``wandb.Table(log_mode="INCREMENTAL")``, a ``step`` column first) that grows by each step's rows, not one panel
+per step. W&B's system metrics and console capture follow ``logging.system_metrics`` / ``logging.console_capture``
+(on for training runs); :meth:`Tracker.update_summary` writes values into the run's W&B summary (evaluate.py puts
+its final numbers into the training run's summary this way).
 
 Crash safety of the JSONL files (the same rule as the evaluation's :class:`~stapo.evaluation.store.GenerationStore`):
 a row is written with one ``write`` of the line and its newline, so a process killed mid-write (or a full disk)
@@ -35,7 +42,10 @@ from typing import Any, Literal, Sequence
 from urllib.parse import urlsplit
 
 __all__ = ["Tracker", "TrackerError", "INIT_TIMEOUT_S", "CorruptJsonlError", "read_jsonl_rows", "read_metrics",
-           "decode_value", "NONFINITE"]
+           "decode_value", "NONFINITE", "TENSORBOARD_DIR"]
+
+#: The folder of a run's TensorBoard event files (``logging.backends: [..., tensorboard]``).
+TENSORBOARD_DIR = "tensorboard"
 
 #: How a non-finite float is written to ``metrics.jsonl`` / ``tables.jsonl``: the JSON string of each value.
 NONFINITE: dict[str, float] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -206,7 +216,7 @@ def _append_line(path: Path, line: str) -> None:
 
 
 class Tracker:
-    """Write metrics to ``<run_dir>/metrics.jsonl`` and to W&B.
+    """Write metrics to ``<run_dir>/metrics.jsonl`` and to the backends (W&B, TensorBoard).
 
     Args:
         run_dir: the run directory (created if needed).
@@ -227,12 +237,21 @@ class Tracker:
             Training runs set it: a resumed offline run writes a new offline folder whose rows must continue the
             old ones' W&B steps, or ``wandb sync`` would drop them as out of order. Evaluation runs leave it off
             (a sweep may log a checkpoint below one already logged).
-        resume_id: the W&B run id to continue (stored in ``<run_dir>/wandb_run_id``), so a resumed run
-            appends to the same W&B run.
+        backends: ``logging.backends``: ``"wandb"`` (with ``mode``), ``"tensorboard"`` (every scalar of
+            :meth:`log` at its step as a TensorBoard scalar in ``<run_dir>/tensorboard``; tables are not written
+            there; a resume purges the events at or after its first logged step, as a crashed run's rows are cut
+            from the JSONL file) and/or ``"none"``. Without ``"wandb"`` W&B is off (:attr:`mode` ``disabled``).
+        system_metrics: W&B samples the machine's CPU / GPU utilisation and memory in the background (its
+            ``system/*`` charts); off: ``x_disable_stats``.
+        console_capture: W&B keeps the process's stdout / stderr as the run's logs (``console="auto"``); off:
+            ``console="off"``.
+        The W&B run id is stored in ``<run_dir>/wandb_run_id``, so a resumed run (or an evaluation that writes
+        into its summary) appends to the same W&B run.
 
     Raises:
         TrackerError: (a RuntimeError) W&B cannot start in the requested mode and cannot fall back (the message,
-            one line, says how to switch it offline or off).
+            one line, says how to switch it offline or off); or ``"tensorboard"`` is asked for and the
+            ``tensorboard`` package is not installed.
     """
 
     torn_bytes: int = 0  # bytes of torn last lines cut off by truncate_after
@@ -253,6 +272,9 @@ class Tracker:
         notes: str | None = None,
         step_metric: str | None = None,
         wandb_step: bool = False,
+        backends: Sequence[str] = ("wandb",),
+        system_metrics: bool = False,
+        console_capture: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.step_metric = step_metric
@@ -261,9 +283,20 @@ class Tracker:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tables_path = self.run_dir / "tables.jsonl"
         self._wandb = None
-        self.mode = mode
-        if mode == "disabled":
+        self._tables: dict[str, Any] = {}  # incremental W&B tables by name
+        self._tb = None  # the TensorBoard SummaryWriter, opened at the first row (its purge step)
+        self.tensorboard_dir = self.run_dir / TENSORBOARD_DIR if "tensorboard" in backends else None
+        if self.tensorboard_dir is not None:
+            try:
+                import torch.utils.tensorboard  # noqa: F401  (needs the tensorboard package)
+            except ImportError:
+                raise TrackerError("logging.backends has tensorboard but the tensorboard package is not installed: "
+                                   "pip install tensorboard (requirements-dev.txt), or drop it from "
+                                   "logging.backends") from None
+        self.mode = mode if "wandb" in backends else "disabled"
+        if self.mode == "disabled":
             return
+        mode = self.mode
         import wandb
 
         id_file = self.run_dir / "wandb_run_id"
@@ -278,7 +311,8 @@ class Tracker:
             run = wandb.init(project=project, entity=entity, name=name, id=run_id, resume="allow",
                              dir=str(self.run_dir), mode=m, config=config, group=group,
                              tags=list(tags) if tags else None, job_type=job_type, notes=notes,
-                             settings=wandb.Settings(console="off", x_disable_stats=True, **timeout))
+                             settings=wandb.Settings(console="auto" if console_capture else "off",
+                                                     x_disable_stats=not system_metrics, **timeout))
             if step_metric:
                 run.define_metric(step_metric)
                 run.define_metric("*", step_metric=step_metric)
@@ -322,20 +356,62 @@ class Tracker:
         return Path(self._wandb.dir).parent if self._wandb is not None else None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append one step's metrics (a flat dict of scalars) to the JSONL file and to W&B."""
+        """Append one step's metrics (a flat dict of scalars) to the JSONL file, W&B and TensorBoard (its numeric
+        values, as scalars at ``step``)."""
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         _append_line(self.metrics_path, json.dumps(row))
         if self._wandb is not None:
             self._wandb_log(step, dict(metrics))
+        if self.tensorboard_dir is not None:
+            self._tensorboard_log(step, row)
 
-    def log_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        """Log a table (e.g. ``s2t/examples``) to W&B and ``tables.jsonl``."""
+    def _tensorboard_log(self, step: int, row: dict[str, Any]) -> None:
+        """The row's numbers as TensorBoard scalars at ``step`` (non-finite ones as NaN / ±inf; strings and
+        booleans left out). The writer opens at the first row with ``purge_step`` = its step, so a resumed run
+        drops the events a crashed launch wrote at or after it."""
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=step)
+        for key, value in row.items():
+            value = decode_value(value)
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(key, float(value), global_step=step)
+        self._tb.flush()
+
+    def log_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
+                  incremental: bool = False) -> None:
+        """Log a table (e.g. ``s2t/examples``) to W&B and ``tables.jsonl`` (one row per call: step, name, columns,
+        rows).
+
+        ``incremental``: in W&B the name is ONE incremental table (``wandb.Table(log_mode="INCREMENTAL")``) that
+        grows by these rows at each call — with a first column ``step`` when ``columns`` has none — instead of a
+        new table (one panel per step when the name holds the step; only the latest when it does not). A resumed
+        launch starts a new incremental table under the same name (W&B shows each launch's part).
+        """
         _append_line(self.tables_path, json.dumps({"step": step, "name": name, "columns": list(columns),
                                                    "rows": [[_jsonable(c) for c in r] for r in rows]}))
-        if self._wandb is not None:
-            import wandb
+        if self._wandb is None:
+            return
+        import wandb
 
+        if not incremental:
             self._wandb_log(step, {name: wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
+            return
+        with_step = "step" not in columns
+        table = self._tables.get(name)
+        if table is None:
+            table = self._tables[name] = wandb.Table(columns=(["step"] if with_step else []) + list(columns),
+                                                     log_mode="INCREMENTAL")
+        for r in rows:
+            table.add_data(*([step] if with_step else []), *r)
+        self._wandb_log(step, {name: table})
+
+    def update_summary(self, values: dict[str, Any]) -> None:
+        """Write ``values`` into the W&B run's summary (the runs table's columns; a key already there is
+        replaced). No-op without W&B."""
+        if self._wandb is not None:
+            self._wandb.summary.update(dict(values))
 
     def _wandb_log(self, step: int, row: dict[str, Any]) -> None:
         """One W&B row at ``step``: under ``step_metric`` (and as W&B's step with ``wandb_step``; else W&B's
@@ -376,6 +452,11 @@ class Tracker:
             os.replace(tmp, path)
 
     def finish(self) -> None:
+        """Close the backends: finish the W&B run (an offline one is complete on disk then) and close the
+        TensorBoard writer."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -171,7 +171,7 @@ def test_two_ranks_save_the_same_rollouts_and_completions_as_one_process(one_ran
         assert [r["advantage"] for r in got] == pytest.approx([r["advantage"] for r in ref], abs=1e-6)
     tables = [[json.loads(line) for line in (d / "toy" / "tables.jsonl").read_text().splitlines()]
               for d in (replicate_run, ref_dir)]
-    got, ref = ([t for t in ts if t["name"].startswith("completions/")] for ts in tables)
+    got, ref = ([t for t in ts if t["name"] == "completions"] for ts in tables)
     assert [(t["step"], len(t["rows"])) for t in got] == [(t["step"], len(t["rows"])) for t in ref]
     assert [(t["step"], len(t["rows"])) for t in ref] == [(1, 16), (2, 16)]
 

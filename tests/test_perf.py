@@ -76,3 +76,42 @@ def test_machine_line_names_flags():
     assert "cores" in line and torch.__version__ in line
     assert ("ATEN_CPU_CAPABILITY" in line) == ("ATEN_CPU_CAPABILITY" in os.environ)
     assert perf.native_bf16() == bool(perf.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+# --- logged utilisation: perf/mfu/actor, perf/max_memory_allocated_gb (issue 33) ---------------------------------
+def test_update_flops_by_hand():
+    from stapo.perf import ModelShape, update_flops
+
+    # d = 4, 1 layer, 1 head of 4, MLP 8, V = 10: layer params 4·4 (q) + 2·4·4 (k, v) + 4·4 (o) + 3·4·8 = 160
+    shape = ModelShape(hidden=4, intermediate=8, layers=1, heads=1, kv_heads=1, head_dim=4, vocab_rows=10)
+    # a row of 2 prompt + 1 response tokens: 3 positions, 1 + 2 + 3 = 6 causal keys, logits for 1 + 1 positions:
+    # 2·160·3 + 4·1·4·6 + 2·(4·10)·2 = 960 + 96 + 160 = 1,216 per forward; update = 3 forwards = 3,648
+    assert update_flops(shape, [2], [1]) == 3648.0
+    # two rows add: the second of 1 + 1 tokens: 2·160·2 + 4·4·3 + 2·40·2 = 640 + 48 + 160 = 848 → 3·(1216 + 848)
+    assert update_flops(shape, [2, 1], [1, 1]) == 3 * (1216 + 848)
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        update_flops(shape, [2, 1], [1])
+
+
+def test_peak_flops_table_override_and_unknown():
+    from stapo.perf import mfu, peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12  # the PCIe card before the generic H100 entry
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "float16") == 312e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "float32") is None  # the table's peaks are bf16/fp16 ones
+    assert peak_flops(None, "bfloat16") is None and peak_flops("Some GPU", "bfloat16") is None
+    assert peak_flops(None, "float32", 2e12) == 2e12  # trainer.peak_flops wins, on any device
+    # 3,648 FLOPs in 2 s on a 1,000 FLOP/s device: 3648 / 2000 = 1.824
+    assert mfu(3648.0, 2.0, 1000.0) == pytest.approx(1.824)
+    assert mfu(1.0, 1.0, None) is None and mfu(1.0, 0.0, 1.0) is None
+
+
+def test_max_memory_gb_on_cpu_is_the_process_peak_rss():
+    import resource
+
+    from stapo.perf import max_memory_gb
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+    got = max_memory_gb("cpu")
+    assert got >= kib / 2**20 and got < 2 * kib / 2**20 + 1  # the peak only grows between the two reads

@@ -40,10 +40,10 @@ def test_completions_table_and_rollouts_file_match_the_step(tmp_path):
     assert saved_steps(run_dir) == [1, 2]
     tables = _tables(run_dir)
     assert [(t["step"], t["name"]) for t in tables] == [
-        (1, "s2t/examples"), (1, "completions/step_000001"), (2, "s2t/examples"), (2, "completions/step_000002")]
+        (1, "s2t/examples"), (1, "completions"), (2, "s2t/examples"), (2, "completions")]
     for step, (sb, metrics) in enumerate(zip(seen, history), start=1):
         ro = sb.rollout
-        table = next(t for t in tables if t["name"] == f"completions/step_{step:06d}")
+        table = next(t for t in tables if t["name"] == "completions" and t["step"] == step)
         rows = [dict(zip(table["columns"], r)) for r in table["rows"]]
         # tiny_test.yaml: 2 prompts × G = 4 responses, W = 1 → rows in rollout order
         assert len(rows) == len(ro.responses) == 8
@@ -112,8 +112,8 @@ def test_a_resumed_run_rewrites_redone_steps_and_duplicates_none(tmp_path):
                                            "trainer.total_steps=3", "trainer.resume=auto"])
     resumed.train()
     assert saved_steps(run_dir) == [1, 2, 3]
-    assert [(t["step"], t["name"]) for t in _tables(run_dir) if t["name"].startswith("completions/")] == [
-        (1, "completions/step_000001"), (2, "completions/step_000002"), (3, "completions/step_000003")]
+    assert [(t["step"], t["name"]) for t in _tables(run_dir) if t["name"] == "completions"] == [
+        (1, "completions"), (2, "completions"), (3, "completions")]
     redone = read_rollouts(rollouts_path(run_dir, 2))
     assert [r["token_ids"] for r in redone] == [r["token_ids"] for r in step2]  # the same step, rewritten
     assert len(read_rollouts(rollouts_path(run_dir, 3))) == 8
@@ -129,7 +129,7 @@ def _record(prompt_index, sample, n=2):
 def test_completions_table_keeps_whole_groups_up_to_max_rows():
     recs = [_record(g, s) for g in range(3) for s in range(4)]  # 3 groups × 4
     name, cols, rows = completions_table(7, recs, max_rows=9)  # 2 whole groups (8 rows) fit, the third does not
-    assert name == "completions/step_000007"
+    assert name == "completions"  # one table name for every step (its rows carry their step)
     assert [(r[cols.index("prompt_index")], r[cols.index("sample")]) for r in rows] == [
         (g, s) for g in range(2) for s in range(4)]
     assert len(completions_table(1, recs, max_rows=2)[2]) == 4  # at least one whole group

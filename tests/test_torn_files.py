@@ -98,7 +98,7 @@ def test_resume_after_a_torn_last_line_gives_one_row_per_step(tmp_path, capsys):
     run = tmp_path / "r"
     rc, err = train(tmp_path, capsys, "trainer.total_steps=3")
     assert rc == 0, err
-    # two tables a step (trainer.log_examples_every=1): s2t/examples and completions/step_<k>
+    # two tables a step (trainer.log_examples_every=1): s2t/examples and completions
     assert steps(run / "metrics.jsonl") == [1, 2, 3] and steps(run / "tables.jsonl") == [1, 1, 2, 2, 3, 3]
     # A kill while step 3's rows were written: step 3's checkpoint never happened and its rows are torn.
     shutil.rmtree(run / "checkpoints" / "step_000003")

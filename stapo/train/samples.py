@@ -17,7 +17,8 @@ reads for the step's first mini-batch (later mini-batches with ``algorithm.mask_
 then-current policy's). ``silenced`` is ``response_mask & ~keep``: for S2T exactly the tokens counted by
 ``actor/s2t/num_masked``; for a mask that keeps a subset (``top_entropy``) every token it dropped; none for ``none``.
 
-- :func:`completions_table`: the W&B / ``tables.jsonl`` table ``completions/step_XXXXXX`` (one per step).
+- :func:`completions_table`: the W&B / ``tables.jsonl`` table ``completions`` (one incremental W&B table; its
+  ``step`` column says which step a row is of).
 - :func:`write_rollouts`: ``<run_dir>/rollouts/step_XXXXXX.jsonl.gz``, one record per line, written to a temporary
   file and renamed (a crash never leaves a torn file; a redone step replaces its file); :func:`read_rollouts`
   reads one back, :func:`drop_rollouts_after` removes a crashed run's files past the step a resume restarts from.
@@ -36,6 +37,7 @@ import torch
 
 __all__ = [
     "ROLLOUTS_DIR",
+    "COMPLETIONS_TABLE",
     "COMPLETION_COLUMNS",
     "COMPLETIONS_MAX_ROWS",
     "RolloutFileError",
@@ -51,6 +53,9 @@ __all__ = [
 ROLLOUTS_DIR = "rollouts"  # under the run directory
 _FILE_RE = re.compile(r"^step_(\d+)\.jsonl\.gz$")
 #: the completions table's columns (the record keys of the same names)
+#: The name of the completions table (W&B key and ``tables.jsonl`` ``name``); it was ``completions/step_XXXXXX``, one
+#: per step, before the incremental table.
+COMPLETIONS_TABLE = "completions"
 COMPLETION_COLUMNS = ("step", "prompt_index", "prompt_id", "sample", "prompt", "response", "extracted_answer",
                       "reward", "advantage", "num_silenced", "mean_p", "mean_entropy", "response_length",
                       "finish_reason")
@@ -136,7 +141,8 @@ def completions_table(step: int, records: Sequence[dict[str, Any]], max_rows: in
     the whole groups of the first prompts that fit in ``max_rows`` (at least one group).
 
     Returns:
-        ``(table name "completions/step_XXXXXX", columns, rows)`` for :meth:`stapo.tracking.Tracker.log_table`.
+        ``(table name "completions", columns, rows)`` for :meth:`stapo.tracking.Tracker.log_table` (logged with
+        ``incremental=True``: one W&B table under one key that grows by each logged step's rows).
     """
     sizes: dict[Any, int] = {}  # prompt_index → responses, in record order
     for rec in records:
@@ -149,7 +155,7 @@ def completions_table(step: int, records: Sequence[dict[str, Any]], max_rows: in
         kept.add(group)
         total += n
     rows = [[rec.get(c) for c in COMPLETION_COLUMNS] for rec in records if rec["prompt_index"] in kept]
-    return f"completions/step_{step:06d}", list(COMPLETION_COLUMNS), rows
+    return COMPLETIONS_TABLE, list(COMPLETION_COLUMNS), rows
 
 
 def rollouts_path(run_dir: str | os.PathLike, step: int) -> Path:

@@ -651,7 +651,9 @@ class Trainer:
                                    mode=lc.wandb_mode, project=lc.project, entity=lc.entity, name=self.run_name,
                                    fallback=lc.wandb_fallback, group=lc.group, tags=lc.tags, job_type=lc.job_type,
                                    notes=lc.notes, step_metric=TRAIN_STEP_METRIC,
-                                   wandb_step=True)  # monotonic: a resumed offline run continues the steps
+                                   wandb_step=True,  # monotonic: a resumed offline run continues the steps
+                                   backends=lc.backends, system_metrics=lc.system_metrics,
+                                   console_capture=lc.console_capture)
             self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
             self._drop_stale_validation()
             drop_rollouts_after(self.run_dir, self.step)  # rollouts files of steps a resume redoes (or never reaches)
@@ -1001,9 +1003,37 @@ class Trainer:
         if not self.dist.is_main:
             return
         records.sort(key=lambda r: (r["prompt_index"], r["sample"]))
+        metrics.update(self._utilisation(sb, timing))
         if tc.save_rollouts:
             write_rollouts(self.run_dir, step, records)
+    def _utilisation(self, sb: StepBatch, timing: dict[str, float]) -> dict[str, float]:
+        """Rank 0's ``perf/max_memory_allocated_gb`` (:func:`stapo.perf.max_memory_gb`: the CUDA allocator's peak,
+        else the process's peak RSS; GiB) and, when the device's peak FLOP/s is known (``trainer.peak_flops`` or
+        :data:`stapo.perf.PEAK_FLOPS`), ``perf/mfu/actor``: this rank's update FLOPs at its rows' real lengths
+        (:func:`stapo.perf.update_flops`) over ``timing_s/update`` × the peak (docs/metrics.md#timing-and-throughput).
+        """
+        from stapo.perf import ModelShape, max_memory_gb, mfu, peak_flops, update_flops
+
+        out = {"perf/max_memory_allocated_gb": max_memory_gb(self.device)}
+        if not hasattr(self, "_peak_flops"):  # once: the device's peak and the model's shape (None: unknown)
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+            self._peak_flops = peak_flops(name, str(self.cfg.model.compute_dtype), self.cfg.trainer.peak_flops)
+            try:
+                self._model_shape = ModelShape.from_hf_config(getattr(self.model, "config", None))
+            except (AttributeError, TypeError, ValueError):
+                self._model_shape = None
+        seconds = timing.get("timing_s/update", 0.0)
+        if self._peak_flops is not None and self._model_shape is not None and seconds > 0:
+            batch = sb.rollout.batch
+            responses = batch.response_mask.sum(dim=1)  # [B]
+            prompts = batch.attention_mask.sum(dim=1) - responses  # [B]
+            flops = update_flops(self._model_shape, prompts.tolist(), responses.tolist())
+            out["perf/mfu/actor"] = mfu(flops, seconds, self._peak_flops)
+        return out
+
         if table_due and self.tracker is not None:
             s2t = self.cfg.algorithm.s2t
-            self.tracker.log_table(step, *silenced_examples(sb, self.tokenizer, self.objective.token_mask, s2t))
-            self.tracker.log_table(step, *completions_table(step, records))
+            # one incremental W&B table per name that grows by each logged step's rows (stapo/tracking.py)
+            self.tracker.log_table(step, *silenced_examples(sb, self.tokenizer, self.objective.token_mask, s2t),
+                                   incremental=True)
+            self.tracker.log_table(step, *completions_table(step, records), incremental=True)
