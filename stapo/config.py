@@ -289,14 +289,14 @@ class TrainerConfig:
     # another importable module (it would shadow it: "rename the file"), is a ConfigError naming this key and the
     # module. A list, also as an override: trainer.import_modules=[my_masks.py].
     import_modules: list[str] = field(default_factory=list)
-    # Memory of one GPU in GiB for the start-up memory plan (stapo/memory_plan.py): null = read the CUDA device's
-    # total memory (a CPU run is then not checked; its dry run plans for an 80-GB H100, 79.2 GiB); a number = plan
-    # and check against a GPU of that size whatever this machine has (train.py --dry-run on a laptop). A phase over
     # Peak FLOP/s of one device for perf/mfu/actor (docs/metrics.md#timing-and-throughput): null = the table of
     # stapo/perf.py::PEAK_FLOPS (dense bf16/fp16 tensor-core peaks of known GPUs, by device name) when the device is
     # in it and model.compute_dtype is bfloat16/float16; otherwise perf/mfu/actor is not logged. A number (e.g.
     # 989e12) is used as given, on any device and dtype. Neutral: it changes no result.
     peak_flops: Optional[float] = None
+    # Memory of one GPU in GiB for the start-up memory plan (stapo/memory_plan.py): null = read the CUDA device's
+    # total memory (a CPU run is then not checked; its dry run plans for an 80-GB H100, 79.2 GiB); a number = plan
+    # and check against a GPU of that size whatever this machine has (train.py --dry-run on a laptop). A phase over
     # it is refused before any model loads.
     gpu_memory_gib: Optional[float] = None
     # A run that cannot learn stops (docs/runs.md#a-run-that-cannot-learn): an optimizer step whose loss or gradient
@@ -354,9 +354,6 @@ class LoggingConfig:
     tags: list[str] = field(default_factory=list)
     job_type: Optional[str] = None
     notes: Optional[str] = None
-
-
-@dataclass
     # The parts of the default group (stapo/provenance.py::resolve_identity), each recorded in config.json and the
     # W&B config, and family / study as tags ("family:<family>", "study:<study>"). null: filled in at start-up.
     # family: the config family (the config file's name without its method part, e.g. cpu_smollm2); study: the
@@ -375,6 +372,9 @@ class LoggingConfig:
     # (the run's stdout/stderr as the run's logs, output.log). Switch off for the lightest W&B run.
     system_metrics: bool = True
     console_capture: bool = True
+
+
+@dataclass
 class MechanismConfig:
     """Measurements of STAPO's mechanism logged by the trainer (stapo/mechanism.py, stapo/train/mechanism.py;
     docs/metrics.md#mechanism-measurements-mechanism-probe). Off by default; on, they never change the run (weights,
@@ -743,11 +743,11 @@ def validate(cfg: TrainConfig) -> None:
     need(0 <= cfg.trainer.seed < 2**32, "trainer.seed", "must be in [0, 2^32) (numpy's seed range)")
     need(cfg.trainer.init_from is None or bool(str(cfg.trainer.init_from).strip()), "trainer.init_from",
          "must be a checkpoint folder (<run>/checkpoints/step_N) or null")
+    need(cfg.trainer.peak_flops is None or cfg.trainer.peak_flops > 0, "trainer.peak_flops",
+         "must be > 0 (FLOP/s of one device) or null (the table of known GPUs)")
     need(cfg.trainer.log_examples_every >= 0, "trainer.log_examples_every", "must be ≥ 0 (0 disables)")
     for key in ("stop_after_nonfinite_steps", "stop_after_silent_steps"):
         v = getattr(cfg.trainer, key)
-    need(cfg.trainer.peak_flops is None or cfg.trainer.peak_flops > 0, "trainer.peak_flops",
-         "must be > 0 (FLOP/s of one device) or null (the table of known GPUs)")
         need(v is None or v >= 1, f"trainer.{key}", "must be ≥ 1 (steps in a row), or null (never stop)")
     need(cfg.data.synthetic.seed >= 0, "data.synthetic.seed", "must be ≥ 0")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
@@ -822,15 +822,15 @@ def check_finite(cfg: Any, prefix: str = "") -> None:
     walk(cfg, prefix)
 
 
+#: The values of ``logging.backends`` (:class:`stapo.tracking.Tracker`).
+TRACKER_BACKENDS: tuple[str, ...] = ("wandb", "tensorboard", "none")
+
+
 def check_logging_identity(lc: LoggingConfig, prefix: str) -> None:
     """W&B's limits on the identity fields of ``lc`` (a :class:`LoggingConfig`, or evaluate.py's subclass under
     ``prefix``): ``group`` non-blank and ≤ 128 characters, ``job_type`` non-blank and ≤ 64, each tag 1–64
     characters, not blank; ``family`` / ``study`` / ``method`` 1–60 characters (each is a part of the group and
     of a tag); and ``backends`` a non-empty list of :data:`TRACKER_BACKENDS` (``none`` only alone).
-#: The values of ``logging.backends`` (:class:`stapo.tracking.Tracker`).
-TRACKER_BACKENDS: tuple[str, ...] = ("wandb", "tensorboard", "none")
-
-
 
     Raises:
         ConfigError: one line naming the key (``<prefix>.group``, ``<prefix>.tags``, ...).
@@ -844,10 +844,6 @@ TRACKER_BACKENDS: tuple[str, ...] = ("wandb", "tensorboard", "none")
     if bad:
         raise ConfigError(f"invalid value for '{prefix}.tags' ({list(lc.tags)!r}): every tag must be 1–64 "
                           f"characters, not blank ({bad[0]!r} is not)")
-
-
-def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
-    """``value`` of config key ``key`` must be a name in ``registry`` (a name → entry table).
     for key in ("family", "study", "method"):
         v = getattr(lc, key, None)
         if v is not None and not (v.strip() and len(v) <= 60):
@@ -858,6 +854,10 @@ def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
     if unknown or not backends or ("none" in backends and len(backends) > 1):
         raise ConfigError(f"invalid value for '{prefix}.backends' ({backends!r}): a list of "
                           f"{', '.join(TRACKER_BACKENDS[:2])} (or [none] alone: the JSONL files only)")
+
+
+def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
+    """``value`` of config key ``key`` must be a name in ``registry`` (a name → entry table).
 
     Raises:
         ConfigError: one line, ``invalid value for '<key>' ('<value>'): unknown <kind>; did you mean '<closest>'?
