@@ -983,29 +983,9 @@ class Trainer:
         metrics = step_metrics(gather_metric_rows(sb, self.dist), self.cfg, extra)
         metrics.update(timing)  # rank 0's wall-clock times
         metrics["perf/tokens_per_s"] = metrics["response_length/total_tokens"] / timing["timing_s/step"]
+        metrics.update(self._utilisation(sb, timing))
         return metrics
 
-    def _log_examples(self, sb: StepBatch) -> None:
-        """Every ``trainer.log_examples_every`` steps the silenced-token table (:func:`stapo.train.metrics.
-        silenced_examples`; rank 0's rows) and the completions table (every rank's responses;
-        :func:`stapo.train.samples.completions_table`); with ``trainer.save_rollouts`` every step's rollouts file
-        (:func:`stapo.train.samples.write_rollouts`). Collective under torchrun when either is due."""
-        tc = self.cfg.trainer
-        step = self.step + 1
-        table_due = bool(tc.log_examples_every) and step % tc.log_examples_every == 0
-        if not (table_due or tc.save_rollouts):
-            return
-        indices = dist.local_prompts(list(range(len(sb.rollout.prompts or []) * self.dist.world)),
-                                     self.cfg.actor.ppo_mini_batch_size, self.dist)[1]  # None when W = 1
-        records = response_records(sb, self.tokenizer, step, self.objective.token_mask, prompt_indices=indices,
-                                   token_arrays=tc.save_rollouts)
-        records = [r for part in dist.gather_objects(records, self.dist) for r in part]  # all ranks → rank 0
-        if not self.dist.is_main:
-            return
-        records.sort(key=lambda r: (r["prompt_index"], r["sample"]))
-        metrics.update(self._utilisation(sb, timing))
-        if tc.save_rollouts:
-            write_rollouts(self.run_dir, step, records)
     def _utilisation(self, sb: StepBatch, timing: dict[str, float]) -> dict[str, float]:
         """Rank 0's ``perf/max_memory_allocated_gb`` (:func:`stapo.perf.max_memory_gb`: the CUDA allocator's peak,
         else the process's peak RSS; GiB) and, when the device's peak FLOP/s is known (``trainer.peak_flops`` or
@@ -1031,6 +1011,26 @@ class Trainer:
             out["perf/mfu/actor"] = mfu(flops, seconds, self._peak_flops)
         return out
 
+    def _log_examples(self, sb: StepBatch) -> None:
+        """Every ``trainer.log_examples_every`` steps the silenced-token table (:func:`stapo.train.metrics.
+        silenced_examples`; rank 0's rows) and the completions table (every rank's responses;
+        :func:`stapo.train.samples.completions_table`); with ``trainer.save_rollouts`` every step's rollouts file
+        (:func:`stapo.train.samples.write_rollouts`). Collective under torchrun when either is due."""
+        tc = self.cfg.trainer
+        step = self.step + 1
+        table_due = bool(tc.log_examples_every) and step % tc.log_examples_every == 0
+        if not (table_due or tc.save_rollouts):
+            return
+        indices = dist.local_prompts(list(range(len(sb.rollout.prompts or []) * self.dist.world)),
+                                     self.cfg.actor.ppo_mini_batch_size, self.dist)[1]  # None when W = 1
+        records = response_records(sb, self.tokenizer, step, self.objective.token_mask, prompt_indices=indices,
+                                   token_arrays=tc.save_rollouts)
+        records = [r for part in dist.gather_objects(records, self.dist) for r in part]  # all ranks → rank 0
+        if not self.dist.is_main:
+            return
+        records.sort(key=lambda r: (r["prompt_index"], r["sample"]))
+        if tc.save_rollouts:
+            write_rollouts(self.run_dir, step, records)
         if table_due and self.tracker is not None:
             s2t = self.cfg.algorithm.s2t
             # one incremental W&B table per name that grows by each logged step's rows (stapo/tracking.py)
