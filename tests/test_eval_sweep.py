@@ -58,6 +58,7 @@ class FakeWandbRun:
 
     def __init__(self, **init):
         self.init, self.defined, self.rows, self.dir = init, [], [], str(init.get("dir"))
+        self.summary: dict = {}
 
     def define_metric(self, name, step_metric=None, **_):
         self.defined.append((name, step_metric))
@@ -101,6 +102,11 @@ def test_a_sweep_of_two_checkpoints_is_two_points_on_the_training_step_axis(shar
     got = rows(out / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2]
     assert all("eval/t1.0_p1.0/aime24/avg@N" in r and "eval/t1.0_p1.0/average/avg@N" in r for r in got)
+    # ... and the in-training validation's names of the same numbers (one decoding setting, N = 2): the same charts
+    for r in got:
+        assert r["val-core/aime24/acc/mean@2"] == r["eval/t1.0_p1.0/aime24/avg@N"]
+        assert r["val-core/average/acc/mean@2"] == r["eval/t1.0_p1.0/average/avg@N"]
+        assert r["val-aux/response_length/mean"] == r["eval/t1.0_p1.0/average/mean_response_tokens"]
     # sweep.csv: (step, setting, benchmark) rows; AIME24 and the average per checkpoint
     with (out / "sweep.csv").open() as f:
         table = list(csv.DictReader(f))
@@ -117,6 +123,14 @@ def test_a_sweep_of_two_checkpoints_is_two_points_on_the_training_step_axis(shar
     assert run.init["config"]["algorithm"]["objective"] == "stapo"
     assert run.init["config"]["trainer"]["seed"] == 0
     assert run.init["config"]["train_run"]["model"] == "tiny" and run.init["config"]["train_run"]["run"] == "toy"
+    # the W&B config's logging section is the identity the run is logged under, not the eval config's unset keys
+    logged = run.init["config"]["logging"]
+    assert (logged["group"], logged["tags"], logged["job_type"]) == (run.init["group"], run.init["tags"], "eval")
+    assert (logged["family"], logged["method"]) == (train_cfg["logging"]["family"], train_cfg["logging"]["method"])
+    # the final numbers in the training run's folder (its W&B summary too when it has a W&B run; this one has none)
+    final = json.loads((tiny_run / "eval_summary.json").read_text())
+    assert final["step"] == 2 and final["values"]["eval/global_step"] == 2
+    assert final["values"]["eval/t1.0_p1.0/aime24/avg@N"] == got[1]["eval/t1.0_p1.0/aime24/avg@N"]
     assert ("*", "training/global_step") in run.defined
     scalars = [row for row, _ in run.rows if "eval/t1.0_p1.0/aime24/avg@N" in row]
     assert [row["training/global_step"] for row in scalars] == [1, 2]
@@ -221,7 +235,73 @@ def test_a_base_model_is_logged_at_step_0_without_a_training_run():
     res = {"label": "smollm2", "model": {"step": None}, "config": {"a": 1}, "training": None}
     ident = wandb_identity(res, group="mine")
     assert result_step(res) == 0
-    assert (ident["group"], ident["job_type"], ident["tags"], ident["config"]) == ("mine", "eval", [], {"a": 1})
+    assert (ident["group"], ident["job_type"], ident["tags"]) == ("mine", "eval", [])
+    assert ident["config"] == {"a": 1, "logging": {"project": "stapo", "entity": None, "group": "mine", "tags": [],
+                                                   "job_type": "eval", "family": None, "study": None,
+                                                   "method": None}}
+
+
+def _result(run_dir: Path, step: int, avg: float) -> dict:
+    """A results.json of a train.py checkpoint at ``step``: AIME24 avg@N = ``avg``, N = 4, one setting."""
+    stats = {"N": 4, "problems": 2, "avg@N": avg, "pass@1": avg, "pass@N": 1.0, "maj@N": 0.5,
+             "mean_response_tokens": 10.0, "truncation_rate": 0.0, "samples": 8,
+             "grader": {"no_answer": 2, "timeout": 0, "error": 0}}
+    return {"label": f"r@{step}", "model": {"step": step},
+            "training": {"run": run_dir.name, "run_dir": str(run_dir), "step": step},
+            "metrics": {"t1.0_p1.0": {"benchmarks": {"aime24": stats}, "average": stats}}}
+
+
+def _train_run(tmp_path: Path) -> Path:
+    run = tmp_path / "runs" / "stapo_seed0"
+    run.mkdir(parents=True)
+    (run / "wandb_run_id").write_text("abc12345")
+    (run / "config.json").write_text(json.dumps({"logging": {
+        "project": "p", "entity": None, "group": "cpu_smollm2-stapo", "tags": ["stapo", "family:cpu_smollm2"],
+        "job_type": "train"}}))
+    return run
+
+
+def test_the_final_numbers_go_into_the_training_runs_wandb_summary(tmp_path, fake_wandb, capsys):
+    from stapo.evaluation.report import write_train_summary
+
+    run = _train_run(tmp_path)
+    # a sweep of steps 1 and 3: the latest step's numbers (0.75), into the training run resumed by its id
+    got = write_train_summary([_result(run, 3, 0.75), _result(run, 1, 0.25)], mode="offline")
+    assert got == {"eval/t1.0_p1.0/aime24/avg@N": 0.75, "eval/t1.0_p1.0/aime24/pass@1": 0.75,
+                   "eval/t1.0_p1.0/aime24/pass@N": 1.0, "eval/t1.0_p1.0/aime24/maj@N": 0.5,
+                   "eval/t1.0_p1.0/aime24/mean_response_tokens": 10.0,
+                   "eval/t1.0_p1.0/aime24/truncation_rate": 0.0, "eval/t1.0_p1.0/average/avg@N": 0.75,
+                   "eval/t1.0_p1.0/average/pass@1": 0.75, "eval/t1.0_p1.0/average/pass@N": 1.0,
+                   "eval/t1.0_p1.0/average/maj@N": 0.5, "eval/t1.0_p1.0/average/mean_response_tokens": 10.0,
+                   "eval/t1.0_p1.0/average/truncation_rate": 0.0, "eval/global_step": 3}
+    (w,) = fake_wandb
+    assert (w.init["id"], w.init["resume"], w.init["dir"], w.init["mode"]) == ("abc12345", "allow", str(run),
+                                                                               "offline")
+    assert (w.init["project"], w.init["name"], w.init["group"], w.init["job_type"]) == (
+        "p", "stapo_seed0", "cpu_smollm2-stapo", "train")
+    assert w.summary == got and w.rows == []  # the summary only: no history row
+    assert json.loads((run / "eval_summary.json").read_text()) == {"step": 3, "values": got}
+    # an evaluation of an earlier checkpoint afterwards does not replace the final numbers
+    assert write_train_summary(_result(run, 2, 0.5), mode="offline") is None
+    assert "holds the evaluation of step 3" in capsys.readouterr().err and len(fake_wandb) == 1
+    # disabled: the file only; a base model (no training run): nothing
+    assert write_train_summary(_result(run, 4, 0.5), mode="disabled")["eval/global_step"] == 4
+    assert len(fake_wandb) == 1
+    assert write_train_summary({**_result(run, 5, 0.5), "training": None}) is None
+
+
+def test_the_training_runs_summary_in_its_offline_wandb_files(tmp_path, monkeypatch):
+    from stapo.evaluation.report import write_train_summary
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run = _train_run(tmp_path)
+    write_train_summary(_result(run, 3, 0.75), mode="offline")
+    recs = offline_records(run)
+    (rec,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    assert (rec.run_id, rec.run_group) == ("abc12345", "cpu_smollm2-stapo")  # the training run, resumed by its id
+    summary = {i.key: json.loads(i.value_json) for r in recs if r.WhichOneof("record_type") == "summary"
+               for i in r.summary.update}
+    assert summary["eval/t1.0_p1.0/aime24/avg@N"] == 0.75 and summary["eval/global_step"] == 3
 
 
 def offline_records(run_dir: Path) -> list:

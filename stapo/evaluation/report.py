@@ -375,8 +375,10 @@ def wandb_identity(results: dict[str, Any], *, project: str = "stapo", entity: s
     group, tags, project and entity — so the evaluation sits in the training run's group — and ``job_type``
     ``"eval"``. The config is the evaluation config plus ``train_run`` (run, step, objective, model, seed, reward)
     and the training run's own keys ``algorithm.objective``, ``algorithm.reward``, ``trainer.seed`` (W&B can
-    group or filter training and evaluation runs by the same column). ``project="stapo"`` (the default) gives
-    way to the training run's project.
+    group or filter training and evaluation runs by the same column), and its ``logging`` section holds the
+    resolved identity the run is logged under (``group``, ``tags``, ``job_type``, ``project``, ``entity`` and the
+    training run's ``family`` / ``study`` / ``method``), not the unset values of the evaluation config.
+    ``project="stapo"`` (the default) gives way to the training run's project.
     """
     train = results.get("training") or {}
     config = dict(results.get("config") or {})
@@ -384,7 +386,7 @@ def wandb_identity(results: dict[str, Any], *, project: str = "stapo", entity: s
         config["train_run"] = dict(train)
         config["algorithm"] = {"objective": train.get("objective"), "reward": train.get("reward")}
         config["trainer"] = {"seed": train.get("seed")}
-    return {
+    ident = {
         "project": train.get("project") if project == "stapo" and train.get("project") else project,
         "entity": entity or train.get("entity"),
         "group": group or train.get("group"),
@@ -392,11 +394,16 @@ def wandb_identity(results: dict[str, Any], *, project: str = "stapo", entity: s
         "job_type": job_type or "eval",
         "notes": notes,
         "name": name or f"eval-{results['label']}",
-        "config": config,
     }
+    logging = dict(config.get("logging") or {})
+    logging.update({k: ident[k] for k in ("project", "entity", "group", "tags", "job_type")})
+    for key in ("family", "study", "method"):  # the training run's, unless the evaluation config set its own
+        logging[key] = logging.get(key) or train.get(key)
+    config["logging"] = logging
+    return {**ident, "config": config}
 
 
-def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
+def _eval_metrics(results: dict[str, Any]) -> dict[str, float]:
     """``eval/<setting>/<benchmark>/<metric>`` scalars of one result (finite values only)."""
     flat: dict[str, float] = {}
     for setting, m in results["metrics"].items():
@@ -407,16 +414,33 @@ def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
+def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """The scalars an evaluation logs for one result (finite values only): ``eval/<setting>/<benchmark>/<metric>``
+    and the in-training validation's names of the same numbers (:func:`stapo.evaluation.validation.
+    validation_metrics`: ``val-core/<bench>/acc/mean@<N>`` ..., ``<bench>@<setting>`` with several settings), so an
+    evaluation shares the validation charts (docs/metrics.md#evaluation-metricsjsonl--wb)."""
+    from stapo.evaluation.validation import validation_metrics
+
+    flat = _eval_metrics(results)
+    try:
+        val = validation_metrics(results["metrics"])
+    except (KeyError, TypeError, ValueError):  # a result written before these fields: its eval/ keys only
+        val = {}
+    flat.update({k: v for k, v in val.items() if _finite(v)})
+    return flat
+
+
 #: The file (in an evaluation's or a sweep's folder) that records which points its W&B run holds already:
 #: ``{"run_id": the W&B run id (wandb_run_id), "points": {"<training step>": digest of what was logged}}``.
 WANDB_LOGGED = "wandb_logged.json"
 
 
 def _point_digest(res: dict[str, Any]) -> str:
-    """SHA-256 (hex) of what :func:`log_wandb` logs for one result: its step, scalars and table rows (a rerun that
-    extends an evaluation — more problems, benchmarks or settings — changes it; a plain rerun does not)."""
+    """SHA-256 (hex) of what :func:`log_wandb` logs for one result: its step, ``eval/`` scalars and table rows (a
+    rerun that extends an evaluation — more problems, benchmarks or settings — changes it; a plain rerun does not;
+    the ``val-core`` names of the same numbers are left out, so points logged before they existed stay logged)."""
     header, rows = paper_table([res])
-    text = json.dumps([result_step(res), _flat_metrics(res), header, rows, csv_rows([res])], sort_keys=True,
+    text = json.dumps([result_step(res), _eval_metrics(res), header, rows, csv_rows([res])], sort_keys=True,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -503,6 +527,93 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
         log_all(mirror, many)
     finally:
         mirror.finish()
+
+
+#: The file in a training run's folder that records the final evaluation numbers written into its W&B summary.
+TRAIN_SUMMARY = "eval_summary.json"
+#: The summary key of the training step the numbers in a training run's summary were evaluated at.
+SUMMARY_STEP_KEY = "eval/global_step"
+
+
+def train_summary_values(results: dict[str, Any] | Sequence[dict[str, Any]]) -> tuple[Path, int,
+                                                                                     dict[str, float]] | None:
+    """What an evaluation writes into its training run's W&B summary: ``(training run folder, step, values)`` for
+    the result of the latest training step among ``results`` that is a train.py checkpoint (``results["training"]
+    ["run_dir"]``), or None when none is. ``values``: its ``eval/<setting>/<benchmark>/<metric>`` scalars (finite
+    only) and :data:`SUMMARY_STEP_KEY` = the step."""
+    many = [results] if isinstance(results, dict) else list(results)
+    mine = [r for r in many if (r.get("training") or {}).get("run_dir")]
+    if not mine:
+        return None
+    res = max(mine, key=result_step)
+    step = result_step(res)
+    return Path(res["training"]["run_dir"]), step, {**_eval_metrics(res), SUMMARY_STEP_KEY: step}
+
+
+def write_train_summary(results: dict[str, Any] | Sequence[dict[str, Any]], *, mode: str = "offline",
+                        fallback: str = "offline") -> dict[str, float] | None:
+    """Write an evaluation's final numbers (:func:`train_summary_values`) into its training run: the file
+    :data:`TRAIN_SUMMARY` in the run folder (``{"step", "values"}``, atomically) and, unless ``mode`` is
+    ``disabled`` or the run has no W&B run (no ``wandb_run_id``), the W&B run's summary — W&B's documented way to
+    add to a finished run: ``wandb.init(id=<its id>, resume="allow")`` then ``run.summary.update`` (through
+    :class:`stapo.tracking.Tracker`, with the run's project, entity, name, group and tags). Offline this writes one
+    more ``offline-run-*`` folder of the same id under ``<run>/wandb``; ``wandb sync <run>/wandb/offline-run-*``
+    uploads it into the same run, so the runs table can sort training runs by a benchmark.
+
+    Numbers of an earlier step than the ones recorded are not written (the final evaluation is not replaced by one
+    of an intermediate checkpoint), nor while the training run's folder is locked by a live process (it is still
+    training: one line on stderr each). A W&B that cannot start never fails the evaluation (one line on stderr).
+
+    Returns:
+        The values written, or None when nothing was.
+    """
+    from stapo.runlock import RunLock, RunLockError
+    from stapo.tracking import Tracker, TrackerError
+
+    found = train_summary_values(results)
+    if found is None:
+        return None
+    run_dir, step, values = found
+    path = run_dir / TRAIN_SUMMARY
+    try:
+        before = json.loads(path.read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        before = None
+    if isinstance(before, int) and before > step:
+        print(f"evaluate.py: {path} holds the evaluation of step {before}; the numbers of step {step} are not "
+              f"written into the training run's summary", file=sys.stderr)
+        return None
+    lock = RunLock(run_dir, program="evaluate.py (training run summary)")
+    try:
+        lock.acquire()
+    except (RunLockError, OSError) as e:
+        print(f"evaluate.py: the training run's summary is not updated ({e}); rerun the evaluation once it "
+              f"finished", file=sys.stderr)
+        return None
+    try:
+        with _atomic(path) as tmp:
+            tmp.write_text(json.dumps({"step": step, "values": values}, indent=1, sort_keys=True) + "\n")
+        if mode == "disabled" or not (run_dir / "wandb_run_id").is_file():
+            return values
+        try:
+            train_cfg = json.loads((run_dir / "config.json").read_text())
+            lc = train_cfg.get("logging") or {}
+        except (OSError, ValueError, AttributeError):
+            lc = {}
+        try:
+            tracker = Tracker(run_dir, {}, mode=mode, fallback=fallback, project=lc.get("project") or "stapo",
+                              entity=lc.get("entity"), name=run_dir.name, group=lc.get("group"),
+                              tags=lc.get("tags") or None, job_type=lc.get("job_type") or "train")
+        except TrackerError as e:
+            print(f"evaluate.py: {e}; the training run's W&B summary is not updated", file=sys.stderr)
+            return values
+        try:
+            tracker.update_summary(values)
+        finally:
+            tracker.finish()
+        return values
+    finally:
+        lock.release()
 
 
 # --- a sweep of checkpoints: accuracy against the training step -----------------------------------------------

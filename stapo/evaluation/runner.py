@@ -1193,9 +1193,12 @@ def run_evaluation(
 def log_results_to_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str | os.PathLike,
                          cfg: EvalConfig, name: str | None = None) -> None:
     """:func:`stapo.evaluation.report.log_wandb` with the evaluation config's ``logging.*`` (mode, fallback, and
-    the identity keys that override the training run's: project, entity, group, tags, job_type, notes)."""
-    from stapo.evaluation.report import log_wandb
+    the identity keys that override the training run's: project, entity, group, tags, job_type, notes), then
+    :func:`stapo.evaluation.report.write_train_summary`: the final numbers into the training run's summary (a
+    train.py checkpoint only; the latest step of a sweep)."""
+    from stapo.evaluation.report import log_wandb, write_train_summary
 
     lc = cfg.logging
     log_wandb(results, run_dir, mode=lc.wandb_mode, project=lc.project, entity=lc.entity, fallback=lc.wandb_fallback,
               group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes, name=name)
+    write_train_summary(results, mode=lc.wandb_mode, fallback=lc.wandb_fallback)
