@@ -156,8 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.dist.is_main:  # start → end of the main metrics, where the files are, the next commands
             from stapo.train.summary import end_of_run_summary
 
+            from stapo.objectives import OBJECTIVES
+            from stapo.provenance import config_family
+
             mode = trainer.tracker.mode if trainer.tracker is not None else "disabled"
-            print(end_of_run_summary(trainer.run_dir, wandb_mode=mode, group=cfg.logging.group), flush=True)
+            # the evaluation to suggest follows the config family (configs/eval/<family>.yaml), not the W&B group
+            family = (getattr(cfg.logging, "family", None)
+                      or config_family(args.config, {*OBJECTIVES, cfg.algorithm.objective}))
+            print(end_of_run_summary(trainer.run_dir, wandb_mode=mode, family=family, config_path=args.config,
+                                     validation_benchmarks=list(cfg.validation.benchmarks), data_root=cfg.data.root),
+                  flush=True)
             print(f"run directory: {trainer.run_dir}")
         barrier(trainer.dist)  # every rank done before any tears the process group down (W = 1: no-op)
         return 0

@@ -277,7 +277,10 @@ class TrainerConfig:
     # <run_dir>/rollouts/step_XXXXXX.jsonl.gz (stapo/train/samples.py; the token viewer scripts/view_rollouts.py
     # reads them). About 40 bytes per response token compressed.
     save_rollouts: bool = False
-    progress_bar: bool = True
+    # The console while training (stapo/console.py): true = tqdm progress bars (the step's and the run's); false =
+    # one plain line per step (step, reward, entropy, response length, clip fraction, masked fraction, s/step);
+    # auto = bars when stdout and stderr are both terminals, plain lines otherwise (Slurm, nohup, `> log`).
+    progress_bar: Any = "auto"
     # Under torchrun with more than one rank (stapo/distributed.py): "fsdp2" shards parameters, gradients and
     # optimizer state (fully_shard); "replicate" keeps a full copy per rank and all-reduces gradients;
     # "auto" = fsdp2 on CUDA, replicate on CPU. Ignored in a single process.
@@ -745,6 +748,8 @@ def validate(cfg: TrainConfig) -> None:
          "must be a checkpoint folder (<run>/checkpoints/step_N) or null")
     need(cfg.trainer.peak_flops is None or cfg.trainer.peak_flops > 0, "trainer.peak_flops",
          "must be > 0 (FLOP/s of one device) or null (the table of known GPUs)")
+    need(isinstance(cfg.trainer.progress_bar, bool) or cfg.trainer.progress_bar == "auto", "trainer.progress_bar",
+         "must be true, false or auto")
     need(cfg.trainer.log_examples_every >= 0, "trainer.log_examples_every", "must be ≥ 0 (0 disables)")
     for key in ("stop_after_nonfinite_steps", "stop_after_silent_steps"):
         v = getattr(cfg.trainer, key)

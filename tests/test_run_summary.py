@@ -73,7 +73,8 @@ def test_end_of_run_text_lists_changes_files_and_next_commands(tmp_path):
     assert f"  checkpoints  {run}/checkpoints (latest: step_000006)" in lines
     assert f"  W&B          {run}/wandb/offline-run-* (offline: not uploaded yet)" in lines
     assert f"  summarise    python scripts/summarize_run.py {run}" in lines
-    assert f"  evaluate     python evaluate.py --model {run} --config configs/eval/cpu_smollm2.yaml" in lines
+    assert (f"  evaluate     python evaluate.py --config configs/eval/cpu_smollm2.yaml --model {run} "
+            f"--all-checkpoints") in lines
     assert f"  sync         wandb sync {run}/wandb/offline-run-*" in lines
     assert any(line.startswith("  compare      python scripts/compare.py") for line in lines)
 

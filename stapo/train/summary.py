@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 __all__ = ["Change", "REPORT_KEYS", "TRAINING_KEY", "training_rows", "window_size", "start_end", "step_span",
-           "masked_fraction_key", "markdown_report", "end_of_run_text", "end_of_run_summary"]
+           "masked_fraction_key", "markdown_report", "end_of_run_text", "end_of_run_summary", "eval_config_for",
+           "missing_benchmarks", "evaluate_suggestion"]
 
 #: (metric key, label, format) of the Markdown report, in order (docs/metrics.md names the keys).
 REPORT_KEYS: list[tuple[str, str, str]] = [
@@ -174,7 +175,8 @@ def _rel(path: Path) -> str:
 
 def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, *, window: int = 5,
                     checkpoint: str | os.PathLike | None = None, wandb_mode: str = "disabled",
-                    wandb_dirs: Sequence[str | os.PathLike] = (), eval_config: str | None = None) -> str:
+                    wandb_dirs: Sequence[str | os.PathLike] = (), eval_config: str | None = None,
+                    evaluate_command: str | None = None) -> str:
     """train.py's end-of-run summary (plain text, a dozen lines).
 
     Args:
@@ -186,6 +188,8 @@ def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, 
         wandb_mode: the W&B mode in use (``offline``: the sync command is printed).
         wandb_dirs: the run's W&B run folders (``<run_dir>/wandb/offline-run-*`` offline).
         eval_config: an evaluate.py config to suggest (``configs/eval/<family>.yaml``), or None.
+        evaluate_command: the whole "evaluate" suggestion (:func:`evaluate_suggestion`); replaces the one made
+            from ``eval_config``.
 
     Returns:
         The text, lines joined with newlines (no trailing newline).
@@ -215,8 +219,9 @@ def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, 
         lines.append(f"  W&B          {where} ({wandb_mode}{': not uploaded yet' if wandb_mode == 'offline' else ''})")
     lines.append("next:")
     lines.append(f"  summarise    python scripts/summarize_run.py {shlex.quote(run)}")
-    lines.append(f"  evaluate     python evaluate.py --model {shlex.quote(run)}"
-                 + (f" --config {eval_config}" if eval_config else ""))
+    command = evaluate_command or ("python evaluate.py" + (f" --config {eval_config}" if eval_config else "")
+                                   + f" --model {shlex.quote(run)} --all-checkpoints")
+    lines.append(f"  evaluate     {command}")
     if wandb_mode == "offline" and wandb_dirs:
         lines.append(f"  sync         wandb sync {run}/wandb/offline-run-*")
     lines.append(f"  compare      python scripts/compare.py A=runs/eval/<label A> B=runs/eval/<label B>  "
@@ -224,11 +229,90 @@ def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, 
     return "\n".join(lines)
 
 
-def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disabled", group: str | None = None,
-                       window: int = 5) -> str:
+def eval_config_for(family: str | None, config_path: str | os.PathLike | None = None,
+                    eval_dir: str | os.PathLike = "configs/eval") -> Path | None:
+    """The evaluate.py config of a training config family: ``<eval_dir>/<family>.yaml`` (``cpu_smollm2``,
+    ``tiny_test``), else, for a training config in a folder of ``configs/`` whose name starts the family
+    (``configs/paper/qwen3_8b_stapo.yaml`` → family ``paper_qwen3_8b``), ``<eval_dir>/<folder>.yaml``
+    (``paper.yaml``); None when neither file exists (paths relative to the current directory, as evaluate.py
+    reads them)."""
+    if not family:
+        return None
+    names = [family]
+    folder = Path(config_path).parent.name if config_path else ""
+    if folder and folder != "configs" and family.startswith(folder + "_"):
+        names.append(folder)
+    return next((p for p in (Path(eval_dir) / f"{n}.yaml" for n in names) if p.is_file()), None)
+
+
+def missing_benchmarks(benchmarks: Sequence[str], root: str | os.PathLike | None,
+                       custom: dict[str, Any] | None = None) -> list[str]:
+    """The names of ``benchmarks`` whose data file is not there under the data root ``root`` (generated benchmarks
+    such as ``arith_test`` and hub datasets have none: never missing). An unknown name or a missing root counts as
+    missing (evaluate.py would refuse it)."""
+    from stapo.evaluation.runner import benchmark_file
+
+    out = []
+    for name in benchmarks:
+        try:
+            path = benchmark_file(root if root is not None else "data", str(name), custom)
+        except Exception:  # noqa: BLE001 - unknown name, missing data root: evaluate.py would stop on it
+            out.append(str(name))
+            continue
+        if path is not None and not Path(path).is_file():
+            out.append(str(name))
+    return out
+
+
+def evaluate_suggestion(run_dir: str | os.PathLike, *, family: str | None,
+                        config_path: str | os.PathLike | None = None, validation_benchmarks: Sequence[str] = (),
+                        data_root: str | None = None, eval_dir: str | os.PathLike = "configs/eval") -> str:
+    """The end-of-run "evaluate" suggestion: a command that evaluates every checkpoint of the run
+    (``--all-checkpoints``) and does not fail on missing data.
+
+    1. The config family's evaluate.py config (:func:`eval_config_for`; the family, not the W&B group, which in a
+       study or a custom group names no config) when the data of all its benchmarks is there;
+    2. else that config (or evaluate.py's default, the paper protocol, without one) on the training config's own
+       validation benchmarks (``validation.benchmarks`` under ``data.root``) when their data is there;
+    3. else the family config's command with what to pass: the benchmarks whose data is missing and how to get it
+       (``python scripts/prepare_data.py``) or choose others (``--benchmarks``).
+    """
+    run = shlex.quote(_rel(Path(run_dir)))
+    eval_cfg = eval_config_for(family, config_path, eval_dir)
+    base = "python evaluate.py" + (f" --config {eval_cfg}" if eval_cfg else "") + f" --model {run} --all-checkpoints"
+    missing: list[str] = []
+    if eval_cfg is not None:
+        try:
+            from stapo.evaluation.config import load_eval_config
+
+            ecfg = load_eval_config(eval_cfg)
+            missing = missing_benchmarks(ecfg.data.benchmarks, ecfg.data.root, dict(ecfg.data.custom_benchmarks))
+            root = ecfg.data.root
+        except Exception as e:  # noqa: BLE001 - a config evaluate.py would refuse: say so instead
+            return f"{base}  ({eval_cfg} does not load: {(str(e).splitlines() or [type(e).__name__])[0][:120]})"
+        if not missing:
+            return base
+    val = [str(b) for b in validation_benchmarks]
+    if val and not missing_benchmarks(val, data_root):
+        return (f"{base} --benchmarks {' '.join(val)}"
+                + (f" --data-root {shlex.quote(str(data_root))}" if data_root is not None else "")
+                + "  (this config's validation benchmarks" + (f"; {eval_cfg}'s need data you do not have)"
+                                                              if eval_cfg else "; no configs/eval/"
+                                                              f"{family}.yaml: evaluate.py's default settings, "
+                                                              "the paper protocol, or pass --config)"))
+    if eval_cfg is None:
+        return (f"{base}  (no configs/eval/{family}.yaml: pass --config with an evaluate.py config and --benchmarks "
+                f"with data you have; default: the paper protocol)")
+    return (f"{base}  (needs data for {', '.join(missing)} under {root}: python scripts/prepare_data.py, or pass "
+            f"--benchmarks with data you have)")
+
+
+def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disabled", family: str | None = None,
+                       config_path: str | os.PathLike | None = None, validation_benchmarks: Sequence[str] = (),
+                       data_root: str | None = None, window: int = 5) -> str:
     """:func:`end_of_run_text` of a run directory: reads ``metrics.jsonl`` (a torn last line is left out), finds
-    the latest checkpoint and the W&B run folders (``<run_dir>/wandb/*-<id of wandb_run_id>``), and suggests
-    ``configs/eval/<group>.yaml`` when that file exists (relative to the current directory)."""
+    the latest checkpoint and the W&B run folders (``<run_dir>/wandb/*-<id of wandb_run_id>``), and suggests an
+    evaluation from the config family (:func:`evaluate_suggestion`; paths relative to the current directory)."""
     from stapo.checkpoint import latest_checkpoint
     from stapo.tracking import read_metrics
 
@@ -237,7 +321,7 @@ def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disable
     id_file = run_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else None
     wandb_dirs = sorted((run_dir / "wandb").glob(f"*-{run_id}")) if run_id else []
-    eval_config = Path("configs/eval") / f"{group}.yaml" if group else None
+    command = evaluate_suggestion(run_dir, family=family, config_path=config_path,
+                                  validation_benchmarks=validation_benchmarks, data_root=data_root)
     return end_of_run_text(rows, run_dir, window=window, checkpoint=latest_checkpoint(run_dir / "checkpoints"),
-                           wandb_mode=wandb_mode, wandb_dirs=wandb_dirs,
-                           eval_config=str(eval_config) if eval_config and eval_config.is_file() else None)
+                           wandb_mode=wandb_mode, wandb_dirs=wandb_dirs, evaluate_command=command)

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from stapo import distributed as dist
 from stapo.advantages import grpo_advantages
 from stapo.checkpoint import latest_checkpoint
+from stapo.console import start_lines, step_line, use_progress_bars
 from stapo.cli import raise_terminated, signal_name, survive_closed_terminal
 from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
 from stapo.memory_plan import check_memory_plan
@@ -666,8 +667,10 @@ class Trainer:
                 val = self.validation_hook(self, 0)
                 if self.tracker is not None:
                     self.tracker.log(0, val)
+        if main:  # where this run writes, before its first step (stapo/console.py)
+            self._print_start()
         history: list[dict[str, float]] = []
-        bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (tc.progress_bar and main),
+        bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (self._bars and main),
                    dynamic_ncols=True)
         # Ctrl-C, SIGTERM or SIGHUP (docs/metrics.md#interrupting-and-resuming): the first lets the step finish,
         # then stops (checkpointing it if trainer.save_on_interrupt or one is due); a second abandons the step now.
@@ -684,6 +687,8 @@ class Trainer:
                 if self.tracker is not None:
                     self.tracker.log(self.step, metrics)
                 history.append(metrics)
+                if main and not self._bars:  # a log file (Slurm, nohup): one plain line per step, no cursor codes
+                    print(step_line(self.step, tc.total_steps, metrics), flush=True)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", ent=f"{metrics['actor/entropy']:.3f}",
                                 kept=f"{metrics['actor/num_kept_tokens']:.0f}/"
@@ -834,6 +839,21 @@ class Trainer:
             if step > self.step:
                 shutil.rmtree(d, ignore_errors=True)
 
+    @functools.cached_property
+    def _bars(self) -> bool:
+        """tqdm bars (``trainer.progress_bar``; auto: stdout and stderr are terminals) or one line per step."""
+        return use_progress_bars(self.cfg.trainer.progress_bar)
+
+    def _print_start(self) -> None:
+        """The run folder and the W&B location (mode, project, group, the online URL or the offline folder)."""
+        lc, tracker = self.cfg.logging, self.tracker
+        mode = tracker.mode if tracker is not None else "disabled"
+        url = getattr(getattr(tracker, "_wandb", None), "url", None) if mode == "online" else None
+        wandb_dir = tracker.wandb_dir if tracker is not None and mode != "disabled" else None
+        for line in start_lines(self.run_dir, mode=mode, project=lc.project, group=lc.group, wandb_dir=wandb_dir,
+                                url=url):
+            print(line, flush=True)
+
     def _maybe_resume(self) -> None:
         """Resume from the latest complete checkpoint, if any (every rank; :meth:`RunState.resume`), then push
         the restored weights into the rollout engine."""
@@ -858,7 +878,7 @@ class Trainer:
         counter after validation and logging). Returns the step's metrics (verl names; docs/metrics.md)."""
         timing: dict[str, float] = {}
         t_step = time.perf_counter()
-        progress = StepProgress(self.cfg.trainer.progress_bar and self.dist.is_main)
+        progress = StepProgress(self._bars and self.dist.is_main)
         try:
             with _timed(timing, "rollout"):  # 1. G responses per prompt, sampled from π_old at temperature T
                 prompts, responses = self._generate(progress)
