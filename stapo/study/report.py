@@ -29,6 +29,7 @@ from typing import Any, Callable, Collection, Iterator
 import numpy as np
 
 from stapo.checkpoint_files import latest_checkpoint
+from stapo.plotting import draw_seed_curves, physical_range
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.runner import default_threads, evaluated_step
 from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
@@ -787,20 +788,10 @@ def _plot(path: Path, cfg: StudyConfig, series: dict[str, dict[str, Series]]) ->
                 s = series[name].get(method)
                 if s is None:
                     continue
-                v = _smoothed(cfg, s)  # [S, T + 1]
-                logged = ~np.isnan(v).all(axis=0)  # [T + 1]
-                x = s.steps[logged]
-                if not x.size:
-                    continue
-                sparse = x.size < 12
-                for row in v[:, logged]:
-                    ok = ~np.isnan(row)
-                    ax.plot(x[ok], row[ok], color=color[method], lw=0.7, alpha=0.45)
-                with np.errstate(all="ignore"):
-                    mean, lo, hi = np.nanmean(v[:, logged], 0), np.nanmin(v[:, logged], 0), np.nanmax(v[:, logged], 0)
-                ax.fill_between(x, lo, hi, color=color[method], alpha=0.12, linewidth=0)
-                ax.plot(x, mean, color=color[method], lw=2.0, label=f"{method} ({len(s.seeds)})",
-                        marker="o" if sparse else None, ms=3)
+                # seeds, mean, min-max band (stapo/plotting.py, shared with scripts/plot_runs.py)
+                ranges = {physical_range(k) for k in s.keys}  # one range for all the keys read, else none
+                draw_seed_curves(ax, s.steps, _smoothed(cfg, s), color[method], f"{method} ({len(s.seeds)})",
+                                 clip=ranges.pop() if len(ranges) == 1 else (None, None))
             ax.set_title(f"{_label(name)}" + (f"\n{', '.join(panel)}" if len(panels) > 1 else ""), fontsize=8)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.tick_params(labelsize=7)
