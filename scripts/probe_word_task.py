@@ -14,7 +14,10 @@ response at its first complete ``\\boxed{}`` as ``rollout.stop_at_first_boxed`` 
 * the mean response length before and after the cut, the median and 90th percentile after it, and the mean length
   of the strict-box-correct responses (tokens, EOS included where kept);
 * the share of groups whose strict-box rewards vary (only those give GRPO a gradient; needs G >= 2);
-* the reference solutions' mean length (:func:`stapo.word_problems.reference_solution`, + 1 for the EOS).
+* the reference solutions' mean length (:func:`stapo.word_problems.reference_solution`, + 1 for the EOS);
+* from the engine's log-probs of the sampled tokens (cut responses): their mean −log p, an unbiased estimate of the
+  policy's mean token entropy (E over y ~ π of −log π(y) = H), and the share of sampled tokens with p < τ_p = 0.002
+  (S2T's probability condition: the candidates before the advantage and entropy conditions).
 
 ``--dump`` writes every response (level, problem, gold, rewards, lengths, cut text) as JSON lines. It guides the
 calibration stage (issue 32, item 5: a difficulty mix with 25-50 % accuracy). One example response per
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -56,6 +60,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     ap.add_argument("--config", default="configs/cpu_smollm2_word_justrl.yaml", help="its model, prompt and budget")
+    ap.add_argument("--model", default=None, help="another model.path than the config's (e.g. a cold-start folder)")
     ap.add_argument("--out", default="results/word_task_probe.md")
     ap.add_argument("--dump", default=None, help="also write every response (JSON lines) to this file")
     ap.add_argument("--json", default=None, help="also write the table's rows (one object per level) to this file")
@@ -66,7 +71,7 @@ def main() -> None:
               "--group-size >= 1", file=sys.stderr)
         sys.exit(2)
 
-    cfg = load_config(REPO / args.config)
+    cfg = load_config(REPO / args.config, [f"model.path={args.model}"] if args.model else [])
     G, budget = args.group_size, int(cfg.rollout.response_length)
     model, tok = load_policy(cfg.model.path)
     kwargs = ({"max_model_len": cfg.data.max_prompt_length + budget, "kv_cache_gib": 1.0, "seed": args.seed}
@@ -75,7 +80,8 @@ def main() -> None:
     strict, verify = StrictBoxReward(), MathVerifyReward(num_workers=1)
     command = (f"python scripts/probe_word_task.py --problems {args.problems} --group-size {G} --levels "
                f"{' '.join(map(str, args.levels))} --seed {args.seed} --backend {args.backend}"
-               + (f" --config {args.config}" if args.config != "configs/cpu_smollm2_word_justrl.yaml" else ""))
+               + (f" --config {args.config}" if args.config != "configs/cpu_smollm2_word_justrl.yaml" else "")
+               + (f" --model {args.model}" if args.model else ""))
     lines = [f"# Word-task probe: {cfg.model.path}, the one-shot worked-example prompt, {budget} new tokens", "",
              f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
              f"{platform.processor() or platform.machine()}). {args.problems} held-out problems × G = {G} per level, "
@@ -83,8 +89,8 @@ def main() -> None:
              "\\boxed{} (rollout.stop_at_first_boxed). Lengths in tokens.", "",
              "| level | K | strict-box accuracy | math-verify accuracy | boxed | capped | groups with varied reward "
              "| mean length (uncut) | mean / median / p90 length (cut) | mean length, correct | reference mean "
-             "| seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mean −log p (≈ entropy) | p < 0.002 share | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     examples: list[str] = []
     dumped: list[str] = []
     rows: list[dict] = []
@@ -105,6 +111,9 @@ def main() -> None:
             groups = [rs[i:i + G] for i in range(0, len(rs), G)]
             ref = [len(tok(reference_solution(r.problem))["input_ids"]) + 1 for r in records]
             n = len(out)
+            lps = [x for r in out for x in (r.engine_logprobs or [])]
+            nll = f"{-statistics.mean(lps):.3f}" if lps else "–"
+            low_p = f"{sum(x < math.log(0.002) for x in lps) / len(lps):.4f}" if lps else "–"
             correct_mean = f"{statistics.mean(correct_len):.0f}" if correct_len else "–"
             lines.append(
                 f"| {level} | {WORD_LEVELS[level].operations} | {sum(x > 0 for x in rs) / n:.3f} "
@@ -113,7 +122,7 @@ def main() -> None:
                 f"| {sum(len(set(g)) > 1 for g in groups) / len(groups):.2f} "
                 f"| {statistics.mean(len(r.response_ids) for r in raw):.0f} "
                 f"| {statistics.mean(cut_len):.0f} / {statistics.median(cut_len):.0f} / {_quantile(cut_len, 0.9):.0f} "
-                f"| {correct_mean} | {statistics.mean(ref):.0f} | {time.perf_counter() - t0:.0f} |")
+                f"| {correct_mean} | {statistics.mean(ref):.0f} | {nll} | {low_p} | {time.perf_counter() - t0:.0f} |")
             print(lines[-1], flush=True)
             rows.append({"level": level, "operations": WORD_LEVELS[level].operations, "n": n,
                          "accuracy": sum(x > 0 for x in rs) / n, "math_verify_accuracy": sum(x > 0 for x in rv) / n,
@@ -121,6 +130,8 @@ def main() -> None:
                          "capped_rate": sum(r.finish_reason == "length" for r in out) / n,
                          "varied_groups": sum(len(set(g)) > 1 for g in groups) / len(groups),
                          "mean_length": statistics.mean(cut_len), "model": cfg.model.path,
+                         "mean_nll": -statistics.mean(lps) if lps else None,
+                         "low_p_share": sum(x < math.log(0.002) for x in lps) / len(lps) if lps else None,
                          "temperature": cfg.rollout.temperature, "seed": args.seed})
             dumped += [json.dumps({"level": level, "problem": records[r.group].problem, "gold": golds[i],
                                    "strict": rs[i], "math_verify": rv[i], "finish_reason": r.finish_reason,
