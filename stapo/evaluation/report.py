@@ -419,7 +419,7 @@ def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     and the in-training validation's names of the same numbers (:func:`stapo.evaluation.validation.
     validation_metrics`: ``val-core/<bench>/acc/mean@<N>`` ..., ``<bench>@<setting>`` with several settings), so an
     evaluation shares the validation charts (docs/metrics.md#evaluation-metricsjsonl--wb)."""
-    from stapo.evaluation.validation import validation_metrics
+    from stapo.evaluation.metrics import validation_metrics
 
     flat = _eval_metrics(results)
     try:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from stapo.evaluation.config import PAPER_SETTINGS, DecodingSetting, canonical_benchmark
 from stapo.evaluation.errors import EvalError
-from stapo.metric_names import val_key, val_source
+from stapo.evaluation.metrics import validation_metrics
 
 __all__ = ["ValidationHook", "make_validation_hook", "make_validation_hook_from_config", "validation_metrics"]
 
@@ -243,53 +243,6 @@ class ValidationHook:
         if self._grader is not None:
             self._grader.close()
             self._grader = None
-
-
-def validation_metrics(metrics: Mapping[str, Any], dropped: Mapping[str, int] | None = None, *,
-                       prefix: str = "val") -> dict[str, float]:
-    """The validation keys (verl's layout, shared with the verl plugin's runs: stapo/metric_names.py,
-    docs/metrics.md) of an evaluation's ``metrics`` — in-training validation and ``evaluate.py`` log the same names
-    through this function.
-
-    Args:
-        metrics: ``{setting: {"benchmarks": {bench: stats}, "average": stats}}`` as
-            :func:`stapo.evaluation.runner.evaluate_problems` returns it (each stats dict with ``N``, ``avg@N``,
-            ``pass@N``, ``maj@N``; the average with ``samples``, ``mean_response_tokens``, ``truncation_rate`` and
-            the ``grader`` counts ``no_answer`` / ``timeout`` / ``error``).
-        dropped: ``{benchmark: problems skipped for a too long prompt}``
-            (``<prefix>-aux/<bench>/dropped_long_prompt``).
-        prefix: the section prefix (``val`` → ``val-core`` / ``val-aux``).
-
-    Returns:
-        ``{key: value}``: ``<prefix>-core/<bench>/acc/{mean,pass,maj}@<N>`` (fractions),
-        ``<prefix>-core/average/acc/mean@<N max>``, ``<prefix>-aux/response_length/{mean (tokens), clip_ratio}``,
-        ``<prefix>-aux/grader/{no_answer_rate (fraction), timeouts, errors (counts)}``; with several settings the
-        benchmark segment is ``<bench>@<setting>`` (``average@<setting>``, ``grader@<setting>`` ...).
-    """
-    out: dict[str, float] = {}
-    p = prefix
-    several = len(metrics) > 1
-    for setting, m in metrics.items():
-        tag = setting if several else None
-        for bench, s in m["benchmarks"].items():
-            n, src = int(s["N"]), val_source(bench, tag)
-            out[val_key(src, f"mean@{n}", prefix=p)] = float(s["avg@N"])
-            out[val_key(src, f"pass@{n}", prefix=p)] = float(s["pass@N"])
-            out[val_key(src, f"maj@{n}", prefix=p)] = float(s["maj@N"])
-        avg = m["average"]
-        n_max = max((int(s["N"]) for s in m["benchmarks"].values()), default=0)
-        out[val_key(val_source("average", tag), f"mean@{n_max}", prefix=p)] = float(avg["avg@N"])
-        samples = avg["samples"]
-        aux = [("response_length", "mean", float(avg["mean_response_tokens"])),
-               ("response_length", "clip_ratio", float(avg["truncation_rate"])),
-               ("grader", "no_answer_rate", avg["grader"]["no_answer"] / samples if samples else math.nan),
-               ("grader", "timeouts", float(avg["grader"]["timeout"])),
-               ("grader", "errors", float(avg["grader"]["error"]))]
-        for group, metric, value in aux:
-            out[val_key(val_source(group, tag), metric, core=False, var=None, prefix=p)] = value
-    for bench, n in (dropped or {}).items():
-        out[val_key(bench, "dropped_long_prompt", core=False, var=None, prefix=p)] = float(n)
-    return out
 
 
 def _is_main(trainer: Any) -> bool:
