@@ -1,6 +1,6 @@
 """The staged mechanism study of issue 32, one stage per command (rules: docs/study.md#mechanism-study-issue-32-rules-fixed-before-the-trunk).
 
-    python scripts/mechanism_study.py sft          # the cold-start model data/models/word_sft (~15-25 min)
+    python scripts/mechanism_study.py sft          # the cold-start model data/models/word_sft_n64 (~12 min)
     python scripts/mechanism_study.py calibrate    # results/mechanism_study/calibration.{md,json}: gate A
     python scripts/mechanism_study.py probe-set    # results/mechanism_study/probe_set.jsonl (fixed for every run)
     python scripts/mechanism_study.py trunk        # the JustRL trunk, runs/mechanism/trunk (resumable)
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 OUT = REPO / "results" / "mechanism_study"
 RUNS = REPO / "runs" / "mechanism"
-SFT_MODEL = REPO / "data" / "models" / "word_sft"
+SFT_MODEL = REPO / "data" / "models" / "word_sft_n64"
 JUSTRL, STAPO = "configs/mechanism/justrl.yaml", "configs/mechanism/stapo.yaml"
 PROBE_SET = OUT / "probe_set.jsonl"
 #: gate B passed: {JustRL, STAPO} x these branch seeds, FORK_STEPS steps each from the checkpoint before the rise
@@ -44,8 +44,10 @@ FORK_STEPS = 30
 #: has a standard error of at most 3 points, 256 responses)
 CAL_LEVELS = [2, 3, 4, 12, 13, 14]
 CAL_PROBLEMS, CAL_SAMPLES = 64, 4
-#: the cold start (scripts/sft_warm_start.py): 192 training-split problems over the easy and small levels, one pass
-SFT_ARGS = ["--num-problems", "192", "--levels", "2", "3", "4", "12", "13", "14", "--epochs", "1", "--lr", "2e-5",
+#: the cold start (scripts/sft_warm_start.py): 64 training-split problems over the easy and small levels, one pass
+#: (8 optimizer steps). The first trunk's 192-problem cold start left a policy too confident for S2T to silence
+#: anything (results/mechanism_study/superseded/sft192/); this lighter one keeps ~0.5-0.6 nats per token
+SFT_ARGS = ["--num-problems", "64", "--levels", "2", "3", "4", "12", "13", "14", "--epochs", "1", "--lr", "2e-5",
             "--batch-size", "8", "--seed", "1234"]
 
 
