@@ -21,7 +21,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from stapo.evaluation import EvalError, load_eval_config, run_evaluation  # noqa: E402
-from stapo.evaluation.config import DecodingSetting, EvalPromptConfig  # noqa: E402
+from stapo.evaluation.config import DecodingSetting, EvalPromptConfig, validate_eval_config  # noqa: E402
 from stapo.evaluation.model_source import EMBEDDED_NAMES, resolve_model_source  # noqa: E402
 from stapo.evaluation.runner import Problem, evaluate_problems, resolve_prompt  # noqa: E402
 from stapo.evaluation.store import GenerationStore  # noqa: E402
@@ -665,3 +665,25 @@ def test_validation_on_held_out_benchmarks_needs_the_train_split():
         load_config(base, ["trainer.val_every=1", "validation.benchmarks=[arith_test]"])
     cfg = load_config(base, ["trainer.val_every=1", "validation.benchmarks=[arith_test]", "data.synthetic.split=train"])
     assert cfg.validation.benchmarks == ["arith_test"]
+
+
+def test_progress_bar_true_false_or_auto(shared_data_root, tmp_path, monkeypatch):
+    from stapo.evaluation.runner import _bars
+
+    class Tty:
+        def __init__(self, tty: bool):
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    cfg = tiny_cfg(shared_data_root, tmp_path, "logging.progress_bar=auto")
+    validate_eval_config(cfg)
+    monkeypatch.setattr("sys.stdout", Tty(False))  # nohup / Slurm: stdout is a file -> no bars
+    monkeypatch.setattr("sys.stderr", Tty(True))
+    assert _bars(cfg) is False
+    monkeypatch.setattr("sys.stdout", Tty(True))  # both terminals -> bars
+    assert _bars(cfg) is True
+    assert _bars(tiny_cfg(shared_data_root, tmp_path, "logging.progress_bar=false")) is False  # forced off
+    with pytest.raises(EvalError, match="logging.progress_bar.*true, false or auto"):
+        validate_eval_config(tiny_cfg(shared_data_root, tmp_path, "logging.progress_bar=sometimes"))

@@ -180,9 +180,10 @@ class EvalOutputConfig:
 @dataclass
 class EvalLoggingConfig(LoggingConfig):
     """The train config's logging section (``wandb_mode``, ``wandb_fallback``, ``project``, ``entity``) plus the
-    progress bar."""
+    progress bar: true, false or ``auto`` (bars only when stdout and stderr are terminals, as
+    ``trainer.progress_bar``: no cursor-code lines in a Slurm or nohup log)."""
 
-    progress_bar: bool = True
+    progress_bar: Any = "auto"
 
 
 @dataclass
@@ -299,6 +300,8 @@ def validate_eval_config(cfg: EvalConfig) -> None:
 
         cuda = cfg.engine.device != "cpu" and torch.cuda.is_available()
         cfg.model.dtype = resolve_compute_dtype("auto", "cuda" if cuda else "cpu")
+    need(isinstance(cfg.logging.progress_bar, bool) or cfg.logging.progress_bar == "auto", "logging.progress_bar",
+         f"must be true, false or auto, got {cfg.logging.progress_bar!r}")
     need(len(cfg.data.benchmarks) > 0, "data.benchmarks", "at least one benchmark is needed")
     custom = cfg.data.custom_benchmarks
     for cname in custom:

@@ -62,6 +62,7 @@ from stapo.evaluation.identity import content_key, data_part, eval_fingerprint, 
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
 from stapo.evaluation.store import GenerationStore
+from stapo.console import use_progress_bars
 from stapo.fingerprint import write_fingerprint
 from stapo.preflight import check_chat_template, check_device, check_tokenizer, os_reason
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
@@ -885,11 +886,17 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _bars(cfg: EvalConfig) -> bool:
+    """Whether to draw progress bars: ``logging.progress_bar`` (true / false; ``auto``: stdout and stderr are
+    terminals, :func:`stapo.console.use_progress_bars`)."""
+    return use_progress_bars(cfg.logging.progress_bar)
+
+
 def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
     from stapo.models import build_tiny_model, load_policy
 
     try:
-        with _hf_progress_bars(cfg.logging.progress_bar):
+        with _hf_progress_bars(_bars(cfg)):
             if source.kind == "tiny":
                 model, _ = build_tiny_model(seed=0, dtype=cfg.model.dtype, tokenizer=tokenizer)
                 return model
@@ -1131,7 +1138,7 @@ def run_evaluation(
                     from stapo.evaluation.verifier import build_verifier
 
                     try:
-                        with _hf_progress_bars(cfg.logging.progress_bar):
+                        with _hf_progress_bars(_bars(cfg)):
                             verifier = build_verifier(cfg.verifier, engine_info.get("device", "cpu"))
                     except (OSError, ValueError) as e:
                         raise EvalError(f"cannot load verifier {cfg.verifier.model!r}: "
@@ -1140,7 +1147,7 @@ def run_evaluation(
                 engine, grader, problems, samples=cfg.data.samples, settings=settings,
                 max_new_tokens=cfg.generation.max_new_tokens, out_dir=run_dir, seed=cfg.generation.seed,
                 samples_per_call=cfg.generation.samples_per_call, verifier=verifier,
-                verifier_apply_to=tuple(cfg.verifier.apply_to), progress=cfg.logging.progress_bar, on_block=on_block,
+                verifier_apply_to=tuple(cfg.verifier.apply_to), progress=_bars(cfg), on_block=on_block,
                 context=context)
         finally:  # a failing close() is a warning: it must not replace the error that got us here
             for closable in (owned_grader, engine):
