@@ -290,6 +290,64 @@ def test_the_final_numbers_go_into_the_training_runs_wandb_summary(tmp_path, fak
     assert write_train_summary({**_result(run, 5, 0.5), "training": None}) is None
 
 
+def _tensorboard_scalars(folder: Path, key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of ``key`` in the TensorBoard event files of ``folder`` (purged events left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(key)]
+
+
+def _full_result(run_dir: Path, step: int, avg: float) -> dict:
+    """:func:`_result` with every field the reports read (verifier count, every grader status)."""
+    from stapo.evaluation.metrics import GRADER_STATUSES
+
+    res = _result(run_dir, step, avg)
+    stats = res["metrics"]["t1.0_p1.0"]["average"]  # the same dict as AIME24's
+    stats.update(verifier_accepted=0, grader={k: 0 for k in GRADER_STATUSES})
+    return res
+
+
+def test_evaluate_follows_logging_backends(tmp_path, fake_wandb):
+    """evaluate.py's logging.backends, as train.py's: without wandb no W&B run at all (neither the evaluation's nor
+    the training run's summary update), tensorboard: the points in <output>/tensorboard; [none]: the JSONL files."""
+    pytest.importorskip("tensorboard")
+    from stapo.evaluation.runner import log_results_to_wandb
+
+    run = _train_run(tmp_path)
+    cfg = load_eval_config(REPO / "configs" / "eval" / "tiny_test.yaml",
+                           ["logging.wandb_mode=offline", "logging.backends=[tensorboard]"])
+    out = tmp_path / "eval"
+    log_results_to_wandb([_full_result(run, 1, 0.25), _full_result(run, 3, 0.75)], out, cfg)
+    assert fake_wandb == [] and not (out / "wandb").exists() and not (run / "wandb").exists()
+    assert json.loads((run / "eval_summary.json").read_text())["values"]["eval/t1.0_p1.0/aime24/avg@N"] == 0.75
+    key = "eval/t1.0_p1.0/aime24/avg@N"
+    assert _tensorboard_scalars(out / "tensorboard", key) == [(1, 0.25), (3, 0.75)]
+    # a rerun with a checkpoint more (step 2, 0.5) rewrites the points from the lowest step: 1, 2, 3 once each
+    log_results_to_wandb([_full_result(run, 1, 0.25), _full_result(run, 2, 0.5), _full_result(run, 3, 0.75)], out, cfg)
+    assert _tensorboard_scalars(out / "tensorboard", key) == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    # the same numbers under the validation's name (N = 4, one setting): val-core/aime24/acc/mean@4
+    assert _tensorboard_scalars(out / "tensorboard", "val-core/aime24/acc/mean@4") == [(1, 0.25), (2, 0.5),
+                                                                                        (3, 0.75)]
+    # [none]: metrics.jsonl only
+    cfg = load_eval_config(REPO / "configs" / "eval" / "tiny_test.yaml",
+                           ["logging.wandb_mode=offline", "logging.backends=[none]"])
+    log_results_to_wandb(_full_result(run, 4, 1.0), tmp_path / "eval_none", cfg)
+    assert fake_wandb == [] and sorted(p.name for p in (tmp_path / "eval_none").iterdir()) == ["metrics.jsonl",
+                                                                                               "tables.jsonl"]
+    assert [r["step"] for r in rows(tmp_path / "eval_none" / "metrics.jsonl")] == [4]
+
+
+@pytest.mark.parametrize("override, key", [("logging.backends=[tensorbord]", "logging.backends"),
+                                           ("logging.backends=[none,wandb]", "logging.backends"),
+                                           ("logging.group=' '", "logging.group")])
+def test_evaluate_refuses_a_bad_logging_section_in_one_line(override, key):
+    with pytest.raises(EvalError) as e:
+        load_eval_config(REPO / "configs" / "eval" / "tiny_test.yaml", [override])
+    assert f"'{key}'" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_training_runs_summary_in_its_offline_wandb_files(tmp_path, monkeypatch):
     from stapo.evaluation.report import write_train_summary
 

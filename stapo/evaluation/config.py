@@ -179,9 +179,11 @@ class EvalOutputConfig:
 
 @dataclass
 class EvalLoggingConfig(LoggingConfig):
-    """The train config's logging section (``wandb_mode``, ``wandb_fallback``, ``project``, ``entity``) plus the
-    progress bar: true, false or ``auto`` (bars only when stdout and stderr are terminals, as
-    ``trainer.progress_bar``: no cursor-code lines in a Slurm or nohup log)."""
+    """The train config's logging section (``wandb_mode``, ``wandb_fallback``, ``project``, ``entity``, the
+    identity, ``backends``: without ``wandb`` no W&B run, with ``tensorboard`` the points also in
+    ``<output>/tensorboard``) plus the progress bar: true, false or ``auto`` (bars only when stdout and stderr are
+    terminals, as ``trainer.progress_bar``: no cursor-code lines in a Slurm or nohup log). ``system_metrics`` and
+    ``console_capture`` do not apply: the evaluation's W&B run opens after the evaluation finished, to log it."""
 
     progress_bar: Any = "auto"
 
@@ -277,7 +279,9 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         EvalError: naming the key — a module that cannot be imported, an unregistered ``engine.backend``, unknown
             benchmark, a benchmark without N, duplicate setting names, a temperature < 0 or not finite, a
             temperature of 0 (greedy) with some N > 1 (N identical samples), top-p outside (0, 1], non-positive
-            sizes or limits, ``data.max_unparsable_gold_fraction`` outside [0, 1].
+            sizes or limits, ``data.max_unparsable_gold_fraction`` outside [0, 1], a ``logging`` identity past
+            W&B's limits or ``logging.backends`` not a list of wandb / tensorboard (or ``[none]``)
+            (:func:`stapo.config.check_logging_identity`).
     """
     import_eval_modules(cfg)  # they may register the rollout backend checked below
 
@@ -285,11 +289,12 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         if not cond:
             raise EvalError(f"invalid value for '{key}': {msg}")
 
-    from stapo.config import check_registered
+    from stapo.config import check_logging_identity, check_registered
     from stapo.rollout import BACKENDS
 
     try:
         check_registered("engine.backend", cfg.engine.backend, "rollout backend", BACKENDS)
+        check_logging_identity(cfg.logging, "logging")  # W&B's limits; logging.backends as train.py's
     except ConfigError as e:
         raise EvalError(str(e)) from None
     cfg.model.checkpoints = checkpoint_selection(cfg.model.checkpoints)

@@ -461,7 +461,7 @@ def _logged_points(run_dir: Path) -> dict[str, str]:
 def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str | os.PathLike, *,
               mode: str = "offline", project: str = "stapo", entity: str | None = None, fallback: str = "offline",
               group: str | None = None, tags: Sequence[str] | None = None, job_type: str | None = None,
-              notes: str | None = None, name: str | None = None) -> None:
+              notes: str | None = None, name: str | None = None, tensorboard: bool = False) -> None:
     """Log one result, or the results of several checkpoints of one training run (a sweep), as ONE W&B run
     (through :class:`stapo.tracking.Tracker`, offline by default: no API key needed).
 
@@ -470,7 +470,10 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
     and the tables ``eval/summary`` (the paper table) and ``eval/details`` (the long rows). Identity (group, tags,
     job_type ``eval``, the training run's objective, model and seed in the config): :func:`wandb_identity` from
     the first result. ``metrics.jsonl`` and ``tables.jsonl`` in ``run_dir`` always hold every result (one row per
-    result, at its step; a rerun replaces the previous rows there), ``mode="disabled"`` included.
+    result, at its step; a rerun replaces the previous rows there), ``mode="disabled"`` included; with
+    ``tensorboard`` (``logging.backends: [..., tensorboard]``) so does ``run_dir/tensorboard`` (every result's
+    numbers as scalars at its step, rewritten from the lowest step on each call; without the tensorboard package:
+    one line on stderr, the JSONL files only).
 
     Only new points go to W&B: :data:`WANDB_LOGGED` records (atomically, after the W&B run finished) the step and
     a digest (:func:`_point_digest`) of each point logged, so a rerun of a finished evaluation or sweep logs only
@@ -522,7 +525,11 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
                 points = {**_logged_points(out), **{step: d for step, (_, d) in new.items()}}
                 with _atomic(out / WANDB_LOGGED) as tmp:  # a reader never finds a torn record
                     tmp.write_text(json.dumps({"run_id": run_id, "points": points}, indent=1, sort_keys=True) + "\n")
-    mirror = Tracker(out, {}, mode="disabled")  # metrics.jsonl / tables.jsonl: every point, by step
+    try:  # metrics.jsonl / tables.jsonl (and TensorBoard): every point, by step
+        mirror = Tracker(out, {}, mode="disabled", backends=("tensorboard",) if tensorboard else ())
+    except TrackerError as e:  # no tensorboard package: the evaluation is finished, never fail it
+        print(f"evaluate.py: {e}; the results are complete, TensorBoard skipped", file=sys.stderr)
+        mirror = Tracker(out, {}, mode="disabled")
     try:
         log_all(mirror, many)
     finally:

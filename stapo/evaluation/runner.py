@@ -1199,13 +1199,17 @@ def run_evaluation(
 
 def log_results_to_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str | os.PathLike,
                          cfg: EvalConfig, name: str | None = None) -> None:
-    """:func:`stapo.evaluation.report.log_wandb` with the evaluation config's ``logging.*`` (mode, fallback, and
-    the identity keys that override the training run's: project, entity, group, tags, job_type, notes), then
-    :func:`stapo.evaluation.report.write_train_summary`: the final numbers into the training run's summary (a
-    train.py checkpoint only; the latest step of a sweep)."""
+    """:func:`stapo.evaluation.report.log_wandb` with the evaluation config's ``logging.*`` (mode, fallback,
+    backends, and the identity keys that override the training run's: project, entity, group, tags, job_type,
+    notes), then :func:`stapo.evaluation.report.write_train_summary`: the final numbers into the training run's
+    summary (a train.py checkpoint only; the latest step of a sweep). ``logging.backends`` without ``wandb``
+    (``[tensorboard]``, ``[none]``) starts no W&B run, neither the evaluation's nor the training run's summary
+    update (``eval_summary.json`` is written all the same), as train.py."""
     from stapo.evaluation.report import log_wandb, write_train_summary
 
     lc = cfg.logging
-    log_wandb(results, run_dir, mode=lc.wandb_mode, project=lc.project, entity=lc.entity, fallback=lc.wandb_fallback,
-              group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes, name=name)
-    write_train_summary(results, mode=lc.wandb_mode, fallback=lc.wandb_fallback)
+    mode = lc.wandb_mode if "wandb" in lc.backends else "disabled"
+    log_wandb(results, run_dir, mode=mode, project=lc.project, entity=lc.entity, fallback=lc.wandb_fallback,
+              group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes, name=name,
+              tensorboard="tensorboard" in lc.backends)
+    write_train_summary(results, mode=mode, fallback=lc.wandb_fallback)
