@@ -349,10 +349,11 @@ class LoggingConfig:
     project: str = "stapo"
     entity: Optional[str] = None
     # W&B grouping (wandb.init's group / tags / job_type / notes). None / empty: filled in at start-up
-    # (stapo/provenance.py::resolve_identity): group = the config family (configs/cpu_smollm2_stapo.yaml →
-    # cpu_smollm2, configs/paper/qwen3_8b_grpo.yaml → paper_qwen3_8b), tags = [objective, model short name,
-    # reward], job_type "train" for train.py, "eval" for evaluate.py; the resolved values are recorded in the run's
-    # config.json. W&B limits: group ≤ 128 characters, each tag 1–64.
+    # (stapo/provenance.py::resolve_identity): group = "<study or family>-<method>", one setting
+    # (configs/cpu_smollm2_stapo.yaml → cpu_smollm2-stapo, configs/paper/qwen3_8b_grpo.yaml → paper_qwen3_8b-grpo),
+    # tags = [objective, model short name, reward, family:<family>, study:<study> in a study], job_type "train" for
+    # train.py, "eval" for evaluate.py; the resolved values are recorded in the run's config.json. W&B limits:
+    # group ≤ 128 characters, each tag 1–64.
     group: Optional[str] = None
     tags: list[str] = field(default_factory=list)
     job_type: Optional[str] = None
