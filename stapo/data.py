@@ -514,9 +514,12 @@ def _load(
         kept_rows.append(int(i))
     stats.rows_loaded = len(records)
     if stats.skipped and records:  # none left: the caller's error gives the same counts (stapo/train/prompts.py)
+        # the first skipped rows by number (0-based, as in error messages), so a user can find them in the file
+        nums = [m.group(1) for e in stats.first_skipped[:5] if (m := re.match(r"row (\d+):", e))]
         logger.warning(
-            "%s: skipped %d of %d rows (%s)", path, stats.skipped, stats.rows_read,
-            "; ".join(f"{k}: {v}" for k, v in stats.skipped_by_reason.items()),
+            "%s: skipped %d of %d rows (%s; row%s %s%s)", path, stats.skipped, stats.rows_read,
+            "; ".join(f"{k}: {v}" for k, v in stats.skipped_by_reason.items()), "s" if len(nums) > 1 else "",
+            ", ".join(nums), ", ..." if stats.skipped > len(nums) else "",
         )
     return LoadedSet(records=records, stats=stats, rows=kept_rows)
 

@@ -115,6 +115,34 @@ def test_verl_parquet_by_train_config(tmp_path):
     assert [(r.id, r.answer) for r in got] == [("dapo_like/10", "2"), ("dapo_like/11", "9"), ("dapo_like/12", "7")]
 
 
+def test_skipped_rows_of_a_verl_parquet_are_named_in_the_warning(tmp_path, caplog):
+    """Rows 1 (a chat without a user message) and 3 (a null ground truth) of 4 are skipped; the one warning counts
+    them by reason and names them by their 0-based rows, so they can be found in the file."""
+    from stapo.data import FileSetConfig, load_file_set
+
+    def row(i: int, prompt: list, gold: str | None) -> dict:
+        return {"data_source": "toy", "prompt": prompt, "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": gold}, "extra_info": {"split": "train", "index": i}}
+
+    user = [{"role": "user", "content": "What is 1+1?"}]
+    path = _verl_parquet(tmp_path / "bad.parquet", [row(0, user, "2"), row(1, [{"role": "system", "content": "x"}],
+                                                                             "2"), row(2, user, "2"),
+                                                    row(3, user, None)])
+    with caplog.at_level("WARNING", logger="stapo.data"):
+        got = load_file_set("toy", FileSetConfig(path=str(path), **VERL_KEYS))
+    assert [r.id for r in got] == ["toy/0", "toy/2"]
+    (msg,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert msg.startswith(f"{path}: skipped 2 of 4 rows (") and msg.endswith("; rows 1, 3)")
+    assert "user message" in msg and "'reward_model.ground_truth': answer is null: 1" in msg
+    # one bad row: "row 1"
+    path = _verl_parquet(tmp_path / "one.parquet", [row(0, user, "2"), row(1, user, None)])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="stapo.data"):
+        load_file_set("toy", FileSetConfig(path=str(path), **VERL_KEYS))
+    (msg,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert msg == f"{path}: skipped 1 of 2 rows (field 'reward_model.ground_truth': answer is null: 1; row 1)"
+
+
 def test_nested_key_errors_are_one_line(tmp_path):
     from stapo.data import DataError, FileSetConfig, load_file_set
 
