@@ -44,6 +44,21 @@ def test_a_broken_torchvision_is_hidden_and_transformers_imports(tmp_path):
 
 
 @pytest.mark.skipif(not CPU_TORCH, reason="the guard acts only beside a CPU build of torch")
+def test_a_broken_torchaudio_is_hidden_too(tmp_path):
+    # torchaudio's CUDA wheel beside torch+cpu: its library fails to load (OSError), seen with pip install .[cpu]
+    root = tmp_path / "pkgs"
+    (root / "torchaudio").mkdir(parents=True)
+    (root / "torchaudio" / "__init__.py").write_text('raise OSError("Could not load this library: _torchaudio.so")\n')
+    (root / "torchaudio-2.13.0.dist-info").mkdir()
+    (root / "torchaudio-2.13.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torchaudio\n"
+                                                                   "Version: 2.13.0\n")
+    out = _run("import stapo, importlib.util, sys; from stapo._vision_guard import hide_broken_torchvision; "
+               "print('spec', importlib.util.find_spec('torchaudio'), sys.modules['torchaudio'])", root)
+    assert out.returncode == 0 and "spec None None" in out.stdout, out.stderr[-2000:]
+    assert "stapo: torchaudio 2.13.0 (OSError" in out.stderr
+
+
+@pytest.mark.skipif(not CPU_TORCH, reason="the guard acts only beside a CPU build of torch")
 def test_a_cpu_torchvision_is_not_imported(tmp_path):
     # a +cpu build is trusted without importing it (no start-up cost): its import would print "imported"
     path = _fake_torchvision(tmp_path, "0.28.0+cpu", 'print("imported")\n')
@@ -57,4 +72,4 @@ def test_no_torchvision_is_a_no_op():
 
     if "torchvision" in sys.modules or md.packages_distributions().get("torchvision"):
         pytest.skip("a torchvision is installed here")
-    assert hide_broken_torchvision() is False and "torchvision" not in sys.modules
+    assert hide_broken_torchvision() == [] and "torchvision" not in sys.modules
