@@ -62,7 +62,6 @@ from stapo.evaluation.identity import content_key, data_part, eval_fingerprint, 
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
 from stapo.evaluation.store import GenerationStore
-from stapo.console import use_progress_bars
 from stapo.fingerprint import write_fingerprint
 from stapo.preflight import check_chat_template, check_device, check_tokenizer, os_reason
 from stapo.runlock import LOCK_NAME, RunLock, RunLockError
@@ -888,8 +887,15 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
 
 def _bars(cfg: EvalConfig) -> bool:
     """Whether to draw progress bars: ``logging.progress_bar`` (true / false; ``auto``: stdout and stderr are
-    terminals, :func:`stapo.console.use_progress_bars`)."""
-    return use_progress_bars(cfg.logging.progress_bar)
+    terminals, the rule of :func:`stapo.console.use_progress_bars`, which this layer cannot import: console ->
+    train.summary -> evaluation)."""
+    setting = cfg.logging.progress_bar
+    if isinstance(setting, bool):
+        return setting
+    try:
+        return bool(sys.stdout.isatty() and sys.stderr.isatty())
+    except (AttributeError, ValueError):  # no isatty / a closed stream
+        return False
 
 
 def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
