@@ -416,7 +416,7 @@ def _eval_metrics(results: dict[str, Any]) -> dict[str, float]:
 
 def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     """The scalars an evaluation logs for one result (finite values only): ``eval/<setting>/<benchmark>/<metric>``
-    and the in-training validation's names of the same numbers (:func:`stapo.evaluation.validation.
+    and the in-training validation's names of the same numbers (:func:`stapo.evaluation.metrics.
     validation_metrics`: ``val-core/<bench>/acc/mean@<N>`` ..., ``<bench>@<setting>`` with several settings), so an
     evaluation shares the validation charts (docs/metrics.md#evaluation-metricsjsonl--wb)."""
     from stapo.evaluation.metrics import validation_metrics
