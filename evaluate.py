@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value overrides before or after the flags
     from stapo import console
 
+    from stapo.entry_points import resolve_config
+
+    args.config = resolve_config(args.config)  # run from another folder: configs/eval/X.yaml is the shipped one
     console.set_verbose(args.verbose)
     console.quiet_libraries()  # before vLLM / transformers are imported (stapo/console.py, as train.py)
     from stapo.cli import sigterm_as_interrupt

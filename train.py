@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="show the libraries' own logs (vLLM's INFO lines, transformers, torch), quiet by default")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=2e-6")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the flags
+    from stapo.entry_points import resolve_config
+
+    args.config = resolve_config(args.config)  # run from another folder: configs/X.yaml is the shipped one
     from stapo import console
 
     console.set_verbose(args.verbose)
@@ -115,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
     from stapo.provenance import apply_identity
 
-    apply_identity(cfg, args.config)  # W&B group (the config family) / tags / job_type left unset
+    # W&B group (the config family and method; changed algorithm.* parameters name a method of their own) / tags /
+    # job_type left unset
+    apply_identity(cfg, args.config, overrides=args.overrides)
 
     from stapo.checkpoint import CheckpointError
     from stapo.data import DataError

@@ -216,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     if not series:
         print(f"plot_runs.py: none of {', '.join(args.metrics)} has a value in these runs", file=sys.stderr)
         return 2
+    for label, runs in groups.items():  # two folders of one seed (a rerun, a copy) would count as two seeds
+        seeds = [r.seed for r in runs]
+        for seed in sorted({x for x in seeds if seeds.count(x) > 1}):
+            paths = ", ".join(str(r.path) for r in runs if r.seed == seed)
+            print(f"plot_runs.py: warning: {label} has trainer.seed={seed} in {seeds.count(seed)} runs ({paths}): "
+                  "each is drawn as its own seed", file=sys.stderr)
     out = plot(series, groups, args.out, args.title)
     for label, runs in groups.items():
         print(f"{label}: {len(runs)} run(s), seeds {', '.join(str(r.seed) for r in runs)}")

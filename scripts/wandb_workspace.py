@@ -1,14 +1,17 @@
 """Save a W&B workspace that compares the methods of a project: one panel per quantity, one line per method.
 
     python scripts/wandb_workspace.py --entity ENTITY --project stapo              # save it (needs W&B login)
-    python scripts/wandb_workspace.py --entity ENTITY --project stapo --print-spec # print the layout, no network
-    python scripts/wandb_workspace.py --entity ENTITY --project stapo --dry-run   # build it offline, save nothing
+    python scripts/wandb_workspace.py --project stapo --print-spec                 # print the layout, no network
+    python scripts/wandb_workspace.py --project stapo --dry-run                    # build it offline, save nothing
+
+``--entity`` defaults to ``$WANDB_ENTITY``; saving needs one, the offline modes write ``ENTITY`` without it.
 
 The layout (:func:`workspace_spec`, a plain dict, pure) is built from the keys the runs log (docs/metrics.md):
 
-* **Training**: reward ``critic/score/mean``, ``actor/entropy``, the masked fraction (``actor/s2t/masked_frac``:
-  what STAPO silenced; ``s2t/would_mask/masked_frac``: what the S2T rule would silence, every method),
-  ``response_length/mean``;
+* **Training**: reward ``critic/score/mean``, ``actor/entropy``, the token masks (every mask's fraction: STAPO's
+  and the S2T ablations' ``actor/<mask>/masked_frac``, 20-Entropy's ``actor/top_entropy/kept_frac``, on a log scale
+  since S2T silences ~0.01 % and 20-Entropy keeps 20 %; ``s2t/would_mask/masked_frac``: what the S2T rule would
+  silence, every method), ``response_length/mean``;
 * **Accuracy**: per benchmark (and the average), the in-training validation and the evaluations of checkpoints on
   one panel — every ``val-core/<bench>[@<setting>]/acc/mean@<N>`` key (a regular expression over the setting and
   N: the validation's N and the evaluation protocol's differ) — plus a panel of the evaluation's
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -37,13 +41,19 @@ REPO = Path(__file__).resolve().parents[1]
 STEP_AXIS = "training/global_step"
 #: W&B's run field the runs are grouped by: the run's group, one per method (stapo/provenance.py::default_group).
 GROUP_BY = "Group"
-#: The training panels: (title, keys).
-TRAINING_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward (critic/score/mean)", ("critic/score/mean",)),
-    ("entropy (actor/entropy)", ("actor/entropy",)),
-    ("masked fraction: silenced by the objective (actor/s2t/masked_frac)", ("actor/s2t/masked_frac",)),
-    ("masked fraction: the S2T rule on every method (s2t/would_mask/masked_frac)", ("s2t/would_mask/masked_frac",)),
-    ("response length (response_length/mean)", ("response_length/mean",)),
+#: Every registered token mask's fraction, ``actor/<mask prefix>/masked_frac`` (stapo/metric_names.py): STAPO's
+#: ``actor/s2t/masked_frac``, the S2T ablations' own, and 20-Entropy's ``actor/top_entropy/kept_frac`` (it logs
+#: what it keeps).
+MASKED_FRAC_REGEX = "^actor/[^/]+/(masked_frac|kept_frac)$"
+#: The training panels: (title, keys, metric regex or None, log-scale y).
+TRAINING_PANELS: tuple[tuple[str, tuple[str, ...], str | None, bool], ...] = (
+    ("reward (critic/score/mean)", ("critic/score/mean",), None, False),
+    ("entropy (actor/entropy)", ("actor/entropy",), None, False),
+    ("token masks: masked fraction (S2T, ablations) or kept fraction (20-Entropy), log scale", (),
+     MASKED_FRAC_REGEX, True),
+    ("masked fraction: the S2T rule on every method (s2t/would_mask/masked_frac)", ("s2t/would_mask/masked_frac",),
+     None, False),
+    ("response length (response_length/mean)", ("response_length/mean",), None, False),
 )
 #: The utilisation panels: (title, keys).
 UTILISATION_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -71,9 +81,9 @@ def eval_regex(benchmark: str) -> str:
     return f"^eval/[^/]+/{_regex_escape(benchmark)}/avg@N$"
 
 
-def _panel(title: str, *, keys: Sequence[str] = (), regex: str | None = None) -> dict[str, Any]:
+def _panel(title: str, *, keys: Sequence[str] = (), regex: str | None = None, log_y: bool = False) -> dict[str, Any]:
     return {"title": title, "x": STEP_AXIS, "y": list(keys), "metric_regex": regex, "groupby": GROUP_BY,
-            "aggregate": "mean", "range": "minmax"}
+            "aggregate": "mean", "range": "minmax", "log_y": log_y}
 
 
 def workspace_spec(entity: str, project: str, benchmarks: Sequence[str], *, name: str = "STAPO: methods compared",
@@ -88,7 +98,8 @@ def workspace_spec(entity: str, project: str, benchmarks: Sequence[str], *, name
 
     Returns:
         ``{"entity", "project", "name", "x_axis", "groupby", "filter_tag", "sections": [{"name", "panels":
-        [{"title", "x", "y" (keys), "metric_regex" (or None), "groupby", "aggregate", "range"}]}]}``: sections
+        [{"title", "x", "y" (keys), "metric_regex" (or None), "groupby", "aggregate", "range", "log_y"}]}]}``:
+        sections
         ``Training``, ``Accuracy`` (validation and evaluation per benchmark, then the evaluation's avg@N) and
         ``Utilisation``; every panel's x is :data:`STEP_AXIS`, grouped by :data:`GROUP_BY` (mean line, min–max band).
 
@@ -106,7 +117,7 @@ def workspace_spec(entity: str, project: str, benchmarks: Sequence[str], *, name
         "entity": entity, "project": project, "name": name, "x_axis": STEP_AXIS, "groupby": GROUP_BY,
         "filter_tag": filter_tag,
         "sections": [
-            {"name": "Training", "panels": [_panel(t, keys=k) for t, k in TRAINING_PANELS]},
+            {"name": "Training", "panels": [_panel(t, keys=k, regex=r, log_y=lg) for t, k, r, lg in TRAINING_PANELS]},
             {"name": "Accuracy", "panels": accuracy},
             {"name": "Utilisation", "panels": [_panel(t, keys=k) for t, k in UTILISATION_PANELS]},
         ],
@@ -125,7 +136,8 @@ def to_workspace(spec: dict[str, Any]) -> Any:
 
     def plot(p: dict[str, Any]) -> Any:
         return wr.LinePlot(title=p["title"], x=p["x"], y=list(p["y"]), metric_regex=p["metric_regex"],
-                           groupby=p["groupby"], groupby_aggfunc=p["aggregate"], groupby_rangefunc=p["range"])
+                           groupby=p["groupby"], groupby_aggfunc=p["aggregate"], groupby_rangefunc=p["range"],
+                           log_y=p.get("log_y", False))
 
     filters = [ws.Tags().isin([spec["filter_tag"]])] if spec.get("filter_tag") else ""
     return ws.Workspace(
@@ -146,7 +158,8 @@ def default_benchmarks() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--entity", required=True, help="W&B entity (user or team)")
+    ap.add_argument("--entity", default=os.environ.get("WANDB_ENTITY") or None,
+                    help="W&B entity (user or team); default $WANDB_ENTITY; needed to save")
     ap.add_argument("--project", required=True, help="W&B project (logging.project; default of the runs: stapo)")
     ap.add_argument("--name", default="STAPO: methods compared", help="the workspace's name")
     ap.add_argument("--benchmarks", nargs="+", default=None, help="accuracy panels (default: the six benchmarks)")
@@ -155,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--print-spec", action="store_true", help="print the layout as JSON and stop (no network)")
     mode.add_argument("--dry-run", action="store_true", help="build the W&B workspace offline, save nothing")
     args = ap.parse_args(argv)
+    if not args.entity and not (args.print_spec or args.dry_run):
+        ap.error("--entity (or $WANDB_ENTITY) is needed to save the workspace; --print-spec / --dry-run work without")
+    args.entity = args.entity or "ENTITY"  # the offline modes: a placeholder
     spec = workspace_spec(args.entity, args.project, args.benchmarks or default_benchmarks(), name=args.name,
                           filter_tag=args.filter_tag)
     if args.print_spec:

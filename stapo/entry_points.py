@@ -2,11 +2,14 @@
 
 * ``stapo-train`` runs ``train.py`` — the same file and ``main()`` as ``python train.py`` (arguments alike);
 * ``stapo-eval`` runs ``evaluate.py`` likewise;
-* ``stapo-study`` runs ``python -m stapo.study``.
+* ``stapo-study`` runs ``python -m stapo.study``;
+* ``stapo-summarize``, ``stapo-compare`` and ``stapo-prepare-data`` run ``scripts/summarize_run.py``,
+  ``scripts/compare.py`` and ``scripts/prepare_data.py`` (the commands train.py's end-of-run summary suggests).
 
 ``train.py`` and ``evaluate.py`` stay at the repository root (the README's commands); a wheel carries them as
-``stapo/_cli/train.py`` / ``evaluate.py`` and an editable install maps ``stapo._cli`` onto the repository root
-(``[tool.setuptools.package-dir]``), so both kinds of install run the repository's own files.
+``stapo/_cli/train.py`` / ``evaluate.py`` (and ``scripts/`` as ``stapo/_cli/scripts``) and an editable install maps
+``stapo._cli`` onto the repository root (``[tool.setuptools.package-dir]``), so both kinds of install run the
+repository's own files.
 
 ``--config PATH`` that does not exist as given but names a file under ``configs/`` (``configs/tiny_test.yaml``,
 ``tiny_test.yaml``, ``eval/cpu_smollm2.yaml``) is read from the installed package's configs
@@ -22,7 +25,7 @@ import runpy
 import sys
 from pathlib import Path, PurePath
 
-__all__ = ["train", "evaluate", "study", "configs_dir", "resolve_config"]
+__all__ = ["train", "evaluate", "study", "summarize", "compare", "prepare_data", "configs_dir", "resolve_config"]
 
 
 def configs_dir() -> Path | None:
@@ -100,3 +103,18 @@ def evaluate() -> None:
 def study() -> None:
     """``stapo-study``: ``python -m stapo.study`` (docs/study.md)."""
     _run("stapo.study")
+
+
+def summarize() -> None:
+    """``stapo-summarize``: ``python scripts/summarize_run.py`` (a run's Markdown report)."""
+    _run("stapo._cli.scripts.summarize_run", "scripts/summarize_run.py")
+
+
+def compare() -> None:
+    """``stapo-compare``: ``python scripts/compare.py`` (several evaluation results in one table)."""
+    _run("stapo._cli.scripts.compare", "scripts/compare.py")
+
+
+def prepare_data() -> None:
+    """``stapo-prepare-data``: ``python scripts/prepare_data.py`` (the benchmarks and training sets under data/)."""
+    _run("stapo._cli.scripts.prepare_data", "scripts/prepare_data.py")

@@ -46,7 +46,7 @@ from pathlib import Path, PurePath
 from typing import Any, Iterable, Sequence
 
 __all__ = ["RunIdentity", "config_family", "config_method", "default_group", "model_short_name", "resolve_identity",
-           "apply_identity",
+           "apply_identity", "method_overrides",
            "git_state", "package_versions", "launch_record", "record_launch", "read_launches",
            "KEY_PACKAGES", "RUN_INFO", "TRAIN_STEP_METRIC"]
 
@@ -127,6 +127,27 @@ def config_method(config_path: str | os.PathLike | None, objective: str, objecti
     return part if part == objective or part.startswith(objective + "_") else objective
 
 
+#: The config sections whose command-line overrides make another setting (another method line in W&B).
+SETTING_SECTIONS = ("algorithm.",)
+
+
+def method_overrides(method: str, overrides: Sequence[str]) -> str:
+    """``method`` with the command-line overrides of :data:`SETTING_SECTIONS` (the algorithm's parameters, not
+    ``algorithm.objective``, which names the method itself) appended, so that a run of changed parameters gets a
+    group of its own rather than being averaged with the config's own setting.
+
+    ``method_overrides("stapo", ["algorithm.s2t.prob_threshold=0.001", "trainer.seed=2"])`` → ``"stapo[s2t.prob_threshold=0.001]"``;
+    no such override: ``method`` unchanged. Overrides are ``key=value`` strings as given to train.py.
+    """
+    parts = []
+    for item in overrides:
+        key, sep, value = str(item).partition("=")
+        key = key.strip().lstrip("+~")
+        if sep and key.startswith(SETTING_SECTIONS) and key != "algorithm.objective":
+            parts.append(f"{key.split('.', 1)[1]}={value.strip()}")
+    return f"{method}[{','.join(parts)}]" if parts else method
+
+
 def default_group(family: str, method: str, study: str | None = None) -> str:
     """The default W&B group: ``<study or family>-<method>`` (one group per setting: seeds aggregate inside it),
     cut to W&B's 128 characters. ``default_group("cpu_smollm2", "stapo")`` → ``"cpu_smollm2-stapo"``."""
@@ -163,14 +184,18 @@ def resolve_identity(*, group: str | None, tags: Sequence[str], job_type: str | 
 
 
 def apply_identity(cfg: Any, config_path: str | os.PathLike | None = None,
-                   default_job_type: str = "train") -> RunIdentity:
+                   default_job_type: str = "train", overrides: Sequence[str] = ()) -> RunIdentity:
     """Fill ``cfg.logging``'s unset ``group`` / ``tags`` / ``job_type`` / ``family`` / ``method`` of a
     :class:`~stapo.config.TrainConfig` in place with :func:`resolve_identity`'s defaults (``study`` stays as given),
     and return the identity. Values already set are kept, so calling it twice (train.py with the config file, then
-    the trainer) changes nothing the second time."""
+    the trainer) changes nothing the second time. ``overrides``: the command line's ``key=value`` overrides; with
+    ``logging.method`` unset, those of the algorithm's parameters name the method (:func:`method_overrides`)."""
     from stapo.objectives import OBJECTIVES
 
     lc = cfg.logging
+    if lc.method is None and method_overrides("", overrides):  # "" when no algorithm.* parameter is overridden
+        lc.method = method_overrides(config_method(config_path, cfg.algorithm.objective,
+                                                   {*OBJECTIVES, cfg.algorithm.objective}), overrides)
     ident = resolve_identity(group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes,
                              objective=cfg.algorithm.objective, model_path=cfg.model.path,
                              reward=cfg.algorithm.reward, config_path=config_path, objective_names=OBJECTIVES,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stapo.console import start_lines, step_line, use_progress_bars
-from stapo.train.summary import eval_config_for, evaluate_suggestion, missing_benchmarks
+from stapo.train.summary import Commands, commands_here, eval_config_for, evaluate_suggestion, missing_benchmarks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,6 +106,22 @@ def test_the_evaluate_suggestion_follows_the_family_and_the_data(tmp_path, monke
     assert text == ("python evaluate.py --config configs/eval/gone.yaml --model runs/r --all-checkpoints  (needs "
                     "data for aime24 under nowhere: python scripts/prepare_data.py, or pass --benchmarks with data "
                     "you have)")
+
+
+def test_outside_a_checkout_the_suggestions_name_the_console_scripts_and_the_shipped_configs(tmp_path, monkeypatch):
+    """From a folder that is not a checkout (no evaluate.py, no scripts/): stapo-eval / stapo-summarize /
+    stapo-compare, and the family's eval config found among the package's configs, written configs/eval/X.yaml
+    (stapo-eval resolves that name there: stapo.entry_points.resolve_config)."""
+    monkeypatch.chdir(tmp_path)
+    here = commands_here()
+    assert (here.evaluate, here.summarize, here.compare) == ("stapo-eval", "stapo-summarize", "stapo-compare")
+    assert here.eval_dir == REPO / "configs" / "eval"  # this checkout is the installed package's configs
+    assert evaluate_suggestion("runs/r", family="cpu_smollm2", commands=here).startswith(
+        "stapo-eval --config configs/eval/cpu_smollm2.yaml --model runs/r --all-checkpoints")
+    # the checkout itself: its files and relative paths (the README's commands)
+    assert commands_here(REPO) == Commands(eval_dir=REPO / "configs" / "eval")
+    monkeypatch.chdir(REPO)
+    assert commands_here() == Commands()
 
 
 def test_train_py_in_a_log_file_prints_plain_step_lines(tmp_path, capsys, monkeypatch):

@@ -104,13 +104,20 @@ def test_packages_and_configs_ship():
     # every folder of configs/ is a package of stapo.configs (so each one's YAML files are package data)
     folders = {p.name for p in (REPO / "configs").iterdir() if p.is_dir()}
     assert {p.removeprefix("stapo.configs.") for p in listed if p.startswith("stapo.configs.")} == folders
-    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"stapo.configs": "configs", "stapo._cli": "."}
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"stapo.configs": "configs", "stapo._cli": ".",
+                                                               "stapo._cli.scripts": "scripts"}
     assert sorted(p.name for p in REPO.glob("*.py")) == ["evaluate.py", "train.py"]  # what stapo._cli carries
     assert PROJECT["license"] == "MIT" and (REPO / "LICENSE").read_text().startswith("MIT License")
     assert "the stapo authors" in (REPO / "LICENSE").read_text()
     assert PROJECT["scripts"] == {"stapo-train": "stapo.entry_points:train",
                                   "stapo-eval": "stapo.entry_points:evaluate",
-                                  "stapo-study": "stapo.entry_points:study"}
+                                  "stapo-study": "stapo.entry_points:study",
+                                  "stapo-summarize": "stapo.entry_points:summarize",
+                                  "stapo-compare": "stapo.entry_points:compare",
+                                  "stapo-prepare-data": "stapo.entry_points:prepare_data"}
+    # each console script's target runs a file that is there (scripts/X.py, carried as stapo/_cli/scripts/X.py)
+    for name in ("summarize_run", "compare", "prepare_data"):
+        assert (REPO / "scripts" / f"{name}.py").is_file()
 
 
 def test_resolve_config_finds_shipped_configs(tmp_path, monkeypatch):
@@ -274,6 +281,18 @@ def test_a_fresh_venv_with_pip_install_cpu_trains_the_tiny_config(tmp_path):
     for script in ("stapo-eval", "stapo-study"):
         helped = subprocess.run([str(bindir / script), "--help"], capture_output=True, text=True, env=env, cwd=work)
         assert helped.returncode == 0 and "--config" in helped.stdout, helped.stderr
+    # outside a checkout the end-of-run summary names the console scripts and the shipped eval config, and the
+    # "summarise" one runs as printed
+    nxt = {line.split()[0]: line.split(None, 1)[1] for line in run.stdout.splitlines()
+           if line.startswith("  ") and line.split()[0] in ("summarise", "evaluate", "compare")}
+    assert nxt["evaluate"].startswith("stapo-eval --config configs/eval/tiny_test.yaml --model "), nxt
+    assert nxt["summarise"] == "stapo-summarize runs/fresh" and nxt["compare"].startswith("stapo-compare "), nxt
+    summary = subprocess.run([str(bindir / "stapo-summarize"), "runs/fresh"], capture_output=True,
+                             text=True, env=env, cwd=work, timeout=300)
+    assert summary.returncode == 0 and "| reward" in summary.stdout, summary.stdout[-2000:] + summary.stderr[-2000:]
+    for script in ("stapo-compare", "stapo-prepare-data"):
+        helped = subprocess.run([str(bindir / script), "--help"], capture_output=True, text=True, env=env, cwd=work)
+        assert helped.returncode == 0 and "usage:" in helped.stdout, helped.stderr
     # the extra's engine imports beside transformers (the broken torchvision, if any, hidden by stapo)
     engine = subprocess.run([str(py), "-c", "import stapo, vllm; from transformers import LlamaConfig; "
                              "print('engine', vllm.__version__)"],

@@ -72,6 +72,12 @@ def test_two_run_folders_give_a_png_and_the_seed_matrix(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "stapo: 2 run(s), seeds 0, 1" in capsys.readouterr().out
     assert plot_runs.main([str(s0), "--out", str(out), "--metrics", "nope"]) == 2  # nothing to draw: one line
+    # a copy of seed 0 (a rerun in another folder) is drawn as its own seed, and said so
+    again = _run(tmp_path, "s0_again", "stapo", 0, [{"step": 1, "critic/score/mean": 0.0}])
+    capsys.readouterr()
+    assert plot_runs.main([str(s0), str(again), "--out", str(out), "--metrics", "critic/score/mean"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"stapo has trainer.seed=0 in 2 runs ({s0}, {again})" in err
 
 
 def test_physical_ranges_and_the_clipped_band():

@@ -13,6 +13,7 @@ import pytest
 
 from stapo.config import ConfigError, load_config
 from stapo.provenance import (RUN_INFO, TRAIN_STEP_METRIC, apply_identity, config_family, config_method, git_state,
+                              method_overrides,
                               launch_record, read_launches, record_launch, resolve_identity)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,6 +85,22 @@ def test_the_paper_family_and_a_changed_objective_stay_in_their_config_family():
     ident = apply_identity(cfg, "configs/paper/qwen3_8b_stapo.yaml")
     assert (ident.group, ident.family) == ("paper_qwen3_8b-grpo", "paper_qwen3_8b")
     assert ident.tags[:2] == ["grpo", "Qwen3-8B-Base"]
+
+
+def test_changed_algorithm_parameters_make_a_group_of_their_own():
+    """STAPO with tau_p = 0.001 is another setting than the config's tau_p = 0.002: its own W&B line. A seed or a
+    non-algorithm override stays in the config's group (seeds aggregate); logging.method set by hand wins."""
+    assert method_overrides("stapo", ["algorithm.s2t.prob_threshold=0.001", "trainer.seed=2"]) == "stapo[s2t.prob_threshold=0.001]"
+    assert method_overrides("stapo", ["trainer.seed=2", "algorithm.objective=grpo"]) == "stapo"
+    over = ["algorithm.s2t.prob_threshold=0.001", "algorithm.clip_ratio_high=0.3", "trainer.seed=1"]
+    cfg = load_config(REPO / "configs/cpu_smollm2_stapo.yaml", over)
+    ident = apply_identity(cfg, "configs/cpu_smollm2_stapo.yaml", overrides=over)
+    assert ident.group == "cpu_smollm2-stapo[s2t.prob_threshold=0.001,clip_ratio_high=0.3]"
+    seed = load_config(REPO / "configs/cpu_smollm2_stapo.yaml", ["trainer.seed=1"])
+    assert apply_identity(seed, "configs/cpu_smollm2_stapo.yaml", overrides=["trainer.seed=1"]).group == (
+        "cpu_smollm2-stapo")
+    named = load_config(REPO / "configs/cpu_smollm2_stapo.yaml", [*over, "logging.method=tau1e-3"])
+    assert apply_identity(named, "configs/cpu_smollm2_stapo.yaml", overrides=over).group == "cpu_smollm2-tau1e-3"
 
 
 def test_values_set_in_the_config_are_kept_and_a_second_call_changes_nothing():

@@ -34,7 +34,7 @@ def test_the_spec_lays_out_the_comparison_panels_against_the_training_step_group
     assert len(panels) == 5 + 3 * 2 + 4
     assert all(p["x"] == "training/global_step" and p["groupby"] == "Group" for p in panels)
     keys = {k for p in panels for k in p["y"]}
-    assert {"critic/score/mean", "actor/entropy", "actor/s2t/masked_frac", "s2t/would_mask/masked_frac",
+    assert {"critic/score/mean", "actor/entropy", "s2t/would_mask/masked_frac",
             "response_length/mean", "perf/max_memory_allocated_gb", "perf/mfu/actor"} <= keys
     # every plain key of a training panel is a documented metric (docs/metrics.md)
     from test_docs_metrics import undocumented
@@ -91,3 +91,20 @@ def test_print_spec_needs_no_network():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == ww.workspace_spec("me", "stapo", ["aime24"])
+    # no entity: the offline modes write a placeholder; saving refuses in one line (argparse's usage + error)
+    assert ww.main(["--project", "stapo", "--benchmarks", "aime24", "--print-spec"]) == 0
+    with pytest.raises(SystemExit) as exit_:
+        ww.main(["--project", "stapo"])
+    assert exit_.value.code == 2
+
+
+def test_the_masked_fraction_panel_draws_every_mask_on_a_log_scale():
+    """S2T silences about 0.01 % of the tokens and 20-Entropy keeps 20 % (logging what it keeps): one regex
+    panel, every mask's key, log y."""
+    masked = next(p for p in _panels(ww.workspace_spec("me", "stapo", ["aime24"])).values()
+                  if p["metric_regex"] == ww.MASKED_FRAC_REGEX)
+    assert masked["log_y"] is True and masked["y"] == []
+    pat = re.compile(masked["metric_regex"])
+    for key in ("actor/s2t/masked_frac", "actor/top_entropy/kept_frac", "actor/s2t_random/masked_frac"):
+        assert pat.match(key), key
+    assert not pat.match("s2t/would_mask/masked_frac") and not pat.match("actor/s2t/num_masked")

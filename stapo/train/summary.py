@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 __all__ = ["Change", "REPORT_KEYS", "TRAINING_KEY", "training_rows", "window_size", "start_end", "step_span",
            "masked_fraction_key", "markdown_report", "end_of_run_text", "end_of_run_summary", "eval_config_for",
-           "missing_benchmarks", "evaluate_suggestion"]
+           "missing_benchmarks", "evaluate_suggestion", "Commands", "commands_here"]
 
 #: (metric key, label, format) of the Markdown report, in order (docs/metrics.md names the keys).
 REPORT_KEYS: list[tuple[str, str, str]] = [
@@ -173,10 +173,46 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+@dataclass(frozen=True)
+class Commands:
+    """How the next steps are run from where the user is: a source checkout's files or the installed console
+    scripts (``pyproject.toml`` ``[project.scripts]``).
+
+    Attributes:
+        evaluate / summarize / compare / prepare_data: the command prefixes (``python evaluate.py`` or
+            ``stapo-eval``...).
+        eval_dir: the folder searched for ``<family>.yaml`` evaluate configs.
+        shown_eval_dir: how that folder is written in a suggested command (``configs/eval``: relative to the
+            checkout, or the name the console scripts resolve in the installed package's configs).
+    """
+    evaluate: str = "python evaluate.py"
+    summarize: str = "python scripts/summarize_run.py"
+    compare: str = "python scripts/compare.py"
+    prepare_data: str = "python scripts/prepare_data.py"
+    eval_dir: Path = Path("configs/eval")
+    shown_eval_dir: str = "configs/eval"
+
+
+def commands_here(cwd: str | os.PathLike | None = None) -> Commands:
+    """The :class:`Commands` that work from ``cwd`` (default: the current directory): the checkout's files when
+    ``cwd`` holds ``evaluate.py`` and ``scripts/`` (the README's commands), else the console scripts with the
+    installed package's configs (:func:`stapo.entry_points.configs_dir`; ``stapo-eval --config
+    configs/eval/X.yaml`` resolves there)."""
+    here = Path(cwd) if cwd is not None else Path(".")
+    if (here / "evaluate.py").is_file() and (here / "scripts" / "summarize_run.py").is_file():
+        return Commands(eval_dir=here / "configs" / "eval") if cwd is not None else Commands()
+    from stapo.entry_points import configs_dir
+
+    shipped = configs_dir()
+    return Commands(evaluate="stapo-eval", summarize="stapo-summarize", compare="stapo-compare",
+                    prepare_data="stapo-prepare-data",
+                    eval_dir=(shipped / "eval") if shipped is not None else here / "configs" / "eval")
+
+
 def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, *, window: int = 5,
                     checkpoint: str | os.PathLike | None = None, wandb_mode: str = "disabled",
                     wandb_dirs: Sequence[str | os.PathLike] = (), eval_config: str | None = None,
-                    evaluate_command: str | None = None) -> str:
+                    evaluate_command: str | None = None, commands: Commands = Commands()) -> str:
     """train.py's end-of-run summary (plain text, a dozen lines).
 
     Args:
@@ -190,6 +226,7 @@ def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, 
         eval_config: an evaluate.py config to suggest (``configs/eval/<family>.yaml``), or None.
         evaluate_command: the whole "evaluate" suggestion (:func:`evaluate_suggestion`); replaces the one made
             from ``eval_config``.
+        commands: the command prefixes to print (:func:`commands_here`; default: the checkout's files).
 
     Returns:
         The text, lines joined with newlines (no trailing newline).
@@ -218,13 +255,13 @@ def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, 
         where = f"{run}/wandb/offline-run-*" if wandb_mode == "offline" else _rel(Path(wandb_dirs[-1]))
         lines.append(f"  W&B          {where} ({wandb_mode}{': not uploaded yet' if wandb_mode == 'offline' else ''})")
     lines.append("next:")
-    lines.append(f"  summarise    python scripts/summarize_run.py {shlex.quote(run)}")
-    command = evaluate_command or ("python evaluate.py" + (f" --config {eval_config}" if eval_config else "")
+    lines.append(f"  summarise    {commands.summarize} {shlex.quote(run)}")
+    command = evaluate_command or (commands.evaluate + (f" --config {eval_config}" if eval_config else "")
                                    + f" --model {shlex.quote(run)} --all-checkpoints")
     lines.append(f"  evaluate     {command}")
     if wandb_mode == "offline" and wandb_dirs:
         lines.append(f"  sync         wandb sync {run}/wandb/offline-run-*")
-    lines.append(f"  compare      python scripts/compare.py A=runs/eval/<label A> B=runs/eval/<label B>  "
+    lines.append(f"  compare      {commands.compare} A=runs/eval/<label A> B=runs/eval/<label B>  "
                  f"(evaluation results of several runs)")
     return "\n".join(lines)
 
@@ -266,7 +303,7 @@ def missing_benchmarks(benchmarks: Sequence[str], root: str | os.PathLike | None
 
 def evaluate_suggestion(run_dir: str | os.PathLike, *, family: str | None,
                         config_path: str | os.PathLike | None = None, validation_benchmarks: Sequence[str] = (),
-                        data_root: str | None = None, eval_dir: str | os.PathLike = "configs/eval") -> str:
+                        data_root: str | None = None, commands: Commands = Commands()) -> str:
     """The end-of-run "evaluate" suggestion: a command that evaluates every checkpoint of the run
     (``--all-checkpoints``) and does not fail on missing data.
 
@@ -276,16 +313,20 @@ def evaluate_suggestion(run_dir: str | os.PathLike, *, family: str | None,
        validation benchmarks (``validation.benchmarks`` under ``data.root``) when their data is there;
     3. else the family config's command with what to pass: the benchmarks whose data is missing and how to get it
        (``python scripts/prepare_data.py``) or choose others (``--benchmarks``).
+
+    ``commands`` (:func:`commands_here`): the checkout's ``python evaluate.py`` and ``configs/eval`` (default), or,
+    outside a checkout, ``stapo-eval`` and the installed package's configs, written ``configs/eval/X.yaml``.
     """
     run = shlex.quote(_rel(Path(run_dir)))
-    eval_cfg = eval_config_for(family, config_path, eval_dir)
-    base = "python evaluate.py" + (f" --config {eval_cfg}" if eval_cfg else "") + f" --model {run} --all-checkpoints"
+    found = eval_config_for(family, config_path, commands.eval_dir)
+    eval_cfg = f"{commands.shown_eval_dir}/{found.name}" if found is not None else None
+    base = commands.evaluate + (f" --config {eval_cfg}" if eval_cfg else "") + f" --model {run} --all-checkpoints"
     missing: list[str] = []
     if eval_cfg is not None:
         try:
             from stapo.evaluation.config import load_eval_config
 
-            ecfg = load_eval_config(eval_cfg)
+            ecfg = load_eval_config(found)
             missing = missing_benchmarks(ecfg.data.benchmarks, ecfg.data.root, dict(ecfg.data.custom_benchmarks))
             root = ecfg.data.root
         except Exception as e:  # noqa: BLE001 - a config evaluate.py would refuse: say so instead
@@ -297,13 +338,13 @@ def evaluate_suggestion(run_dir: str | os.PathLike, *, family: str | None,
         return (f"{base} --benchmarks {' '.join(val)}"
                 + (f" --data-root {shlex.quote(str(data_root))}" if data_root is not None else "")
                 + "  (this config's validation benchmarks" + (f"; {eval_cfg}'s need data you do not have)"
-                                                              if eval_cfg else "; no configs/eval/"
+                                                              if eval_cfg else f"; no {commands.shown_eval_dir}/"
                                                               f"{family}.yaml: evaluate.py's default settings, "
                                                               "the paper protocol, or pass --config)"))
     if eval_cfg is None:
-        return (f"{base}  (no configs/eval/{family}.yaml: pass --config with an evaluate.py config and --benchmarks "
+        return (f"{base}  (no {commands.shown_eval_dir}/{family}.yaml: pass --config with an evaluate.py config and --benchmarks "
                 f"with data you have; default: the paper protocol)")
-    return (f"{base}  (needs data for {', '.join(missing)} under {root}: python scripts/prepare_data.py, or pass "
+    return (f"{base}  (needs data for {', '.join(missing)} under {root}: {commands.prepare_data}, or pass "
             f"--benchmarks with data you have)")
 
 
@@ -321,7 +362,9 @@ def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disable
     id_file = run_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else None
     wandb_dirs = sorted((run_dir / "wandb").glob(f"*-{run_id}")) if run_id else []
+    commands = commands_here()  # the checkout's files, or the console scripts outside one
     command = evaluate_suggestion(run_dir, family=family, config_path=config_path,
-                                  validation_benchmarks=validation_benchmarks, data_root=data_root)
+                                  validation_benchmarks=validation_benchmarks, data_root=data_root, commands=commands)
     return end_of_run_text(rows, run_dir, window=window, checkpoint=latest_checkpoint(run_dir / "checkpoints"),
-                           wandb_mode=wandb_mode, wandb_dirs=wandb_dirs, evaluate_command=command)
+                           wandb_mode=wandb_mode, wandb_dirs=wandb_dirs, evaluate_command=command,
+                           commands=commands)
