@@ -21,7 +21,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stapo.cli import ArgumentParser
+    from stapo.run.cli import ArgumentParser
 
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (configs/eval/); default: the paper protocol")
@@ -55,16 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value overrides before or after the flags
-    from stapo import console
+    from stapo.run import console
 
-    from stapo.entry_points import resolve_config
-
-    args.config = resolve_config(args.config)  # run from another folder: configs/eval/X.yaml is the shipped one
     console.set_verbose(args.verbose)
-    console.quiet_libraries()  # before vLLM / transformers are imported (stapo/console.py, as train.py)
-    from stapo.cli import sigterm_as_interrupt
+    console.quiet_libraries()  # before vLLM / transformers are imported (stapo/run/console.py, as train.py)
+    from stapo.run.cli import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # SIGTERM / SIGHUP: the lock released, one line, exit 143 / 129 (as Ctrl-C: 130)
+
+    from stapo.tools.entry_points import resolve_config
+
+    args.config = resolve_config(args.config)  # run from another folder: configs/eval/X.yaml is the shipped one
     for name in ("benchmarks", "settings", "checkpoints"):  # nargs="+" swallows key=value overrides that follow:
         # give them back
         values = getattr(args, name)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.generation.settings = [known[s] for s in args.settings]
         validate_eval_config(cfg)
         if args.dry_run:
-            from stapo.estimate import eval_dry_run
+            from stapo.tools.estimate import eval_dry_run
 
             print(eval_dry_run(cfg))
             return 0
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, ConfigError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (stapo.cli.Terminated)
-        from stapo.cli import signal_name
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (stapo.run.cli.Terminated)
+        from stapo.run.cli import signal_name
 
         signum = getattr(e, "signum", 2)
         what = "interrupted" if signum == 2 else f"stopped by {signal_name(signum)}"

@@ -1,7 +1,7 @@
 """Train a policy with STAPO or a baseline.
 
     python train.py --config configs/cpu_smollm2_stapo.yaml [dotted.key=value ...] [--resume]
-    torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/distributed.py)
+    torchrun --nproc_per_node=N train.py --config ...      # N data-parallel ranks (stapo/model/distributed.py)
 
 Ctrl-C, SIGTERM (a scheduler's preemption) or SIGHUP (the terminal closed): the first finishes the step in progress
 and checkpoints it (trainer.save_on_interrupt), a second stops at once keeping the checkpoints already written; either
@@ -22,7 +22,7 @@ def _runtime_error(e: BaseException) -> int:
     under torchrun); the finished checkpoints and metrics are kept."""
     import errno
 
-    from stapo.checkpoint import CheckpointSaveError
+    from stapo.model.checkpoint import CheckpointSaveError
 
     first = (str(e).strip().splitlines() or [""])[0][:500]
     rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -37,7 +37,7 @@ def _runtime_error(e: BaseException) -> int:
 def _error(message: str, details: str = "") -> int:
     """Print a start-up error (once: rank 0 under torchrun) and return exit code 2. Under torchrun every rank
     exits 2 and torchrun itself then reports the failed child processes. ``details``: lines printed after the
-    one-line message (the memory plan per phase of a config refused for its memory: stapo/memory_plan.py)."""
+    one-line message (the memory plan per phase of a config refused for its memory: stapo/run/memory_plan.py)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"train.py: {message}", file=sys.stderr)
         if details:
@@ -51,8 +51,8 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
     import shlex
     import signal
 
-    from stapo.checkpoint import latest_checkpoint
-    from stapo.cli import signal_name
+    from stapo.model.checkpoint import latest_checkpoint
+    from stapo.run.cli import signal_name
 
     signum = getattr(exc, "signum", signal.SIGINT)  # stapo.train.trainer.Interrupted carries it
     if os.environ.get("RANK", "0") == "0":
@@ -83,7 +83,7 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stapo.cli import ArgumentParser
+    from stapo.run.cli import ArgumentParser
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
@@ -98,16 +98,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="show the libraries' own logs (vLLM's INFO lines, transformers, torch), quiet by default")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=2e-6")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the flags
-    from stapo.entry_points import resolve_config
-
-    args.config = resolve_config(args.config)  # run from another folder: configs/X.yaml is the shipped one
-    from stapo import console
+    from stapo.run import console
 
     console.set_verbose(args.verbose)
-    console.quiet_libraries()  # before vLLM / transformers are imported (stapo/console.py)
-    from stapo.cli import sigterm_as_interrupt
+    console.quiet_libraries()  # before vLLM / transformers are imported (stapo/run/console.py)
+    from stapo.run.cli import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # SIGTERM while starting up: one line and exit 143 (the step loop handles it itself)
+
+    from stapo.tools.entry_points import resolve_config
+
+    args.config = resolve_config(args.config)  # run from another folder: configs/X.yaml is the shipped one
 
     from stapo.config import ConfigError, load_config
 
@@ -116,30 +117,30 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         return _error(str(e))
-    from stapo.provenance import apply_identity
+    from stapo.run.provenance import apply_identity
 
     # W&B group (the config family and method; changed algorithm.* parameters name a method of their own) / tags /
     # job_type left unset
     apply_identity(cfg, args.config, overrides=args.overrides)
 
-    from stapo.checkpoint import CheckpointError
-    from stapo.data import DataError
-    from stapo.distributed import barrier, teardown
+    from stapo.model.checkpoint import CheckpointError
+    from stapo.tasks.data import DataError
+    from stapo.model.distributed import barrier, teardown
     from stapo.evaluation import EvalError, make_validation_hook_from_config
-    from stapo.registry import ExtensionError
-    from stapo.runlock import RunLockError
-    from stapo.tracking import CorruptJsonlError, TrackerError
+    from stapo.common.registry import ExtensionError
+    from stapo.run.runlock import RunLockError
+    from stapo.run.tracking import CorruptJsonlError, TrackerError
     from stapo.train import Trainer
     from stapo.train.trainer import CannotLearn
 
     trainer = None
-    try:  # under torchrun: every rank runs this; torch.distributed is set up by the Trainer (stapo/distributed.py)
+    try:  # under torchrun: every rank runs this; torch.distributed is set up by the Trainer (stapo/model/distributed.py)
         try:  # bad paths / data / run directory / batch sizes vs ranks: one line naming the problem, exit code 2
             hook = make_validation_hook_from_config(cfg)  # None when trainer.val_every=0; checks the data now
             trainer = Trainer(cfg, validation_hook=hook, preflight_only=args.dry_run,  # argv: run_info.json
                               argv=sys.argv if argv is None else [os.path.relpath(__file__), *argv])
             if args.dry_run:
-                from stapo.estimate import train_dry_run
+                from stapo.tools.estimate import train_dry_run
 
                 if trainer.dist.is_main:
                     print(train_dry_run(trainer))
@@ -161,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.dist.is_main:  # start → end of the main metrics, where the files are, the next commands
             from stapo.train.summary import end_of_run_summary
 
-            from stapo.objectives import OBJECTIVES
-            from stapo.provenance import config_family
+            from stapo.core.objectives import OBJECTIVES
+            from stapo.run.provenance import config_family
 
             mode = trainer.tracker.mode if trainer.tracker is not None else "disabled"
             # the evaluation to suggest follows the config family (configs/eval/<family>.yaml), not the W&B group
@@ -193,7 +194,7 @@ if __name__ == "__main__":
         sys.exit(main())
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM / SIGHUP while importing or reading the config: nothing started
         signum = getattr(e, "signum", 2)
-        from stapo.cli import signal_name
+        from stapo.run.cli import signal_name
 
         print(f"train.py: {'interrupted' if signum == 2 else 'stopped by ' + signal_name(signum)} before training "
               f"started", file=sys.stderr)

@@ -9,7 +9,7 @@ The 2,000 answers are 4 responses for each of the 500 MATH500 problems:
 4. the gold answer without a box ("The final answer is gold.")                       -> math-verify's
    own extraction
 
-Each run uses a fresh :class:`stapo.grader.MathGrader` (cold math-verify caches); start-up
+Each run uses a fresh :class:`stapo.tasks.grader.MathGrader` (cold math-verify caches); start-up
 (spawning workers, importing sympy) is timed separately from grading.  Worker counts are run
 ``--repeats`` times, interleaved, and the median is reported (the sandbox CPUs are shared).
 
@@ -33,8 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from stapo.data import load_benchmark  # noqa: E402
-from stapo.grader import MathGrader  # noqa: E402
+from stapo.tasks.data import load_benchmark  # noqa: E402
+from stapo.tasks.grader import MathGrader  # noqa: E402
 
 
 def build_answers(root: Path) -> tuple[list[str], list[str], list[str]]:

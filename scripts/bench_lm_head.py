@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark the fused LM head (stapo.lm_head.lm_head_token_stats) against the current path
-(F.linear → [N, V] logits → stapo.token_stats.token_stats).
+"""Benchmark the fused LM head (stapo.model.lm_head.lm_head_token_stats) against the current path
+(F.linear → [N, V] logits → stapo.core.token_stats.token_stats).
 
 Not a test.  Workload (defaults): N = 4096 tokens, hidden size d = 576 (SmolLM2; add 1024 with
 ``--dims 576,1024``), output embedding with V_rows = 151,936 rows of which vocab_size = 151,669 are real
@@ -87,8 +87,8 @@ def _method_fn(method: str, args, cdtype):
     import torch
     import torch.nn.functional as F
 
-    from stapo.lm_head import lm_head_token_stats
-    from stapo.token_stats import token_stats
+    from stapo.model.lm_head import lm_head_token_stats
+    from stapo.core.token_stats import token_stats
 
     T, vocab, backend = args.temperature, args.vocab, args.backend
     backward = method.endswith("fwdbwd")
@@ -293,7 +293,7 @@ def main() -> None:
     print("\n" + table)
     if not args.out:
         return
-    import stapo.lm_head as lm
+    import stapo.model.lm_head as lm
 
     info = _machine()
     tiles = (f"vocab_tile = {args.vocab_tile or lm._VOCAB_TILE}, row_tile = {args.row_tile or lm._ROW_TILE}")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from stapo.tracking import read_metrics  # noqa: E402
+from stapo.run.tracking import read_metrics  # noqa: E402
 
 CONFIG = "configs/cpu_smollm2_stapo.yaml"
 VARIANTS = {"before": ["model.compute_dtype=float32", "actor.lm_head=logits"], "after": [],
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "main_job.md"))
     args = ap.parse_args()
-    from stapo import perf
+    from stapo.common import perf
 
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     runs = []

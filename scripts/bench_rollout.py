@@ -10,7 +10,7 @@ patches ``torch.set_num_threads``, which must not leak into the HF measurement â
 same invocation. Throughput counts the response tokens actually generated (EOS included) over the wall time of
 the timed ``generate`` call (after a short warm-up call). For vLLM, the startup time, the in-place weight-sync
 time, and the agreement of the engine's log-probs with the trainer's fp32 recomputation
-(:func:`stapo.policy.policy_token_stats`) are reported too.
+(:func:`stapo.train.policy.policy_token_stats`) are reported too.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def worker(backend: str, dtype: str) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from stapo.models import load_policy
+    from stapo.model.models import load_policy
     from stapo.rollout import SamplingParams, build_rollout_engine
 
     model, tok = load_policy("embedded:smollm2", dtype=dtype)
@@ -81,7 +81,7 @@ def worker(backend: str, dtype: str) -> dict:
         engine.sync_weights(model)
         res["sync_s"] = time.perf_counter() - t0
         # train/inference mismatch: engine log-probs vs the trainer's recomputation in an fp32 model
-        from stapo.policy import collate_responses, policy_token_stats
+        from stapo.train.policy import collate_responses, policy_token_stats
 
         ref = model if dtype == "float32" else load_policy("embedded:smollm2", dtype="float32")[0]
         diffs = []

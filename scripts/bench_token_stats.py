@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark stapo.token_stats against the usual ways of getting log-probs / entropy from logits.
+"""Benchmark stapo.core.token_stats against the usual ways of getting log-probs / entropy from logits.
 
 Not a test.  Measures, at N tokens × V vocabulary (default 4096 × 151,936, the Qwen3 vocabulary), in
 fp32 and bf16, IN THE SAME RUN:
@@ -13,8 +13,8 @@ fp32 and bf16, IN THE SAME RUN:
                          Its peak memory is not measurable this way (reported as —).
   naive softmax          log_softmax → exp → entropy, collision, gather (full-size temporaries).
   TRL                    trl's selective_log_softmax + entropy_from_logits (skipped if trl is absent).
-  token_stats eager      stapo.token_stats(backend="eager"), default chunk size.
-  token_stats compiled   stapo.token_stats(backend="compiled"), default chunk size.
+  token_stats eager      stapo.core.token_stats(backend="eager"), default chunk size.
+  token_stats compiled   stapo.core.token_stats(backend="compiled"), default chunk size.
   token_stats compiled fwd+bwd   forward + backward of logprobs.sum() + entropy.sum()
                          (entropy_grad=True); its peak includes the [N, V] gradient (1.0×, unavoidable).
 
@@ -138,7 +138,7 @@ def _method_fn(method: str, temperature: float):
             return logp, entropy_from_logits(xs)
 
         return trl_fn
-    from stapo.token_stats import token_stats
+    from stapo.core.token_stats import token_stats
 
     if method == "ts_eager":
         return lambda x, t: token_stats(x, t, temperature, backend="eager")
@@ -292,7 +292,7 @@ def _machine() -> dict[str, str]:
     except ImportError:
         info["trl"] = "not installed"
     info["torch_threads"] = str(torch.get_num_threads())
-    from stapo.perf import machine_line
+    from stapo.common.perf import machine_line
 
     line = machine_line()
     info["flags"] = line.split(", flags ", 1)[1].split(", torch ", 1)[0]  # the SIMD flags that matter

@@ -61,8 +61,8 @@ def _load_cfg(extra: list[str]):
 
 def _prompt_batches(cfg, tokenizer, n_steps: int) -> list[list[tuple[str, str]]]:
     """The (prompt text, gold) of each step, in the order our trainer's PromptLoader yields them."""
-    from stapo.data import load_train_set
-    from stapo.prompts import encode_prompt
+    from stapo.tasks.data import load_train_set
+    from stapo.tasks.prompts import encode_prompt
     from stapo.train import PromptLoader
 
     dc = cfg.data
@@ -93,7 +93,7 @@ class _StageClock:
     def __init__(self, trainer) -> None:
         import torch
 
-        from stapo import token_stats as ts_mod
+        from stapo.core import token_stats as ts_mod
         from stapo.train import update as up_mod
 
         self.steps: list[dict] = []
@@ -193,13 +193,13 @@ def run_ours(steps: int, overrides: list[str] = ()) -> dict:
 
 
 def run_probe(shape_cfg: dict) -> dict:
-    """The machine's measured peaks at the benchmark model's shapes (stapo.perf): GEMM rates for the update
+    """The machine's measured peaks at the benchmark model's shapes (stapo.common.perf): GEMM rates for the update
     (micro-batch-sized M, forward + backward products) and for decode (M = the batch of sequences), fp32 and —
     where the CPU has native bf16 — bf16, and DRAM bandwidth."""
     import torch
     from transformers import PretrainedConfig
 
-    from stapo import perf
+    from stapo.common import perf
 
     shape = perf.ModelShape.from_hf_config(PretrainedConfig(**shape_cfg))
     dtypes = [torch.float32] + ([torch.bfloat16] if perf.native_bf16() else [])
@@ -223,8 +223,8 @@ def run_trl(steps: int, variant: str = "fp32-gc") -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from stapo.models import load_policy
-    from stapo.rewards import make_reward_fn
+    from stapo.model.models import load_policy
+    from stapo.tasks.rewards import make_reward_fn
 
     cfg = _load_cfg([])
     model, tok = load_policy(cfg.model.path, dtype=cfg.model.param_dtype)
@@ -331,11 +331,11 @@ def utilisation_rows(ours: dict, peaks: dict) -> list[dict]:
     ``ours``: the ``ours`` worker's result (steps with their ``stages`` record, the model config, parameter
     count, engine itemsize); ``peaks``: the probes' best GEMM rates (GFLOP/s) and bandwidths (GB/s).
     Floors: FLOPs / the measured GEMM rate of that stage's shapes and dtype, or bytes / the measured
-    bandwidth, whichever is larger (see stapo.perf for the counting rules).
+    bandwidth, whichever is larger (see stapo.common.perf for the counting rules).
     """
     from transformers import PretrainedConfig
 
-    from stapo import perf
+    from stapo.common import perf
 
     shape = perf.ModelShape.from_hf_config(PretrainedConfig(**ours["model_config"]))
     cdt = ours["resolved"]["compute_dtype"]
@@ -424,8 +424,8 @@ def main() -> None:
 
     import torch
 
-    from stapo import perf
-    from stapo.models import embedded_model_path
+    from stapo.common import perf
+    from stapo.model.models import embedded_model_path
 
     shape_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False, mode="w")
     shape_file.write((embedded_model_path() / "config.json").read_text())
@@ -540,7 +540,7 @@ def main() -> None:
             pct = "—" if r["fraction"] != r["fraction"] else f"{100 * r['fraction']:.0f} %"
             lines.append(f"| {r['stage']} | {r['s']:.2f} | {r['gflop']:.0f} | {r['gb']:.1f} | {_num(r['gflops'], 0)} | "
                          f"{_num(r['floor_s'], 2)} | {pct} | {r['basis']} |")
-        lines += ["", "FLOPs are model FLOPs (stapo/perf.py: 2·M·K·N per matmul, causal attention, backward = 2×",
+        lines += ["", "FLOPs are model FLOPs (stapo/common/perf.py: 2·M·K·N per matmul, causal attention, backward = 2×",
                   "forward; the update's forwards are counted as executed, padding included). \"floor / time\" is the",
                   "fraction of the machine's measured limit the stage reaches (100 % = at the limit). With",
                   "`actor.lm_head=fused` the token statistics run inside the LM head's tiles: their time is in the",

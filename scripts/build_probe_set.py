@@ -6,13 +6,13 @@ held-out problems once (docs/metrics.md#mechanism-measurements-mechanism-probe).
     python scripts/build_probe_set.py --config configs/mechanism/justrl.yaml --word-levels 3 4 13 ...
 
 With --word-levels the prompts are the first --num-prompts held-out word problems of exactly those levels
-(stapo.word_problems.generate_word_problems(split="test", seed=0), the levels in turn) instead of a benchmark's.
+(stapo.tasks.word_problems.generate_word_problems(split="test", seed=0), the levels in turn) instead of a benchmark's.
 
 The prompts are the benchmark's first --num-prompts problems (a benchmark under data.root or a generated one such as
 arith_test), encoded as training encodes them (data.prompt_style, data.system_prompt); the responses are sampled from
 model.path with the rollout settings (backend, temperature, top_p, response_length) and --seed, and cut at the first
 complete \\boxed{} when rollout.stop_at_first_boxed is set, as training cuts them. The file holds token ids (and the
-texts, for people): stapo.mechanism.read_probe_set reads it, the trainer measures on it unchanged for the whole run.
+texts, for people): stapo.train.probes.read_probe_set reads it, the trainer measures on it unchanged for the whole run.
 
 Exit codes: 0 written; 2 a bad argument, config key or benchmark (one line); 1 a runtime failure (one line).
 """
@@ -23,14 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stapo.cli import ArgumentParser  # noqa: E402
+from stapo.run.cli import ArgumentParser  # noqa: E402
 
 
 def _load(cfg):
     """The tokenizer and the initial policy of ``cfg.model`` (``tiny``: the seeded test model), on the CPU."""
     import torch
 
-    from stapo.models import EMBEDDED_ALIASES, build_tiny_model, load_policy, load_tokenizer
+    from stapo.model.models import EMBEDDED_ALIASES, build_tiny_model, load_policy, load_tokenizer
 
     mc = cfg.model
     tok = load_tokenizer(EMBEDDED_ALIASES[0] if mc.path == "tiny" else mc.path, cache_dir=mc.cache_dir)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--benchmark", help="held-out problems (e.g. arith_test, math500)")
     src.add_argument("--word-levels", type=int, nargs="+", metavar="LEVEL",
-                     help="held-out word problems of these levels (stapo.word_problems, split=test, seed 0)")
+                     help="held-out word problems of these levels (stapo.tasks.word_problems, split=test, seed 0)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=1, help="responses per prompt")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (the set is reproducible)")
@@ -61,15 +61,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from stapo.config import ConfigError, load_config
     from stapo.evaluation.runner import EvalError, load_problems
-    from stapo.mechanism import ProbeSetError, build_probe_set, write_probe_set
-    from stapo.precision import resolve_compute_dtype
-    from stapo.prompts import encode_prompt
+    from stapo.train.probes import ProbeSetError, build_probe_set, write_probe_set
+    from stapo.model.precision import resolve_compute_dtype
+    from stapo.tasks.prompts import encode_prompt
     from stapo.rollout import EngineOptions, SamplingParams, build_rollout_engine, engine_kwargs
 
     try:
         cfg = load_config(args.config, args.overrides)
         if args.word_levels:  # (problem text, id) of held-out word problems of exactly these levels
-            from stapo.word_problems import generate_word_problems
+            from stapo.tasks.word_problems import generate_word_problems
 
             source = f"word levels {' '.join(map(str, args.word_levels))}"
             problems = [(r.problem, r.id) for r in generate_word_problems(args.num_prompts, seed=0,

@@ -64,9 +64,9 @@ def _same(x, y) -> bool:
 
 def compare(a_path: Path, b_path: Path) -> int:
     """Print every differing value; keys of a checkout before the one metric vocabulary are read under their current
-    names (:func:`stapo.metric_names.rename_legacy`), so a rename alone is not a difference."""
+    names (:func:`stapo.core.metric_names.rename_legacy`), so a rename alone is not a difference."""
     sys.path.insert(0, str(REPO))
-    from stapo.metric_names import rename_legacy
+    from stapo.core.metric_names import rename_legacy
 
     a, b = json.loads(a_path.read_text()), json.loads(b_path.read_text())
     bad = 0

@@ -456,8 +456,8 @@ STUDY_RUNS = ("stapo_seed0", "grpo_seed0", "stapo_seed1", "grpo_seed1")
 #: A user module registering a loss that returns NaN and a mask that keeps no token (tests/test_cannot_learn.py).
 CANNOT_LEARN_PLUGIN = '''
 import torch
-from stapo.masks import TokenMask, register_token_mask
-from stapo.objectives import get_objective, register_objective, register_policy_loss
+from stapo.core.masks import TokenMask, register_token_mask
+from stapo.core.objectives import get_objective, register_objective, register_policy_loss
 
 
 @register_policy_loss("rel_nan_loss")
@@ -502,8 +502,8 @@ def study_runs(*overrides: str, ckpt: bool = True, rows=None, model: bool = Fals
     def setup(tmp: Path) -> None:
         _stapo()
         from stapo.config import to_dict
-        from stapo.fingerprint import write_fingerprint
-        from stapo.run_identity import run_fingerprint
+        from stapo.common.fingerprint import write_fingerprint
+        from stapo.run.run_identity import run_fingerprint
         from stapo.study import load_study_config, run_specs
         from stapo.study.runner import FINISHED
 

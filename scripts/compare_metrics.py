@@ -6,8 +6,8 @@ Wall-clock keys (``timing_s/*``, ``perf/*``, ``reward/grader/seconds``) are skip
 whether any count (``*/num_*``, ``*/count``, lengths) differs, the largest relative difference of the other keys
 and, separately, of the train/inference gap ``rollout/logprob_diff_*`` (itself a ~1e-5 rounding-level quantity).
 Exit 0 always; read the numbers. Rows logged before the one metric vocabulary (``s2t/*`` keys..., e.g.
-results/reference/*.jsonl) are read through :func:`stapo.metric_names.rename_legacy`, so an old reference and a new
-run compare key by key. Both files are read with :func:`stapo.tracking.read_metrics` (NaN / ±inf as floats, old
+results/reference/*.jsonl) are read through :func:`stapo.core.metric_names.rename_legacy`, so an old reference and a new
+run compare key by key. Both files are read with :func:`stapo.run.tracking.read_metrics` (NaN / ±inf as floats, old
 files' ``null`` / ``±1e308`` too; docs/metrics.md#non-finite-values); NaN equals NaN here.
 """
 import argparse
@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from stapo.metric_names import rename_legacy  # noqa: E402
-from stapo.tracking import read_metrics  # noqa: E402
+from stapo.core.metric_names import rename_legacy  # noqa: E402
+from stapo.run.tracking import read_metrics  # noqa: E402
 
 WALL = ("timing_s/", "perf/", "reward/grader/seconds")
 

@@ -26,7 +26,7 @@ whole run is budgeted to ``--budget-s`` = 480 s on the GPU, and a watchdog write
 hangs past the budget + 60 s; caps on the GPU, in run order: (a) 100 s, (g) 40, (f) 30, (e) 110, (d) 60, (b) 80,
 (c) 60):
 
-(a) ``token_stats``: :func:`stapo.token_stats.token_stats` (backends "compiled" and "eager", bf16 and fp32 logits)
+(a) ``token_stats``: :func:`stapo.core.token_stats.token_stats` (backends "compiled" and "eager", bf16 and fp32 logits)
     on N = 4096 rows × V = 151,936 (LM-like logits: N(0, 3²), every 4th row dominated by one id at +40, −inf in the
     last 16 columns of every 8th row) vs a float64 reference: max |Δ| of log p, H (nats) and Σπ² at T = 1 and
     T = 0.6, and of the logits-gradient of Σ a·log p + Σ b·H over 64 rows; first-call time (compilation),
@@ -41,7 +41,7 @@ hangs past the budget + 60 s; caps on the GPU, in run order: (a) 100 s, (g) 40, 
     only in fp32 master weights — the share that bf16 weights would lose is reported).
 (c) FSDP2: ``python -m torch.distributed.run --standalone --nproc_per_node=1`` runs this script's worker mode: the
     same Trainer with ``trainer.data_parallel=fsdp2`` (NCCL; gloo in the dry run), objective stapo. With one rank
-    :func:`stapo.distributed.init_distributed` returns the plain one-process context (no FSDP2), so the worker
+    :func:`stapo.model.distributed.init_distributed` returns the plain one-process context (no FSDP2), so the worker
     wraps it in a context that reports itself enabled (``one_rank_forced``): the data-parallel code paths (FSDP2
     ``fully_shard`` with the MixedPrecisionPolicy, DTensor parameters, collectives, ``generate(synced_gpus=True)``,
     the full-state-dict checkpoint) then run with W = 1. Checks as in (b), plus: the policy is an ``FSDPModule``
@@ -51,7 +51,7 @@ hangs past the budget + 60 s; caps on the GPU, in run order: (a) 100 s, (g) 40, 
     tied embeddings; ~0.6 B parameters) at the paper's micro-batch shape:
     ``actor.ppo_micro_batch_size`` = 4 responses × (1024 prompt + 15,360 response) tokens (configs/paper/base.yaml),
     fp32 master weights + bf16 autocast, gradient checkpointing, the trainer's forward
-    (:func:`stapo.policy.policy_token_stats`) and loss (:func:`stapo.objectives.policy_loss`, objective stapo), grad
+    (:func:`stapo.train.policy.policy_token_stats`) and loss (:func:`stapo.core.objectives.policy_loss`, objective stapo), grad
     clipping and AdamW. On an out-of-memory error the response length is halved (recorded). FLOP counts
     (per micro-batch of B rows of S = P + R tokens, R + 1 logit positions per row):
 
@@ -77,9 +77,9 @@ hangs past the budget + 60 s; caps on the GPU, in run order: (a) 100 s, (g) 40, 
     flash_attention_2 where flash-attn is importable) × ``actor.lm_head`` logits / fused — the largest micro-batch
     the trainer's plan (stapo/train/plan.py) makes of 8 rows of 1,024 − (i mod 4) prompt + 15,360 response tokens
     runs the old-log-prob pass (no grad, eval) and one update micro-batch (bf16 autocast, gradient checkpointing,
-    forward + backward, then clip + AdamW step) through :func:`stapo.policy.policy_token_stats`.
+    forward + backward, then clip + AdamW step) through :func:`stapo.train.policy.policy_token_stats`.
     ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of each phase are recorded next to the memory
-    plan's prediction (:func:`stapo.memory_plan.plan_memory` for the same config, one process, this device).
+    plan's prediction (:func:`stapo.run.memory_plan.plan_memory` for the same config, one process, this device).
     Checks: every trainer phase's max reserved ≤ 90 % of the device (engine share released); max allocated ≤
     1.10 × the planned phase total (the start-up refusal relies on the plan not underestimating); the old
     log-probs of every variant within a mean 0.02 nats of the first variant's (same rows; bf16 autocast); finite
@@ -87,17 +87,17 @@ hangs past the budget + 60 s; caps on the GPU, in run order: (a) 100 s, (g) 40, 
     micro-batch's rows, then the response length, are halved until it fits.
 (f) Attention at 16k tokens (defect 5): one Qwen3-1.7B decoder layer (fp32 weights, bf16 autocast) over 4 rows
     of 1,024 − (i mod 4) + 15,360 tokens, padded (the stored layout with its attention mask: transformers builds
-    a dense [b, 1, L, L] mask) vs trailing padding (:func:`stapo.policy.layout_inputs`: no mask, SDPA
+    a dense [b, 1, L, L] mask) vs trailing padding (:func:`stapo.train.policy.layout_inputs`: no mask, SDPA
     ``is_causal``) vs packed with ``flash_attention_2`` (only where flash-attn is importable); and the SDPA call
     alone (the padded boolean mask vs ``is_causal`` vs ``torch.nn.attention.varlen.varlen_attn`` on the packed
     tokens where this torch has it). Forward and forward + backward medians; the attention ops and kernels
     taken (torch.profiler: flash / efficient / cudnn / math). Checks: outputs at the real tokens agree with the
     padded ones (‖Δh‖/‖h‖ ≤ 0.02); on the GPU every padding-free path's forward and forward + backward time ≤
     the padded one's.
-(g) Token-statistics throughput (defects 6/10): :func:`stapo.token_stats.token_stats` (the trainer's call,
+(g) Token-statistics throughput (defects 6/10): :func:`stapo.core.token_stats.token_stats` (the trainer's call,
     backend auto, CUDA chunk sizes) on [4, 15,360, 151,669] bf16 logits — a view of [4, 15,361, 151,936], as
     the trainer passes them — forward and forward + backward; the GPU kernels of one forward (torch.profiler);
-    and the fused head :func:`stapo.lm_head.lm_head_token_stats` (CUDA tiles) on [61,440, 2048] fp32 hidden states
+    and the fused head :func:`stapo.model.lm_head.lm_head_token_stats` (CUDA tiles) on [61,440, 2048] fp32 hidden states
     with the [151,936, 2048] fp32 output embedding, bf16 GEMMs. Floors (GPU), with their reasons:
     forward ≥ 20 % of the H200's 4.8 TB/s in logits bytes per second (one read takes ≈ 4 ms; a kernel that reads
     the logits 2-3 times clears it; the CPU chunking's ≈ 4,700 compiled calls + 4,700 upcast copies cannot reach
@@ -495,8 +495,8 @@ TS_BATCH, TS_PAD = 8, 64
 def part_token_stats(part: Part, sz: SimpleNamespace) -> None:
     import torch
 
-    from stapo import token_stats as ts_mod
-    from stapo.token_stats import token_stats
+    from stapo.core import token_stats as ts_mod
+    from stapo.core.token_stats import token_stats
 
     dev = sz.device
     n, V = sz.ts_rows, sz.ts_vocab
@@ -612,7 +612,7 @@ def load_check_tokenizer(wheels_dir: Path):
             tok.pad_token = tok.eos_token
         tok.padding_side = "left"
         return tok, str(shipped)
-    from stapo.models import EMBEDDED_ALIASES, load_tokenizer
+    from stapo.model.models import EMBEDDED_ALIASES, load_tokenizer
 
     try:
         return load_tokenizer(EMBEDDED_ALIASES[0]), EMBEDDED_ALIASES[0]
@@ -622,8 +622,8 @@ def load_check_tokenizer(wheels_dir: Path):
 
 
 def save_tiny_model(folder: Path, tiny: dict, wheels_dir: Path) -> dict[str, Any]:
-    """A random tiny Qwen3 (:func:`stapo.models.build_tiny_model`, fp32) saved as an HF folder with its tokenizer."""
-    from stapo.models import build_tiny_model
+    """A random tiny Qwen3 (:func:`stapo.model.models.build_tiny_model`, fp32) saved as an HF folder with its tokenizer."""
+    from stapo.model.models import build_tiny_model
 
     tok, source = load_check_tokenizer(wheels_dir)
     model, tok = build_tiny_model(seed=0, dtype="float32", tokenizer=tok, **tiny)
@@ -821,7 +821,7 @@ def part_fsdp2(part: Part, sz: SimpleNamespace, model_dir: str, work: Path, whee
     part.data["tables"] = [{"columns": TRAINER_COLUMNS, "rows": [trainer_table_row("stapo, FSDP2 W=1", r)]}]
     part.data["notes"] = [f"`{' '.join(cmd[:6])} … --fsdp2-worker SPEC`; backend "
                           f"{'nccl' if sz.device == 'cuda' else 'gloo'}; one_rank_forced = {r.get('one_rank_forced')} "
-                          "(stapo.distributed.init_distributed returns the plain one-process context at W = 1; the "
+                          "(stapo.model.distributed.init_distributed returns the plain one-process context at W = 1; the "
                           "worker wraps it in an enabled one so that FSDP2 and the data-parallel paths run)."]
 
 
@@ -831,7 +831,7 @@ def fsdp2_worker(spec_path: str) -> None:
     use_shipped_wheels(Path(spec["wheels"]))
     import torch
 
-    from stapo import distributed as sd
+    from stapo.model import distributed as sd
 
     forced = {"value": False}
     orig = sd.init_distributed
@@ -905,7 +905,7 @@ def random_qwen3(m: dict, device, attn_implementation: str = "sdpa"):
     """A randomly initialised ``Qwen3ForCausalLM`` of shape ``m`` (``num_layers``, ``hidden_size``, ``num_heads``,
     ``num_kv_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` embedding rows, ``token_vocab`` tokens;
     tied embeddings, rope θ 1e6 as Qwen3), fp32 parameters built on ``device`` (seed 0, global RNG untouched),
-    ``config.stapo_vocab_size`` = ``token_vocab`` (as :func:`stapo.models.load_policy` marks Qwen's padded
+    ``config.stapo_vocab_size`` = ``token_vocab`` (as :func:`stapo.model.models.load_policy` marks Qwen's padded
     vocabulary). Seeding sets the CUDA generators too (as ``torch.manual_seed`` does)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -941,8 +941,8 @@ def measure_gemm(device, dtype, M: int, K: int, N: int, reps: int) -> float:
 def part_mfu(part: Part, sz: SimpleNamespace) -> None:
     import torch
 
-    from stapo.objectives import get_objective, policy_loss
-    from stapo.policy import RolloutBatch, policy_token_stats
+    from stapo.core.objectives import get_objective, policy_loss
+    from stapo.train.policy import RolloutBatch, policy_token_stats
 
     dev = torch.device(sz.device)
     m = dict(sz.mfu_model)
@@ -967,7 +967,7 @@ def part_mfu(part: Part, sz: SimpleNamespace) -> None:
 
     def step(batch: RolloutBatch) -> float:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):  # = stapo.precision's autocast (mixed)
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):  # = stapo.model.precision's autocast (mixed)
             st = policy_token_stats(model, batch, 1.0)  # [B, R] fp32
         keep = batch.response_mask
         old = st.logprobs.detach()
@@ -1058,7 +1058,7 @@ def part_mfu(part: Part, sz: SimpleNamespace) -> None:
 # Shared by (e), (f), (g): synthetic rows, memory peaks, profiler counts
 # --------------------------------------------------------------------------------------------------------------
 #: what each new part's checks compare against (the reasons are in the module docstring, parts (e)-(g))
-PHASE_FIT_FRACTION = 0.9  # stapo.memory_plan.TARGET_FRACTION: the paper configs keep every phase under it
+PHASE_FIT_FRACTION = 0.9  # stapo.run.memory_plan.TARGET_FRACTION: the paper configs keep every phase under it
 PLAN_SLACK = 1.10  # a trainer phase's measured max_memory_allocated may exceed its planned total by at most 10 %
 LAYOUT_LOGP_MEAN_TOL = 0.02  # nats: mean |Δ log p| between two layouts / heads of the same rows (bf16 autocast)
 ATTN_REL_TOL = 0.02  # ‖Δh‖ / ‖h‖ of the decoder layer's outputs at the real tokens between layouts (bf16 autocast)
@@ -1070,13 +1070,13 @@ HEAD_LOGP_MAX_TOL = 2.0 ** -4  # nats: fused head vs logits path, max |Δ log p|
 
 
 def synthetic_rows(n: int, prompt: int, response: int, vocab: int, device, seed: int = 0):
-    """``n`` rows in the trainer's stored layout (:class:`stapo.policy.RolloutBatch`): row i has ``prompt − (i % 4)``
+    """``n`` rows in the trainer's stored layout (:class:`stapo.train.policy.RolloutBatch`): row i has ``prompt − (i % 4)``
     prompt tokens, left-padded to ``prompt`` columns (so the padded layout needs its attention mask, as a real
     rollout's does), and ``response`` response tokens (every row full length: the micro-batch's worst case); ids
     uniform in [0, vocab), pad id 0."""
     import torch
 
-    from stapo.policy import RolloutBatch
+    from stapo.train.policy import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     P, R = prompt, response
@@ -1181,7 +1181,7 @@ def _variants(cfg0) -> list[dict[str, Any]]:
     """The (layout, LM head) variants of part (e): the paper config's own first, then today's default (padded,
     logits), then the other padded / padding-free × logits / fused ones; the packed (flash_attention_2) ones only
     where flash-attn is importable (added by the caller). Each: ``name`` and the config ``overrides``."""
-    from stapo.policy import forward_layout
+    from stapo.train.policy import forward_layout
 
     own = (bool(cfg0.actor.use_remove_padding), cfg0.actor.lm_head, cfg0.model.attn_implementation)
     combos = [own, (False, "logits", "sdpa"), (True, "fused", "sdpa"), (True, "logits", "sdpa"),
@@ -1222,12 +1222,12 @@ def part_phase_memory(part: Part, sz: SimpleNamespace) -> None:
     import torch
 
     from stapo.config import load_config
-    from stapo.objectives import get_objective, policy_loss
-    from stapo.policy import policy_token_stats
-    from stapo.precision import PrecisionPolicy
+    from stapo.core.objectives import get_objective, policy_loss
+    from stapo.train.policy import policy_token_stats
+    from stapo.model.precision import PrecisionPolicy
 
     try:
-        from stapo import memory_plan as mp
+        from stapo.run import memory_plan as mp
     except ImportError as e:  # the plan module is not there: the peaks are still measured
         mp = None
         part.data["plan_error"] = f"{type(e).__name__}: {e}"
@@ -1453,10 +1453,10 @@ def part_phase_memory(part: Part, sz: SimpleNamespace) -> None:
         f"{R_paper} response tokens; each variant measures the largest micro-batch the trainer's plan makes of "
         "them (stapo/train/plan.py: token budget or ppo_micro_batch_size) — the old-log-prob pass (no grad, eval) "
         "and one update micro-batch (forward + backward, then the optimizer step) through "
-        "stapo.policy.policy_token_stats with the variant's layout and LM head.",
+        "stapo.train.policy.policy_token_stats with the variant's layout and LM head.",
         f"checks: max reserved ≤ {fit:.0%} of the device for the trainer phases (engine share released; an OOM at "
         f"the paper's shape counts as over); max allocated ≤ {PLAN_SLACK:g} × the plan's phase total "
-        "(stapo/memory_plan.py; the start-up refusal relies on the plan not underestimating); old log-probs of "
+        "(stapo/run/memory_plan.py; the start-up refusal relies on the plan not underestimating); old log-probs of "
         f"every variant within a mean {LAYOUT_LOGP_MEAN_TOL:g} nats of the first one's (same rows, bf16 autocast)."]
 
 
@@ -1479,8 +1479,8 @@ def part_attention(part: Part, sz: SimpleNamespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from stapo.policy import layout_inputs, policy_decoder
-    from stapo.precision import PrecisionPolicy
+    from stapo.train.policy import layout_inputs, policy_decoder
+    from stapo.model.precision import PrecisionPolicy
 
     a = sz.attn
     dev = torch.device(sz.device)
@@ -1617,7 +1617,7 @@ def part_attention(part: Part, sz: SimpleNamespace) -> None:
         f"one decoder layer of shape {m} (fp32 weights, bf16 autocast, no checkpointing) over {a['rows']} rows of "
         f"{a['prompt']} − (i mod 4) prompt + {a['response']} response tokens: padded = the stored layout with its "
         "attention mask (transformers builds a dense [b, 1, L, L] mask, SDPA takes a masked kernel); trailing = "
-        "stapo.policy.layout_inputs 'trailing' (no mask: is_causal); packed = 'packed' with flash_attention_2 "
+        "stapo.train.policy.layout_inputs 'trailing' (no mask: is_causal); packed = 'packed' with flash_attention_2 "
         "(only where flash-attn is importable). fwd+bwd: loss mean(h²). Times: medians after a warm-up call.",
         "SDPA call: q, k, v [b, H, L, h_d] bf16 with the padded layout's boolean mask (causal ∧ real key) vs "
         "is_causal=True vs torch.nn.attention.varlen.varlen_attn over the packed real tokens (CUDA, where this "
@@ -1633,8 +1633,8 @@ def part_ts_throughput(part: Part, sz: SimpleNamespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from stapo.lm_head import lm_head_tiles, lm_head_token_stats
-    from stapo.token_stats import chunk_sizes, token_stats
+    from stapo.model.lm_head import lm_head_tiles, lm_head_token_stats
+    from stapo.core.token_stats import chunk_sizes, token_stats
 
     t = sz.tp
     dev = torch.device(sz.device)
@@ -1684,7 +1684,7 @@ def part_ts_throughput(part: Part, sz: SimpleNamespace) -> None:
         part.data["fwd_time_ceiling_s"] = nbytes / (TS_FWD_FLOOR * hbm)
     if cuda:
         torch.cuda.empty_cache()
-    # the fused head (stapo.lm_head, actor.lm_head=fused) at the same rows: fp32 hidden states and output embedding
+    # the fused head (stapo.model.lm_head, actor.lm_head=fused) at the same rows: fp32 hidden states and output embedding
     # (the trainer's master weights), bf16 GEMMs, its CUDA tile sizes
     if part.time_left() < 5:
         part.skip("fused head")
@@ -1736,7 +1736,7 @@ def part_ts_throughput(part: Part, sz: SimpleNamespace) -> None:
                                      ["fused head (hidden)", f["first_call_s"], f["fwd_s"] * 1e3,
                                       f["fwd_bwd_s"] * 1e3, "—", "—", f["fwd_tflops"], f["fwd_bwd_tflops"], "—"]]}]
     part.data["notes"] = [
-        f"token_stats (stapo.token_stats, backend auto, the trainer's call) on [{B}, {R}, {V:,}] bf16 logits N(0, 2²), "
+        f"token_stats (stapo.core.token_stats, backend auto, the trainer's call) on [{B}, {R}, {V:,}] bf16 logits N(0, 2²), "
         f"a view of [{B}, {R + 1}, {Vr:,}] (as policy_token_stats passes them); chunks of {chunks.rows} rows "
         f"(token_stats.chunk_sizes on this device); {nbytes / 1e9:.3g} GB of logits; fwd+bwd: loss Σ w·log p.",
         f"floors (GPU): forward ≥ {TS_FWD_FLOOR:.0%} of the H200's {H200_HBM_BYTES_PER_S / 1e12:g} TB/s (one read "
@@ -1745,7 +1745,7 @@ def part_ts_throughput(part: Part, sz: SimpleNamespace) -> None:
         f"≈ 6 %); forward + backward ≥ {TS_FWD_BWD_FLOOR:.0%} counting three passes (read, read, write the "
         f"gradient; the view's backward adds a zero-fill and a copy); ≤ {TS_MAX_KERNELS} GPU kernels per forward "
         "(about ⌈N / chunk⌉ × a few).",
-        f"fused head (stapo.lm_head.lm_head_token_stats, tiles of {rt:,} rows × {vt:,} vocabulary ids) on [{N}, {d}] "
+        f"fused head (stapo.model.lm_head.lm_head_token_stats, tiles of {rt:,} rows × {vt:,} vocabulary ids) on [{N}, {d}] "
         f"fp32 hidden states and a [{Vr:,}, {d}] fp32 output embedding, bf16 GEMMs; FLOPs = 2·N·d·V per GEMM, "
         f"4 GEMMs fwd+bwd; floor (GPU): ≥ {HEAD_FLOOR:.0%} of 790 TFLOP/s (its [{rt}, {d}] × [{d}, {vt}] GEMMs run "
         "near the peak; the stats kernels "
@@ -1803,7 +1803,7 @@ def main() -> int:
         result["total_seconds"] = round(time.perf_counter() - t_start, 1)
         result["stapo_imports"] = sorted(recorder.seen)
         result["stapo_imports_not_on_gpu_machine"] = sorted(recorder.seen - GPU_MACHINE_MODULES)
-        ts_mod = sys.modules.get("stapo.token_stats")
+        ts_mod = sys.modules.get("stapo.core.token_stats")
         err = getattr(ts_mod, "_compile_error", None)
         result["token_stats_compile_fallback"] = None if err is None else repr(err)[:500]
         result["status"] = {0: "pass", 1: "fail", 124: "watchdog"}.get(code, str(code))

@@ -23,7 +23,7 @@ OMEGACONF=$(pin omegaconf)
 import sys
 from pathlib import Path
 
-from stapo.models import EMBEDDED_ALIASES, load_tokenizer
+from stapo.model.models import EMBEDDED_ALIASES, load_tokenizer
 
 dest = Path(sys.argv[1]) / "tokenizer"
 load_tokenizer(EMBEDDED_ALIASES[0]).save_pretrained(dest)

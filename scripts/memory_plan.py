@@ -2,11 +2,11 @@
 
     python scripts/memory_plan.py --out results/memory_plan.md
 
-Arithmetic, not a measurement: the phases and every term with its formula are stapo/memory_plan.py's (the same
+Arithmetic, not a measurement: the phases and every term with its formula are stapo/run/memory_plan.py's (the same
 plan ``train.py`` checks at start-up and ``train.py --dry-run`` prints); the settings are read from
 configs/paper/qwen3_<size>_<method>.yaml (STAPO for β = 0 — JustRL and 20-Entropy are the same there — and GRPO,
 whose reference model adds a term and a phase); the shapes are the models' public config.json
-(stapo.memory_plan.PAPER_SHAPES). No hub access, no GPU needed. Rerunning the command reproduces the committed file
+(stapo.run.memory_plan.PAPER_SHAPES). No hub access, no GPU needed. Rerunning the command reproduces the committed file
 byte for byte (tests/test_memory_plan.py checks it).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from stapo.config import load_config  # noqa: E402
-from stapo.memory_plan import GPUS, PAPER_SHAPES, TARGET_FRACTION, MemoryPlan, plan_memory  # noqa: E402
+from stapo.run.memory_plan import GPUS, PAPER_SHAPES, TARGET_FRACTION, MemoryPlan, plan_memory  # noqa: E402
 
 SIZES = ("1.7b", "8b", "14b")
 METHODS = (("stapo", "β = 0"), ("grpo", "GRPO"))
@@ -60,7 +60,7 @@ def settings_line(size: str) -> str:
 def main() -> str:
     lines = ["# GPU memory per phase of the paper configs", "",
              "`python scripts/memory_plan.py --out results/memory_plan.md` (arithmetic, not measured: "
-             "[stapo/memory_plan.py](../stapo/memory_plan.py) has every term and its formula; `train.py` refuses at "
+             "[stapo/run/memory_plan.py](../stapo/memory_plan.py) has every term and its formula; `train.py` refuses at "
              "start-up a config whose largest phase exceeds the GPU, and `train.py --dry-run` prints this plan for the "
              "run's own config, ranks and GPU). GiB per GPU; H100 = 80 GB, 79.2 GiB visible; H200 = 141 GB, "
              "139.8 GiB visible. Each cell: the phase's total (the vLLM engine's share of it); ✗: over the GPU's "

@@ -3,13 +3,13 @@
     python scripts/plot_runs.py runs/stapo_embedded-smollm2_seed0 runs/grpo_embedded-smollm2_seed* --out runs.png
     python scripts/plot_runs.py runs/* --metrics critic/score/mean actor/entropy 'actor/*/masked_frac'
 
-Reads each folder's ``metrics.jsonl`` (:func:`stapo.tracking.read_metrics`) and ``config.json``, groups the runs
+Reads each folder's ``metrics.jsonl`` (:func:`stapo.run.tracking.read_metrics`) and ``config.json``, groups the runs
 (:func:`group_runs`: by their recorded W&B group, ``logging.group``, which is one setting — a family or study and a
 method — so seeds of a method share it; for runs from before that rule, by the objective, ``algorithm.objective``;
 ``--by`` chooses),
 and draws one panel per metric against the training step: per group a thin line per seed, the mean over seeds as a
 thick line and a light band from the seeds' minimum to their maximum, clipped to the metric's physical range
-(stapo/plotting.py, the same drawing as the study report's curves.png). A metric may be an :mod:`fnmatch` pattern
+(stapo/common/plotting.py, the same drawing as the study report's curves.png). A metric may be an :mod:`fnmatch` pattern
 (``actor/*/masked_frac``: each run's first matching key, the mask's own). A later row of a step (a resumed run)
 replaces an earlier one. Exit codes: 0 written; 2 a folder without config.json / metrics.jsonl, a damaged
 metrics.jsonl line, or no metric with a value (one line each).
@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from stapo.plotting import draw_seed_curves, physical_range  # noqa: E402
-from stapo.tracking import CorruptJsonlError, read_metrics  # noqa: E402
+from stapo.common.plotting import draw_seed_curves, physical_range  # noqa: E402
+from stapo.run.tracking import CorruptJsonlError, read_metrics  # noqa: E402
 
 #: The panels drawn without --metrics (docs/metrics.md): reward, grader accuracy, entropy, the mask's masked fraction,
 #: response length and the PPO clip fraction.

@@ -13,8 +13,8 @@ Two modes:
 
 ``--from-local DIR``
     Copy a folder laid out like ``../shared/data`` into ``<out>``.  Every file is first loaded with
-    :mod:`stapo.data` (benchmarks must load without a bad row; training sets report skipped rows),
-    then copied byte for byte; the raw fields stay as they are and :mod:`stapo.data` normalises
+    :mod:`stapo.tasks.data` (benchmarks must load without a bad row; training sets report skipped rows),
+    then copied byte for byte; the raw fields stay as they are and :mod:`stapo.tasks.data` normalises
     them when loading.  Tested (``tests/test_data.py``).
 
 default: from the Hugging Face hub with ``datasets.load_dataset``
@@ -65,8 +65,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from stapo.boxed import last_boxed_content  # noqa: E402
-from stapo.data import (  # noqa: E402
+from stapo.tasks.boxed import last_boxed_content  # noqa: E402
+from stapo.tasks.data import (  # noqa: E402
     BENCHMARKS,
     EXPECTED_ROWS,
     TRAIN_FILES,
@@ -277,7 +277,7 @@ def _hub_math_train(load: Callable) -> tuple[list[dict], dict[str, int]]:
 
 def download_hub(out_root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Download each dataset from the hub into ``out_root`` in the raw layout, then load it back
-    with :mod:`stapo.data` for the manifest.  Untested offline (see the module docstring).
+    with :mod:`stapo.tasks.data` for the manifest.  Untested offline (see the module docstring).
 
     Raises:
         ValueError: an unknown name, before anything is downloaded (it is never fetched as another set)."""
@@ -305,7 +305,7 @@ def download_hub(out_root: Path, names: Iterable[str]) -> dict[str, dict[str, An
         elif name == "math_train":
             rows, notes = _hub_math_train(load_dataset)
             path.write_text(json.dumps(rows, ensure_ascii=False, indent=2), encoding="utf-8")
-        else:  # in ALL_SETS but no hub recipe: a set registered in stapo.data without one here
+        else:  # in ALL_SETS but no hub recipe: a set registered in stapo.tasks.data without one here
             raise ValueError(f"{name}: no hub recipe in scripts/prepare_data.py; use --from-local")
         loaded = _load_any(name, path)
         entry = loaded.stats.as_dict()
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out_root.mkdir(parents=True, exist_ok=True)
     if args.synthetic:
-        from stapo.synthetic import generate_arithmetic
+        from stapo.tasks.synthetic import generate_arithmetic
 
         rel = Path("train") / "synthetic_arithmetic.jsonl"
         count = save_records_jsonl(generate_arithmetic(n=args.synthetic, seed=args.synthetic_seed), out_root / rel)

@@ -10,7 +10,7 @@ problem set, G responses per problem, and scores every response with both reward
 * ``math_verify``: the grader alone; math-verify evaluates an unevaluated expression, so "So 9 + 5." is correct
   for 14;
 * ``math_verify_value``: the same, and an answer that is still an expression scores -1
-  (:func:`stapo.grader.is_unevaluated_expression`).
+  (:func:`stapo.tasks.grader.is_unevaluated_expression`).
 
 Per set it reports the accuracy under each, the echo share (responses correct under ``math_verify`` only, as a
 share of its correct ones), the share of groups whose rewards vary (only those give GRPO a gradient), the mean
@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 
 from stapo.config import load_config
-from stapo.data import load_train_set
-from stapo.grader import MathGrader
-from stapo.models import load_policy
-from stapo.prompts import encode_prompt
-from stapo.rewards import MathVerifyReward
+from stapo.tasks.data import load_train_set
+from stapo.tasks.grader import MathGrader
+from stapo.model.models import load_policy
+from stapo.tasks.prompts import encode_prompt
+from stapo.tasks.rewards import MathVerifyReward
 from stapo.rollout import SamplingParams, build_rollout_engine
-from stapo.synthetic import generated_benchmark
+from stapo.tasks.synthetic import generated_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 

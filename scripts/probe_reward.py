@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 from stapo.config import load_config
-from stapo.data import load_train_set
-from stapo.models import load_policy
-from stapo.prompts import encode_prompt
-from stapo.rewards import MathVerifyReward, StrictBoxReward, extract_strict_box_answer
+from stapo.tasks.data import load_train_set
+from stapo.model.models import load_policy
+from stapo.tasks.prompts import encode_prompt
+from stapo.tasks.rewards import MathVerifyReward, StrictBoxReward, extract_strict_box_answer
 from stapo.rollout import SamplingParams, build_rollout_engine
 
 REPO = Path(__file__).resolve().parents[1]

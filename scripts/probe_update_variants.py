@@ -45,8 +45,8 @@ def main() -> None:
 
     import torch
 
-    from stapo.models import load_policy
-    from stapo.policy import collate_responses, policy_token_stats
+    from stapo.model.models import load_policy
+    from stapo.train.policy import collate_responses, policy_token_stats
     from stapo.rollout import Response
 
     model, tok = load_policy("embedded:smollm2", dtype="float32", attn_implementation=args.attn)

@@ -14,7 +14,7 @@ response at its first complete ``\\boxed{}`` as ``rollout.stop_at_first_boxed`` 
 * the mean response length before and after the cut, the median and 90th percentile after it, and the mean length
   of the strict-box-correct responses (tokens, EOS included where kept);
 * the share of groups whose strict-box rewards vary (only those give GRPO a gradient; needs G >= 2);
-* the reference solutions' mean length (:func:`stapo.word_problems.reference_solution`, + 1 for the EOS);
+* the reference solutions' mean length (:func:`stapo.tasks.word_problems.reference_solution`, + 1 for the EOS);
 * from the engine's log-probs of the sampled tokens (cut responses): their mean −log p, an unbiased estimate of the
   policy's mean token entropy (E over y ~ π of −log π(y) = H), and the share of sampled tokens with p < τ_p = 0.002
   (S2T's probability condition: the candidates before the advantage and entropy conditions).
@@ -38,12 +38,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from stapo.config import load_config  # noqa: E402
-from stapo.models import load_policy  # noqa: E402
-from stapo.prompts import encode_prompt  # noqa: E402
-from stapo.rewards import MathVerifyReward, StrictBoxReward  # noqa: E402
+from stapo.model.models import load_policy  # noqa: E402
+from stapo.tasks.prompts import encode_prompt  # noqa: E402
+from stapo.tasks.rewards import MathVerifyReward, StrictBoxReward  # noqa: E402
 from stapo.rollout import SamplingParams, build_rollout_engine  # noqa: E402
 from stapo.rollout.boxed_cut import cut_responses_at_first_boxed  # noqa: E402
-from stapo.word_problems import WORD_LEVELS, generate_word_problems, reference_solution  # noqa: E402
+from stapo.tasks.word_problems import WORD_LEVELS, generate_word_problems, reference_solution  # noqa: E402
 
 
 def _quantile(values: list[int], q: float) -> float:

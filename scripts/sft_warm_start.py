@@ -11,11 +11,11 @@ start" does, a short supervised pass on a few hundred worked solutions teaches t
 calculation each, the box); RL then starts from that model. It is not in the STAPO paper (whose Qwen3 base models
 already reason) and is applied to every method of the study alike (they all start from its output).
 
-Data: ``--num-problems`` training-split problems (:func:`stapo.word_problems.generate_word_problems`,
+Data: ``--num-problems`` training-split problems (:func:`stapo.tasks.word_problems.generate_word_problems`,
 ``split="train"``: never a held-out ``word_*`` benchmark problem) drawn evenly over ``--levels`` with ``--seed``
 (not the RL training set's seed, ``data.synthetic.seed``), each paired with its reference solution
-(:func:`stapo.word_problems.reference_solution`) and the EOS token. The prompt is exactly the RL prompt of
-``--config`` (chat template, its ``data.system_prompt``; :func:`stapo.prompts.encode_prompt`); the loss is the
+(:func:`stapo.tasks.word_problems.reference_solution`) and the EOS token. The prompt is exactly the RL prompt of
+``--config`` (chat template, its ``data.system_prompt``; :func:`stapo.tasks.prompts.encode_prompt`); the loss is the
 token-mean cross-entropy over the solution tokens only (prompt and padding labelled -100).
 
 Training: transformers' ``Trainer`` (AdamW, linear decay to 0, no warm-up, fp32, weight decay 0, gradient clip 1.0,
@@ -37,9 +37,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from stapo.config import load_config  # noqa: E402
-from stapo.models import load_policy  # noqa: E402
-from stapo.prompts import encode_prompt  # noqa: E402
-from stapo.word_problems import WORD_LEVELS, generate_word_problems, reference_solution  # noqa: E402
+from stapo.model.models import load_policy  # noqa: E402
+from stapo.tasks.prompts import encode_prompt  # noqa: E402
+from stapo.tasks.word_problems import WORD_LEVELS, generate_word_problems, reference_solution  # noqa: E402
 
 
 def build_examples(tok, cfg, num_problems: int, levels: list[int], seed: int) -> list[dict[str, list[int]]]:

@@ -7,7 +7,7 @@
 labelled by their ``step`` values; a row without training metrics (the step-0 validation of
 ``trainer.val_before_train``) is named but not counted as a step.
 Runs logged before the one metric vocabulary (``s2t/*`` keys...) are read through
-:func:`stapo.metric_names.rename_legacy` (docs/metrics.md#one-vocabulary-native-trainer-and-verl-plugin).
+:func:`stapo.core.metric_names.rename_legacy` (docs/metrics.md#one-vocabulary-native-trainer-and-verl-plugin).
 ``--wall-s``: the measured wall time of the whole command (e.g. from ``/usr/bin/time``), reported as given;
 the sum of the steps' ``timing_s/step`` is always reported (it excludes start-up and checkpoint writes).
 The computation is :mod:`stapo.train.summary` (train.py prints its short form at the end of a run).
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    from stapo.tracking import CorruptJsonlError, read_metrics
-    from stapo.metric_names import rename_legacy
+    from stapo.run.tracking import CorruptJsonlError, read_metrics
+    from stapo.core.metric_names import rename_legacy
     from stapo.train.summary import markdown_report
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -5,7 +5,7 @@
 
 Needs a run trained with ``trainer.save_rollouts=true`` (``<run>/rollouts/step_XXXXXX.jsonl.gz``). ``--step``
 defaults to the last saved step, ``--out`` to ``<run>/rollouts/step_XXXXXX.html``. Open the page in any browser
-(it needs no network). The page is built by :func:`stapo.viewer.write_page`.
+(it needs no network). The page is built by :func:`stapo.tools.viewer.write_page`.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stapo.cli import ArgumentParser  # noqa: E402
-from stapo.viewer import ViewerError, write_page  # noqa: E402
+from stapo.run.cli import ArgumentParser  # noqa: E402
+from stapo.tools.viewer import ViewerError, write_page  # noqa: E402
 
 
 def _step(text: str) -> int:

@@ -19,7 +19,7 @@ The layout (:func:`workspace_spec`, a plain dict, pure) is built from the keys t
 * **Utilisation**: ``perf/tokens_per_s``, ``timing_s/step``, ``perf/max_memory_allocated_gb``, ``perf/mfu/actor``.
 
 Every panel's x axis is ``training/global_step`` (the runs' step metric, so an evaluation of step K sits at K);
-the runs are grouped by W&B's *Group* — ``<family>-<method>`` or ``<study>-<method>`` (stapo/provenance.py) — so
+the runs are grouped by W&B's *Group* — ``<family>-<method>`` or ``<study>-<method>`` (stapo/run/provenance.py) — so
 each method is one line, the mean over its seeds with their min–max band. ``--filter-tag family:cpu_smollm2``
 (or ``study:<name>``) restricts the workspace to one comparison.
 
@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: The x axis of every panel: the training step (verl's name; every training and evaluation row carries it).
 STEP_AXIS = "training/global_step"
-#: W&B's run field the runs are grouped by: the run's group, one per method (stapo/provenance.py::default_group).
+#: W&B's run field the runs are grouped by: the run's group, one per method (stapo/run/provenance.py::default_group).
 GROUP_BY = "Group"
-#: Every registered token mask's fraction, ``actor/<mask prefix>/masked_frac`` (stapo/metric_names.py): STAPO's
+#: Every registered token mask's fraction, ``actor/<mask prefix>/masked_frac`` (stapo/core/metric_names.py): STAPO's
 #: ``actor/s2t/masked_frac``, the S2T ablations' own, and 20-Entropy's ``actor/top_entropy/kept_frac`` (it logs
 #: what it keeps).
 MASKED_FRAC_REGEX = "^actor/[^/]+/(masked_frac|kept_frac)$"
@@ -149,9 +149,9 @@ def to_workspace(spec: dict[str, Any]) -> Any:
 
 
 def default_benchmarks() -> list[str]:
-    """The paper's six benchmarks (:data:`stapo.data.BENCHMARKS`)."""
+    """The paper's six benchmarks (:data:`stapo.tasks.data.BENCHMARKS`)."""
     sys.path.insert(0, str(REPO))
-    from stapo.data import BENCHMARKS
+    from stapo.tasks.data import BENCHMARKS
 
     return list(BENCHMARKS)
 

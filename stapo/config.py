@@ -28,10 +28,13 @@ from typing import Any, Callable, Literal, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from stapo.data import FileSetConfig
+from stapo.common.errors import ConfigError  # noqa: F401 - re-exported: stapo.config.ConfigError
+
+from stapo.tasks.data import FileSetConfig
 
 __all__ = [
     "ConfigError",
+    "configs_dir",
     "ModelConfig",
     "DataConfig",
     "SyntheticConfig",
@@ -61,14 +64,10 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the offending key."""
-
-
 @dataclass
 class ModelConfig:
     path: str = "embedded:smollm2"  # a local HF folder, a hub id, "embedded:smollm2" or "tiny" (tests)
-    # Precision policy (stapo/precision.py; verl's FSDP mixed precision): the policy's parameters (the master
+    # Precision policy (stapo/model/precision.py; verl's FSDP mixed precision): the policy's parameters (the master
     # weights), their gradients (reduced across ranks in this dtype) and the AdamW moments are param_dtype; the
     # forward/backward computes in compute_dtype (torch.autocast in one process, FSDP2 MixedPrecisionPolicy under
     # torchrun), which is also the dtype of the rollout engine's weights, the reference model and the HF export.
@@ -92,25 +91,25 @@ class ModelConfig:
 @dataclass
 class SyntheticConfig:
     num_problems: int = 2000
-    # difficulty levels: stapo/synthetic.py (train_set synthetic) or stapo/word_problems.py (train_set word)
+    # difficulty levels: stapo/tasks/synthetic.py (train_set synthetic) or stapo/tasks/word_problems.py (train_set word)
     levels: list[int] = field(default_factory=lambda: [1])
     seed: int = 0
     # "all": every draw (the problem stream of earlier versions); "train": never a problem of the held-out split
-    # that the generated benchmarks arith_test / arith_hard (word_test, ...) are drawn from (stapo.splits)
+    # that the generated benchmarks arith_test / arith_hard (word_test, ...) are drawn from (stapo.tasks.splits)
     split: Literal["all", "train"] = "all"
 
 
 @dataclass
 class DataConfig:
     root: str = "data"  # data root (benchmarks/, train/); tests use ../shared/data
-    # "file": the user's own file, described by train_file (stapo.data.FileSetConfig; docs/extending.md)
-    train_set: str = "synthetic"  # synthetic | word | file (data.train_file) | a stapo.data.TRAIN_REGISTRY name
+    # "file": the user's own file, described by train_file (stapo.tasks.data.FileSetConfig; docs/extending.md)
+    train_set: str = "synthetic"  # synthetic | word | file (data.train_file) | a stapo.tasks.data.TRAIN_REGISTRY name
     train_file: FileSetConfig = field(default_factory=FileSetConfig)
     prompt_style: Literal["chat", "plain"] = "chat"  # chat template (instruct models) or plain text (base)
     system_prompt: Optional[str] = None  # chat only; the paper uses none (the CPU recipe adds a one-shot example)
     max_prompt_length: int = 1024  # tokens; longer prompts are dropped (and counted)
     # a training file whose gold answers math-verify (the grader's parser) cannot parse is reported in one line (file,
-    # count, first rows; stapo/golds.py) and refused above this fraction of its rows (0 refuses any, 1 accepts all)
+    # count, first rows; stapo/tasks/golds.py) and refused above this fraction of its rows (0 refuses any, 1 accepts all)
     max_unparsable_gold_fraction: float = 0.05
     train_batch_size: int = 256  # prompts per training step
     shuffle: bool = True
@@ -159,7 +158,7 @@ class S2TConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # A registered objective (stapo.objectives.OBJECTIVES: stapo, justrl, grpo, entropy20 and the ablations);
+    # A registered objective (stapo.core.objectives.OBJECTIVES: stapo, justrl, grpo, entropy20 and the ablations);
     # checked by validate(), an unknown name fails with the closest registered one.
     objective: str = "stapo"
     reward: Literal["strict_box", "math_verify", "math_verify_value"] = "strict_box"
@@ -174,7 +173,7 @@ class AlgorithmConfig:
     # the rollout policy to it (a diagnostic, never in the loss; one extra no-grad forward per step). Always on at β > 0.
     log_kl_to_ref: bool = False
     loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]] = None
-    # Parameters of the registered token masks (stapo.masks.MaskSpec.config_keys): S2T's in algorithm.s2t (also read
+    # Parameters of the registered token masks (stapo.core.masks.MaskSpec.config_keys): S2T's in algorithm.s2t (also read
     # by the S2T ablations), 20-Entropy's ratio in algorithm.top_entropy_ratio, any other mask's under
     # algorithm.masks.<mask name>.<parameter> (e.g. algorithm.masks.s2t_random.seed=1).
     s2t: S2TConfig = field(default_factory=S2TConfig)
@@ -223,15 +222,15 @@ class ActorConfig:
     # update either way up to float rounding (tested).
     deferred_graphs: Literal["keep", "recompute"] = "keep"
     # How the token statistics leave the model: logits — the LM head makes [tokens, V] logits, then the chunked
-    # token_stats kernels; fused — the final hidden states and the output embedding go to stapo/lm_head.py, which
+    # token_stats kernels; fused — the final hidden states and the output embedding go to stapo/model/lm_head.py, which
     # computes log p, H and Σπ² in vocabulary tiles (online log-sum-exp) and recomputes them per tile in the
     # backward, so the [tokens, V] logits and their gradient never exist (at 151,936 rows and a 32k-token
     # micro-batch that is ~20 GB of fp32 logits). Same values up to float rounding. It runs inside the model's own
-    # forward (stapo.lm_head.forward_token_stats), so under FSDP2 inside the root module's forward (the output
+    # forward (stapo.model.lm_head.forward_token_stats), so under FSDP2 inside the root module's forward (the output
     # embedding, tied or not, is all-gathered there). On in configs/paper/base.yaml.
     lm_head: Literal["logits", "fused"] = "logits"
     # verl's actor_rollout_ref.model.use_remove_padding: the trainer's forwards (old, reference, current-policy and
-    # update passes) take no attention mask and no left padding (stapo/policy.py::forward_layout): with
+    # update passes) take no attention mask and no left padding (stapo/train/policy.py::forward_layout): with
     # model.attn_implementation flash_attention_2 the micro-batch's rows are packed into one sequence (position ids
     # restart per row; the varlen flash kernel), with sdpa / eager each row starts at column 0 and only trailing
     # padding remains (SDPA is_causal: its flash kernel). false: left-padded prompt ‖ right-padded response with a
@@ -277,11 +276,11 @@ class TrainerConfig:
     # <run_dir>/rollouts/step_XXXXXX.jsonl.gz (stapo/train/samples.py; the token viewer scripts/view_rollouts.py
     # reads them). About 40 bytes per response token compressed.
     save_rollouts: bool = False
-    # The console while training (stapo/console.py): true = tqdm progress bars (the step's and the run's); false =
+    # The console while training (stapo/run/console.py): true = tqdm progress bars (the step's and the run's); false =
     # one plain line per step (step, reward, entropy, response length, clip fraction, masked fraction, s/step);
     # auto = bars when stdout and stderr are both terminals, plain lines otherwise (Slurm, nohup, `> log`).
     progress_bar: Any = "auto"
-    # Under torchrun with more than one rank (stapo/distributed.py): "fsdp2" shards parameters, gradients and
+    # Under torchrun with more than one rank (stapo/model/distributed.py): "fsdp2" shards parameters, gradients and
     # optimizer state (fully_shard); "replicate" keeps a full copy per rank and all-reduces gradients;
     # "auto" = fsdp2 on CUDA, replicate on CPU. Ignored in a single process.
     data_parallel: Literal["auto", "replicate", "fsdp2"] = "auto"
@@ -293,11 +292,11 @@ class TrainerConfig:
     # module. A list, also as an override: trainer.import_modules=[my_masks.py].
     import_modules: list[str] = field(default_factory=list)
     # Peak FLOP/s of one device for perf/mfu/actor (docs/metrics.md#timing-and-throughput): null = the table of
-    # stapo/perf.py::PEAK_FLOPS (dense bf16/fp16 tensor-core peaks of known GPUs, by device name) when the device is
+    # stapo/common/perf.py::PEAK_FLOPS (dense bf16/fp16 tensor-core peaks of known GPUs, by device name) when the device is
     # in it and model.compute_dtype is bfloat16/float16; otherwise perf/mfu/actor is not logged. A number (e.g.
     # 989e12) is used as given, on any device and dtype. Neutral: it changes no result.
     peak_flops: Optional[float] = None
-    # Memory of one GPU in GiB for the start-up memory plan (stapo/memory_plan.py): null = read the CUDA device's
+    # Memory of one GPU in GiB for the start-up memory plan (stapo/run/memory_plan.py): null = read the CUDA device's
     # total memory (a CPU run is then not checked; its dry run plans for an 80-GB H100, 79.2 GiB); a number = plan
     # and check against a GPU of that size whatever this machine has (train.py --dry-run on a laptop). A phase over
     # it is refused before any model loads.
@@ -344,12 +343,12 @@ class LoggingConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     # wandb_mode=online when W&B cannot start (no API key, server unreachable within a short init timeout):
     # "offline" continues with offline W&B files (one line on stderr saying so and how to `wandb sync` them later),
-    # "error" stops at start-up with a one-line error (train.py: exit 2). stapo/tracking.py::Tracker.
+    # "error" stops at start-up with a one-line error (train.py: exit 2). stapo/run/tracking.py::Tracker.
     wandb_fallback: Literal["offline", "error"] = "offline"
     project: str = "stapo"
     entity: Optional[str] = None
     # W&B grouping (wandb.init's group / tags / job_type / notes). None / empty: filled in at start-up
-    # (stapo/provenance.py::resolve_identity): group = "<study or family>-<method>", one setting
+    # (stapo/run/provenance.py::resolve_identity): group = "<study or family>-<method>", one setting
     # (configs/cpu_smollm2_stapo.yaml → cpu_smollm2-stapo, configs/paper/qwen3_8b_grpo.yaml → paper_qwen3_8b-grpo),
     # tags = [objective, model short name, reward, family:<family>, study:<study> in a study], job_type "train" for
     # train.py, "eval" for evaluate.py; the resolved values are recorded in the run's config.json. W&B limits:
@@ -358,7 +357,7 @@ class LoggingConfig:
     tags: list[str] = field(default_factory=list)
     job_type: Optional[str] = None
     notes: Optional[str] = None
-    # The parts of the default group (stapo/provenance.py::resolve_identity), each recorded in config.json and the
+    # The parts of the default group (stapo/run/provenance.py::resolve_identity), each recorded in config.json and the
     # W&B config, and family / study as tags ("family:<family>", "study:<study>"). null: filled in at start-up.
     # family: the config family (the config file's name without its method part, e.g. cpu_smollm2); study: the
     # study's name (set by `python -m stapo.study`; null outside a study); method: the method part of the config
@@ -370,7 +369,7 @@ class LoggingConfig:
     method: Optional[str] = None
     # Where metrics go besides <run_dir>/metrics.jsonl (always written): "wandb" (logging.wandb_mode), "tensorboard"
     # (torch.utils.tensorboard event files in <run_dir>/tensorboard: every scalar at its step; needs the tensorboard
-    # package: requirements-dev.txt) or "none" (alone: the JSONL files only). stapo/tracking.py::Tracker.
+    # package: requirements-dev.txt) or "none" (alone: the JSONL files only). stapo/run/tracking.py::Tracker.
     backends: list[str] = field(default_factory=lambda: ["wandb"])
     # W&B's system metrics (GPU/CPU utilisation and memory, sampled by wandb in the background) and console capture
     # (the run's stdout/stderr as the run's logs, output.log). Switch off for the lightest W&B run.
@@ -380,13 +379,13 @@ class LoggingConfig:
 
 @dataclass
 class MechanismConfig:
-    """Measurements of STAPO's mechanism logged by the trainer (stapo/mechanism.py, stapo/train/mechanism.py;
+    """Measurements of STAPO's mechanism logged by the trainer (stapo/train/probes.py, stapo/train/mechanism.py;
     docs/metrics.md#mechanism-measurements-mechanism-probe). Off by default; on, they never change the run (weights,
     optimizer state, random streams and the step's other metrics stay bit-identical: tests/test_mechanism.py).
     Measured at steps 1, 1 + N, 1 + 2N, ... of each cadence N (0 turns that measurement off); one process only."""
 
     enabled: bool = False
-    # the fixed probe set (JSONL, stapo.mechanism.read_probe_set; scripts/build_probe_set.py writes one); needed by
+    # the fixed probe set (JSONL, stapo.train.probes.read_probe_set; scripts/build_probe_set.py writes one); needed by
     # probe_every, attribution_every and counterfactual_every; copied to <run_dir>/mechanism_probe.jsonl at start
     probe_file: Optional[str] = None
     probe_every: int = 1  # probe/entropy: teacher-forced entropy of the probe set (one no-grad pass)
@@ -663,7 +662,7 @@ def validate(cfg: TrainConfig) -> None:
         if not cond:
             raise ConfigError(f"invalid value for '{key}' ({_get(cfg, key)!r}): {msg}")
 
-    from stapo.data import TRAIN_BY_NAME
+    from stapo.tasks.data import TRAIN_BY_NAME
     from stapo.rollout import BACKENDS
 
     check_finite(cfg)  # NaN / ±inf in any number: named before any range check reads it
@@ -758,8 +757,8 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.data.synthetic.seed >= 0, "data.synthetic.seed", "must be ≥ 0")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
     if cfg.data.train_set in ("synthetic", "word"):  # the generated tasks' levels (stapo/synthetic, word_problems)
-        from stapo.synthetic import LEVELS
-        from stapo.word_problems import WORD_LEVELS
+        from stapo.tasks.synthetic import LEVELS
+        from stapo.tasks.word_problems import WORD_LEVELS
 
         known = sorted(LEVELS if cfg.data.train_set == "synthetic" else WORD_LEVELS)
         need(bool(cfg.data.synthetic.levels) and all(lv in known for lv in cfg.data.synthetic.levels),
@@ -767,7 +766,7 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.data.synthetic.split in ("all", "train"), "data.synthetic.split",
          f"{cfg.data.synthetic.split!r} must be 'all' or 'train' (the test split is for evaluation: arith_test)")
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
-        from stapo.synthetic import GENERATED_BENCHMARKS
+        from stapo.tasks.synthetic import GENERATED_BENCHMARKS
 
         task = {"synthetic": "arithmetic", "word": "word"}.get(cfg.data.train_set)
         specs = [GENERATED_BENCHMARKS.get(str(b).strip().lower()) for b in cfg.validation.benchmarks]
@@ -828,7 +827,7 @@ def check_finite(cfg: Any, prefix: str = "") -> None:
     walk(cfg, prefix)
 
 
-#: The values of ``logging.backends`` (:class:`stapo.tracking.Tracker`).
+#: The values of ``logging.backends`` (:class:`stapo.run.tracking.Tracker`).
 TRACKER_BACKENDS: tuple[str, ...] = ("wandb", "tensorboard", "none")
 
 
@@ -879,9 +878,9 @@ def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
 
 def _validate_objective(cfg: TrainConfig) -> None:
     """``algorithm.objective`` against the registry, ``algorithm.masks`` against the registered masks' parameters, and
-    the objective built from the config (:func:`stapo.objectives.build_objective`, the trainer's own call)."""
-    from stapo.masks import MASKS
-    from stapo.objectives import OBJECTIVES
+    the objective built from the config (:func:`stapo.core.objectives.build_objective`, the trainer's own call)."""
+    from stapo.core.masks import MASKS
+    from stapo.core.objectives import OBJECTIVES
 
     alg = cfg.algorithm
     check_registered("algorithm.objective", alg.objective, "objective", OBJECTIVES)
@@ -963,7 +962,7 @@ def _schema_value_keys(prefix: str = "") -> list[str]:
 
 
 def check_mask_config_keys(spec: Any) -> None:
-    """Every config key a registered token mask reads its parameters from (:attr:`stapo.masks.MaskSpec.config_keys`)
+    """Every config key a registered token mask reads its parameters from (:attr:`stapo.core.masks.MaskSpec.config_keys`)
     must be a value of the :class:`TrainConfig` schema; a typo there would silently keep the parameter's default.
 
     Raises:
@@ -981,15 +980,15 @@ def check_mask_config_keys(spec: Any) -> None:
 
 
 def objective_from_config(cfg: TrainConfig) -> Any:
-    """The :class:`stapo.objectives.Objective` a train config asks for: :func:`stapo.objectives.build_objective` with
+    """The :class:`stapo.core.objectives.Objective` a train config asks for: :func:`stapo.core.objectives.build_objective` with
     the ``algorithm.*`` overrides and the mask parameters read from their config keys.
 
     Raises:
         ConfigError: a config key of the objective's token mask is not in the schema (:func:`check_mask_config_keys`).
-        KeyError, ValueError: from :func:`stapo.objectives.build_objective`.
+        KeyError, ValueError: from :func:`stapo.core.objectives.build_objective`.
     """
-    from stapo.masks import MASKS
-    from stapo.objectives import OBJECTIVES, OVERRIDABLE_FIELDS, build_objective
+    from stapo.core.masks import MASKS
+    from stapo.core.objectives import OBJECTIVES, OVERRIDABLE_FIELDS, build_objective
 
     alg = cfg.algorithm
     if alg.objective in OBJECTIVES and OBJECTIVES[alg.objective].token_mask in MASKS:
@@ -1102,3 +1101,14 @@ def _key_changes(saved: dict[str, Any], cfg: TrainConfig, mutable: tuple[str, ..
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The config as a plain nested dict (for W&B and the run directory's config.yaml)."""
     return dataclasses.asdict(cfg)
+
+
+def configs_dir() -> Path | None:
+    """The folder holding the shipped configs: ``<repo>/configs`` when this package sits in a source checkout (or an
+    editable install of one), else the installed package data ``stapo/configs``; None when neither exists."""
+    here = Path(__file__).resolve().parent  # .../stapo
+    repo = here.parent / "configs"
+    if repo.is_dir() and (here.parent / "train.py").is_file():
+        return repo
+    packaged = here / "configs"
+    return packaged if packaged.is_dir() else None

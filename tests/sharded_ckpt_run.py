@@ -37,9 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import stapo.checkpoint  # noqa: E402
-import stapo.models  # noqa: E402
-from stapo import distributed as dist  # noqa: E402
+import stapo.model.checkpoint  # noqa: E402
+import stapo.model.models  # noqa: E402
+from stapo.model import distributed as dist  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: E402
 
 #: the wider/deeper tiny model (vocab = the SmolLM2 tokenizer's 49152 ids)
@@ -53,15 +53,15 @@ def make_big_trainer(out: str, world: int):
     """The toy trainer (tests/toy_run.py) with the :data:`BIG` tiny model; FSDP2 when ``world`` > 1."""
     from toy_run import make_trainer
 
-    original = stapo.models.build_tiny_model
-    stapo.models.build_tiny_model = functools.partial(original, **BIG)
+    original = stapo.model.models.build_tiny_model
+    stapo.model.models.build_tiny_model = functools.partial(original, **BIG)
     try:
         extra = ["trainer.data_parallel=fsdp2"] if world > 1 else []
         trainer = make_trainer(out, [*OVERRIDES, *extra, "trainer.resume=auto"])
     finally:
-        stapo.models.build_tiny_model = original
+        stapo.model.models.build_tiny_model = original
     trainer.state.export_dtype = torch.bfloat16  # the HF export in bf16 while the parameters (and dcp/) are fp32
-    stapo.checkpoint.DEFAULT_MAX_SHARD_SIZE = SHARD_SIZE
+    stapo.model.checkpoint.DEFAULT_MAX_SHARD_SIZE = SHARD_SIZE
     return trainer
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from stapo.advantages import broadcast_to_tokens, grpo_advantages
+from stapo.core.advantages import broadcast_to_tokens, grpo_advantages
 
 
 def test_grpo_advantages_hand_example():

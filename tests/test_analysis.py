@@ -4,14 +4,14 @@ import math
 import pytest
 import torch
 
-from stapo.analysis import (
+from stapo.core.analysis import (
     entropy_change_estimate,
     logit_grad_norm,
     logit_grad_norm_bounds,
     quadrant_summary,
     token_loss_weight,
 )
-from stapo.objectives import clipped_surrogate
+from stapo.core.objectives import clipped_surrogate
 
 
 def test_grad_norm_hand_case():
@@ -27,7 +27,7 @@ def test_grad_norm_formula_equals_autograd_of_the_clipped_surrogate(temperature)
     logits = (torch.randn(n, v, dtype=torch.float64) * 3).requires_grad_(True)  # raw logits a
     y = torch.randint(0, v, (n,))
     adv = torch.randn(n, dtype=torch.float64)
-    # Reference statistics from a plain float64 softmax (independent of stapo.token_stats).
+    # Reference statistics from a plain float64 softmax (independent of stapo.core.token_stats).
     with torch.no_grad():
         pi = torch.softmax(logits / temperature, dim=-1)
         logp = pi.log().gather(1, y[:, None]).squeeze(1)

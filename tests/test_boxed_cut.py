@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stapo.boxed import first_boxed_end
+from stapo.tasks.boxed import first_boxed_end
 from stapo.rollout import BACKENDS, Backend
 from stapo.rollout.base import Response
 from stapo.rollout.boxed_cut import boxed_cut_length, cut_at_first_boxed
@@ -33,7 +33,7 @@ LAST = [76, 4810, 277, 107, 36, 17859]  # "\boxed{4}}": the box closes in the la
 def tok():
     from transformers import AutoTokenizer
 
-    from stapo.models import embedded_model_path
+    from stapo.model.models import embedded_model_path
 
     return AutoTokenizer.from_pretrained(embedded_model_path())
 

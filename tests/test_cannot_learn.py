@@ -22,11 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stapo.checkpoint import latest_checkpoint  # noqa: E402
+from stapo.model.checkpoint import latest_checkpoint  # noqa: E402
 from stapo.config import ConfigError, load_config  # noqa: E402
-from stapo.masks import MASKS  # noqa: E402
-from stapo.objectives import OBJECTIVES, POLICY_LOSSES  # noqa: E402
-from stapo.tracking import read_metrics  # noqa: E402
+from stapo.core.masks import MASKS  # noqa: E402
+from stapo.core.objectives import OBJECTIVES, POLICY_LOSSES  # noqa: E402
+from stapo.run.tracking import read_metrics  # noqa: E402
 from stapo.train.trainer import CannotLearn  # noqa: E402
 from toy_run import make_trainer  # noqa: E402
 
@@ -37,8 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PLUGIN = '''
 import torch
-from stapo.masks import TokenMask, register_token_mask
-from stapo.objectives import get_objective, register_objective, register_policy_loss
+from stapo.core.masks import TokenMask, register_token_mask
+from stapo.core.objectives import get_objective, register_objective, register_policy_loss
 
 
 @register_policy_loss("test_nan_loss")

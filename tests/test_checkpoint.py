@@ -1,4 +1,4 @@
-"""stapo/checkpoint.py in one process: the HF export, the dcp/ round trip, completeness, crash safety, bad input.
+"""stapo/model/checkpoint.py in one process: the HF export, the dcp/ round trip, completeness, crash safety, bad input.
 
 (The 2-rank FSDP2 / replicate cases, resharding and rank 0's memory: tests/test_distributed.py.)
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stapo import checkpoint as ck
-from stapo import distributed as dist
-from stapo.models import build_tiny_model, load_tokenizer, EMBEDDED_ALIASES
+from stapo.model import checkpoint as ck
+from stapo.model import distributed as dist
+from stapo.model.models import build_tiny_model, load_tokenizer, EMBEDDED_ALIASES
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_export_hf_writes_what_save_pretrained_writes(tmp_path, tokenizer, tied)
             assert sorted(a.keys()) == sorted(b.keys())
             for k in b.keys():
                 assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
-    from stapo.models import load_policy
+    from stapo.model.models import load_policy
 
     loaded, _ = load_policy(str(tmp_path / "mine"), dtype="bfloat16")  # what evaluate.py / train.py call
     assert loaded.dtype == torch.bfloat16

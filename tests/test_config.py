@@ -22,10 +22,10 @@ def test_paper_configs_follow_the_recipe_and_differ_only_by_method():
     stapo = load_config(REPO_ROOT / "configs/paper/qwen3_8b_stapo.yaml")
     grpo = load_config(REPO_ROOT / "configs/paper/qwen3_8b_grpo.yaml")
     assert stapo.model.path == "Qwen/Qwen3-8B-Base"
-    assert (stapo.data.train_batch_size, stapo.rollout.n, stapo.actor.ppo_mini_batch_size) == (256, 8, 64)
+    assert (stapo.tasks.data.train_batch_size, stapo.rollout.n, stapo.actor.ppo_mini_batch_size) == (256, 8, 64)
     assert (stapo.actor.lr, stapo.actor.warmup_steps, stapo.actor.weight_decay, stapo.actor.grad_clip) == \
         (1e-6, 10, 0.1, 1.0)
-    assert (stapo.rollout.response_length, stapo.data.max_prompt_length) == (15360, 1024)
+    assert (stapo.rollout.response_length, stapo.tasks.data.max_prompt_length) == (15360, 1024)
     assert (stapo.algorithm.s2t.prob_threshold, stapo.algorithm.s2t.entropy_quantile) == (0.002, 0.75)
     assert stapo.algorithm.objective == "stapo" and grpo.algorithm.objective == "grpo"
     grpo.algorithm.objective = "stapo"
@@ -173,7 +173,7 @@ def user_module(tmp_path):
     """Write a module file in tmp_path; everything it registers and the module itself are removed afterwards."""
     import sys
 
-    from stapo.objectives import OBJECTIVES
+    from stapo.core.objectives import OBJECTIVES
 
     written = []
 
@@ -193,7 +193,7 @@ def test_import_modules_run_before_the_objective_is_checked(user_module, tmp_pat
     import sys
 
     path = user_module("cfg_user_objective", (
-        "from stapo.objectives import get_objective, register_objective\n"
+        "from stapo.core.objectives import get_objective, register_objective\n"
         "register_objective(get_objective('justrl').replace(name='cfg_user_objective_obj', kl_coef=0.5))\n"))
     overrides = ["algorithm.objective=cfg_user_objective_obj"]
     with pytest.raises(ConfigError, match="unknown objective"):
@@ -212,7 +212,7 @@ def test_import_modules_run_before_the_objective_is_checked(user_module, tmp_pat
     sys.path.insert(0, str(tmp_path))
     try:
         sys.modules.pop("cfg_user_objective")
-        from stapo.objectives import OBJECTIVES
+        from stapo.core.objectives import OBJECTIVES
 
         OBJECTIVES.pop("cfg_user_objective_obj")
         assert load_config(REPO_ROOT / "configs/tiny_test.yaml",
@@ -323,8 +323,8 @@ def test_a_mask_config_key_missing_from_the_schema_is_one_line_naming_the_mask_t
     from dataclasses import dataclass
 
     from stapo.config import objective_from_config
-    from stapo.masks import TokenMask, register_token_mask, unregister_token_mask
-    from stapo.objectives import OBJECTIVES, get_objective, register_objective
+    from stapo.core.masks import TokenMask, register_token_mask, unregister_token_mask
+    from stapo.core.objectives import OBJECTIVES, get_objective, register_objective
 
     @dataclass
     class TauParams:

@@ -1,4 +1,4 @@
-"""The training console (stapo/console.py): progress bars on a terminal, one plain line per step in a log file,
+"""The training console (stapo/run/console.py): progress bars on a terminal, one plain line per step in a log file,
 the run folder and W&B location at start, and the end-of-run "evaluate" suggestion (stapo/train/summary.py)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stapo.console import start_lines, step_line, use_progress_bars
+from stapo.run.console import start_lines, step_line, use_progress_bars
 from stapo.train.summary import Commands, commands_here, eval_config_for, evaluate_suggestion, missing_benchmarks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_the_evaluate_suggestion_follows_the_family_and_the_data(tmp_path, monke
 def test_outside_a_checkout_the_suggestions_name_the_console_scripts_and_the_shipped_configs(tmp_path, monkeypatch):
     """From a folder that is not a checkout (no evaluate.py, no scripts/): stapo-eval / stapo-summarize /
     stapo-compare, and the family's eval config found among the package's configs, written configs/eval/X.yaml
-    (stapo-eval resolves that name there: stapo.entry_points.resolve_config)."""
+    (stapo-eval resolves that name there: stapo.tools.entry_points.resolve_config)."""
     monkeypatch.chdir(tmp_path)
     here = commands_here()
     assert (here.evaluate, here.summarize, here.compare) == ("stapo-eval", "stapo-summarize", "stapo-compare")

@@ -1,4 +1,4 @@
-"""Tests for stapo/data.py and scripts/prepare_data.py --from-local, on the real files in ../shared/data."""
+"""Tests for stapo/tasks/data.py and scripts/prepare_data.py --from-local, on the real files in ../shared/data."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stapo.data import (
+from stapo.tasks.data import (
     BENCHMARKS,
     DataError,
     DataFileNotFoundError,
@@ -284,7 +284,7 @@ def test_prepare_data_refuses_an_unknown_name_in_one_line(subset_root, tmp_path,
             call()
         assert str(err.value) == f"unknown data set 'gsm8k'; known: {known}"
     assert not (tmp_path / "o").exists() and not (tmp_path / "h").exists()  # nothing copied (not even aime24)
-    # a training set registered in stapo.data but unknown to this script is refused too, not read as MATH-train
+    # a training set registered in stapo.tasks.data but unknown to this script is refused too, not read as MATH-train
     with pytest.raises(ValueError, match=r"^unknown data set 'new_set'; known: aime24, "):
         prepare._load_any("new_set", math_file)
     with pytest.raises(SystemExit) as exit_info:  # the command line: argparse's one-line refusal, exit 2
@@ -295,7 +295,7 @@ def test_prepare_data_refuses_an_unknown_name_in_one_line(subset_root, tmp_path,
 
 def test_every_benchmark_table_derives_from_the_registry():
     """One registry entry per benchmark; the seven tables are views of it (values written out by hand)."""
-    from stapo.data import _CONVERTERS, _INTEGER_SOURCES, BENCHMARK_REGISTRY, EXPECTED_ROWS, TRAIN_REGISTRY
+    from stapo.tasks.data import _CONVERTERS, _INTEGER_SOURCES, BENCHMARK_REGISTRY, EXPECTED_ROWS, TRAIN_REGISTRY
     from stapo.evaluation.config import BENCHMARK_ALIASES, PAPER_SAMPLES
     from stapo.evaluation.report import DISPLAY_NAMES
 
@@ -314,7 +314,7 @@ def test_every_benchmark_table_derives_from_the_registry():
     assert [t.name for t in TRAIN_REGISTRY] == ["dapo_math_17k", "math_train"]
 
 
-# --- user data sets by config (stapo.data.FileSetConfig) ---------------------------------------------------
+# --- user data sets by config (stapo.tasks.data.FileSetConfig) ---------------------------------------------------
 
 
 def _write_rows(path, rows):
@@ -323,7 +323,7 @@ def _write_rows(path, rows):
 
 
 def test_file_set_jsonl_maps_columns_and_normalises_gold(tmp_path):
-    from stapo.data import FileSetConfig, load_file_set
+    from stapo.tasks.data import FileSetConfig, load_file_set
 
     path = _write_rows(tmp_path / "my.jsonl", [
         {"question": "What is 1+1?", "sol": "$2$", "uid": "a"},
@@ -340,7 +340,7 @@ def test_file_set_jsonl_maps_columns_and_normalises_gold(tmp_path):
 
 
 def test_file_set_parquet_and_skipped_rows(tmp_path):
-    from stapo.data import FileSetConfig, load_file_set
+    from stapo.tasks.data import FileSetConfig, load_file_set
 
     path = tmp_path / "set.parquet"
     pq.write_table(pa.table({"problem": ["p0", "p1", "p2"], "answer": ["\\frac{1}{2}", "", "x"]}), path)
@@ -352,7 +352,7 @@ def test_file_set_parquet_and_skipped_rows(tmp_path):
 
 
 def test_file_set_bad_field_name_is_one_line_naming_file_and_key(tmp_path):
-    from stapo.data import FileSetConfig, load_file_set
+    from stapo.tasks.data import FileSetConfig, load_file_set
 
     path = _write_rows(tmp_path / "my.jsonl", [{"question": "q", "answer": "1"}])
     with pytest.raises(DataError) as err:
@@ -373,7 +373,7 @@ def test_file_set_bad_field_name_is_one_line_naming_file_and_key(tmp_path):
 def test_file_set_without_rows_is_one_line_naming_the_file(tmp_path):
     """An empty user file (no bytes, only blank lines, an empty JSON list, a parquet table of 0 rows): one line naming
     the file and saying it has no rows (datasets said `cannot read as json: StopIteration: `)."""
-    from stapo.data import FileSetConfig, load_file_set
+    from stapo.tasks.data import FileSetConfig, load_file_set
 
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text("\n  \n")
@@ -396,7 +396,7 @@ def test_file_set_bad_json_names_the_file_the_row_and_the_line(tmp_path):
     """A line json.loads rejects (datasets said only `DatasetGenerationError: An error occurred ...`): the file, the
     row (0-based, blank lines not counted, as in the ids) and the line number; also a row that is not an object, a
     broken JSON list (line and column) and bytes that are not UTF-8."""
-    from stapo.data import FileSetConfig, load_file_set
+    from stapo.tasks.data import FileSetConfig, load_file_set
 
     cases = {
         "bad.jsonl": ('{"problem": "a", "answer": "1"}\n\n{"problem": "b", "answer": \n{"problem": "c", "answer": "3"}\n',
@@ -421,7 +421,7 @@ def test_file_set_bad_json_names_the_file_the_row_and_the_line(tmp_path):
 def test_file_set_missing_file_names_the_config_key_not_the_data_root(tmp_path, monkeypatch):
     """A user's file that does not exist: the config key (and the working directory of a relative path); the hint
     `build the data root with scripts/prepare_data.py` is for the built-in sets only."""
-    from stapo.data import FileSetConfig, load_file_set
+    from stapo.tasks.data import FileSetConfig, load_file_set
 
     with pytest.raises(DataFileNotFoundError) as err:
         load_file_set("x", FileSetConfig(path=str(tmp_path / "nope.jsonl")))

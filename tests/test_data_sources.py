@@ -2,7 +2,7 @@
 and verl-format parquet, lists of files, hub datasets (offline: the one-line error).
 
 The built-in sets' digests below were computed with the hand-written readers (``_read_jsonl`` / ``_read_json_list``
-/ ``_read_parquet``) that the ``datasets`` path replaced, at commit 83da1ae (the last commit of stapo/data.py before
+/ ``_read_parquet``) that the ``datasets`` path replaced, at commit 83da1ae (the last commit of stapo/tasks/data.py before
 the change), with::
 
     mkdir -p /tmp/old && git archive 83da1ae stapo | tar -x -C /tmp/old
@@ -53,7 +53,7 @@ def _load_builtin(data_module, name: str, root):
 def test_builtin_sets_read_by_datasets_keep_every_record(shared_data_root, name, monkeypatch):
     """Every record (id, problem, normalised gold, source, order) of each built-in set is what the hand-written
     readers gave, and the file was read by the one ``datasets`` reader the user's files use."""
-    import stapo.data as data
+    import stapo.tasks.data as data
 
     read = []
     real = data._read_table
@@ -88,7 +88,7 @@ VERL_KEYS = dict(problem_key="prompt", answer_key="reward_model.ground_truth", i
 
 
 def test_verl_parquet_by_nested_keys_and_the_chat_prompt(tmp_path):
-    from stapo.data import FileSetConfig, load_file_set
+    from stapo.tasks.data import FileSetConfig, load_file_set
 
     path = _verl_parquet(tmp_path / "train.parquet")
     got = load_file_set("toy", FileSetConfig(path=str(path), **VERL_KEYS))
@@ -103,7 +103,7 @@ def test_verl_parquet_by_nested_keys_and_the_chat_prompt(tmp_path):
 def test_verl_parquet_by_train_config(tmp_path):
     """The same file named in a train.py config (dotted overrides of data.train_file)."""
     from stapo.config import load_config
-    from stapo.data import file_set_name, load_file_set
+    from stapo.tasks.data import file_set_name, load_file_set
 
     path = _verl_parquet(tmp_path / "dapo_like.parquet")
     cfg = load_config(None, ["data.train_set=file", f"data.train_file.path={path}", "data.train_file.problem_key=prompt",
@@ -118,7 +118,7 @@ def test_verl_parquet_by_train_config(tmp_path):
 def test_skipped_rows_of_a_verl_parquet_are_named_in_the_warning(tmp_path, caplog):
     """Rows 1 (a chat without a user message) and 3 (a null ground truth) of 4 are skipped; the one warning counts
     them by reason and names them by their 0-based rows, so they can be found in the file."""
-    from stapo.data import FileSetConfig, load_file_set
+    from stapo.tasks.data import FileSetConfig, load_file_set
 
     def row(i: int, prompt: list, gold: str | None) -> dict:
         return {"data_source": "toy", "prompt": prompt, "ability": "math",
@@ -128,7 +128,7 @@ def test_skipped_rows_of_a_verl_parquet_are_named_in_the_warning(tmp_path, caplo
     path = _verl_parquet(tmp_path / "bad.parquet", [row(0, user, "2"), row(1, [{"role": "system", "content": "x"}],
                                                                              "2"), row(2, user, "2"),
                                                     row(3, user, None)])
-    with caplog.at_level("WARNING", logger="stapo.data"):
+    with caplog.at_level("WARNING", logger="stapo.tasks.data"):
         got = load_file_set("toy", FileSetConfig(path=str(path), **VERL_KEYS))
     assert [r.id for r in got] == ["toy/0", "toy/2"]
     (msg,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
@@ -137,14 +137,14 @@ def test_skipped_rows_of_a_verl_parquet_are_named_in_the_warning(tmp_path, caplo
     # one bad row: "row 1"
     path = _verl_parquet(tmp_path / "one.parquet", [row(0, user, "2"), row(1, user, None)])
     caplog.clear()
-    with caplog.at_level("WARNING", logger="stapo.data"):
+    with caplog.at_level("WARNING", logger="stapo.tasks.data"):
         load_file_set("toy", FileSetConfig(path=str(path), **VERL_KEYS))
     (msg,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert msg == f"{path}: skipped 1 of 2 rows (field 'reward_model.ground_truth': answer is null: 1; row 1)"
 
 
 def test_nested_key_errors_are_one_line(tmp_path):
-    from stapo.data import DataError, FileSetConfig, load_file_set
+    from stapo.tasks.data import DataError, FileSetConfig, load_file_set
 
     path = _verl_parquet(tmp_path / "v.parquet")
     with pytest.raises(DataError) as err:  # a field the struct column lacks: refused before any row
@@ -171,7 +171,7 @@ def test_nested_key_errors_are_one_line(tmp_path):
 
 def test_nested_keys_in_jsonl(tmp_path):
     """Dotted keys work in JSON lines too; a row whose nested value is null names the key."""
-    from stapo.data import DataError, FileSetConfig, load_file_set
+    from stapo.tasks.data import DataError, FileSetConfig, load_file_set
 
     path = tmp_path / "n.jsonl"
     path.write_text('{"q": {"text": "1+1?"}, "meta": {"gold": "2"}}\n{"q": {"text": "2+2?"}, "meta": {"gold": null}}\n')
@@ -192,7 +192,7 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_a_list_of_files(tmp_path):
     from stapo.config import load_config
-    from stapo.data import DataError, FileSetConfig, load_file_set
+    from stapo.tasks.data import DataError, FileSetConfig, load_file_set
 
     a = _jsonl(tmp_path / "a.jsonl", [{"problem": "p0", "answer": "1"}, {"problem": "p1", "answer": "2"}])
     b = _jsonl(tmp_path / "b.jsonl", [{"problem": "p2", "answer": ""}, {"problem": "p3", "answer": "4"}])
@@ -227,9 +227,9 @@ def test_a_list_of_files(tmp_path):
 def test_file_set_digest_of_one_file_and_of_a_list(tmp_path):
     """The run fingerprint's data part: one file keeps its SHA-256 (as before); a list: the digest of the files'
     digests in order, so reordering or changing a file changes it."""
-    from stapo.data import FileSetConfig, file_set_digest
-    from stapo.fingerprint import file_sha256, json_digest
-    from stapo.run_identity import data_part
+    from stapo.tasks.data import FileSetConfig, file_set_digest
+    from stapo.common.fingerprint import file_sha256, json_digest
+    from stapo.run.run_identity import data_part
 
     a = _jsonl(tmp_path / "a.jsonl", [{"problem": "p0", "answer": "1"}])
     b = _jsonl(tmp_path / "b.jsonl", [{"problem": "p1", "answer": "2"}])
@@ -253,7 +253,7 @@ def test_hub_dataset_unreachable_is_one_line(monkeypatch):
     import datasets.config
     import huggingface_hub.constants
 
-    from stapo.data import DataError, FileSetConfig, load_file_set
+    from stapo.tasks.data import DataError, FileSetConfig, load_file_set
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
@@ -271,7 +271,7 @@ def test_hub_dataset_unreachable_is_one_line(monkeypatch):
 def test_hub_source_loads_through_datasets(tmp_path):
     """``hf:<id>`` goes to ``datasets.load_dataset(<id>, <config>, split=<split>)``; a local dataset folder is an id
     it can load without the network (a verl-style parquet named by split)."""
-    from stapo.data import FileSetConfig, _hub_source, file_set_digest, file_set_name, load_file_set
+    from stapo.tasks.data import FileSetConfig, _hub_source, file_set_digest, file_set_name, load_file_set
 
     assert _hub_source("hf:openai/gsm8k:main@test") == ("openai/gsm8k", "main", "test")
     assert _hub_source("hf:openai/gsm8k") == ("openai/gsm8k", None, "train")
@@ -283,7 +283,7 @@ def test_hub_source_loads_through_datasets(tmp_path):
     got = load_file_set("toy", spec)
     assert [(r.id, r.answer) for r in got] == [("toy/10", "2"), ("toy/11", "9"), ("toy/12", "007")]
     assert got.stats.path == f"hf:{folder}@train"
-    from stapo.fingerprint import json_digest
+    from stapo.common.fingerprint import json_digest
 
     assert file_set_digest(spec, name="toy") == f"hub:hf:{folder}@train:" + json_digest(
         [["toy/10", "What is 1+1?", "2"], ["toy/11", "What is 3*3?", "9"], ["toy/12", "Pad 007?", "007"]])
@@ -309,7 +309,7 @@ def test_a_custom_benchmark_from_a_verl_parquet_and_a_list(tmp_path):
 
 if __name__ == "__main__":  # the digest table of OLD_READER_DIGESTS, from the stapo package under argv[1]
     sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1]))
-    import stapo.data as _data
+    import stapo.tasks.data as _data
 
     for _name in OLD_READER_DIGESTS:
         _loaded = _load_builtin(_data, _name, "../shared/data")

@@ -1,4 +1,4 @@
-"""Data parallelism in our trainer (stapo/distributed.py): CPU, gloo, 2 processes, the tiny model, the toy reward.
+"""Data parallelism in our trainer (stapo/model/distributed.py): CPU, gloo, 2 processes, the tiny model, the toy reward.
 
 The 2-rank runs use torchrun on tests/toy_run.py with 4 prompts per step and 2 per mini-batch (two optimizer steps
 per training step, so rank r holds its half of EACH mini-batch) and ``--uneven-reward``: global prompt 1 gets −1
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from stapo import distributed as dist
+from stapo.model import distributed as dist
 from stapo.config import ConfigError, load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,8 +54,8 @@ def _torchrun(out: Path, *overrides: str) -> None:
 
 
 def _rows(run: Path) -> list[dict]:
-    """The run's metrics.jsonl rows, NaN / ±inf as floats (stapo.tracking.read_metrics), as train() returns them."""
-    from stapo.tracking import read_metrics
+    """The run's metrics.jsonl rows, NaN / ±inf as floats (stapo.run.tracking.read_metrics), as train() returns them."""
+    from stapo.run.tracking import read_metrics
 
     return read_metrics(run / "toy" / "metrics.jsonl")
 
@@ -268,7 +268,7 @@ def test_prompt_seeds_follow_the_global_prompt_index():
 
 
 def test_merge_stats_sums_counts():
-    from stapo.rewards import RewardStats
+    from stapo.tasks.rewards import RewardStats
 
     merged = dist.merge_stats([RewardStats(n=4, correct=1, no_answer=2), None, RewardStats(n=4, correct=3)])
     assert (merged.n, merged.correct, merged.no_answer) == (8, 4, 2)
@@ -461,7 +461,7 @@ def test_one_process_resumes_a_replicate_checkpoint(replicate_run, tmp_path):
 def _to_previous_format(ckpt: Path) -> None:
     """Rewrite a one-process checkpoint in the previous format: the full ``optimizer.state_dict()`` (keyed by
     parameter index) in trainer_state.pt, no dcp/ — what train.py wrote before sharded checkpoints."""
-    from stapo.checkpoint import load_trainer_state
+    from stapo.model.checkpoint import load_trainer_state
 
     trainer = make_trainer(str(ckpt.parents[2]), [*COMMON, "trainer.resume=auto"], uneven_reward=True)
     trainer._maybe_resume()  # through dcp/ (exact: see the sharded test)
@@ -476,7 +476,7 @@ def _to_previous_format(ckpt: Path) -> None:
 def test_one_process_resumes_a_checkpoint_of_the_previous_format(one_rank, tmp_path):
     """Checkpoints written before dcp/ existed still resume (weights from the HF files, the optimizer from
     trainer_state.pt): step 2 is the uninterrupted one-process run's, exactly."""
-    from stapo.checkpoint import is_sharded, latest_checkpoint
+    from stapo.model.checkpoint import is_sharded, latest_checkpoint
 
     ref_dir, _ = one_rank
     run = tmp_path / "previous"

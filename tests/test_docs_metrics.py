@@ -55,7 +55,7 @@ def _train_one_step(out: Path, objective: str, toy: bool) -> set[str]:
     trainer = make_trainer(str(out), [f"algorithm.objective={objective}", "trainer.total_steps=1",
                                       "trainer.save_every=0"])
     if not toy:  # the configured reward (strict box): reward/* counts are logged
-        from stapo.rewards import make_reward_fn
+        from stapo.tasks.rewards import make_reward_fn
 
         trainer.reward_fn = make_reward_fn(trainer.cfg.algorithm.reward)
     try:
@@ -140,7 +140,7 @@ def test_the_pattern_matcher_rejects_unknown_keys():
 
 
 def test_legacy_names_map_old_runs_to_the_vocabulary():
-    from stapo.metric_names import LEGACY_NAMES, current_name, rename_legacy
+    from stapo.core.metric_names import LEGACY_NAMES, current_name, rename_legacy
 
     assert current_name("s2t/masked_frac") == "actor/s2t/masked_frac"
     assert current_name("top_entropy/kept_frac") == "actor/top_entropy/kept_frac"

@@ -1,4 +1,4 @@
-"""stapo.dp_mask: the mini-batch mask over data-parallel ranks equals the single-process mask.
+"""stapo.core.minibatch: the mini-batch mask over data-parallel ranks equals the single-process mask.
 
 Two real gloo processes (CPU) with an uneven split: rank 0 holds 2 responses and every S2T candidate, rank 1 holds
 3 responses of different lengths and no candidate (all its advantages are negative); then the same with candidates
@@ -13,8 +13,8 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from stapo.dp_mask import all_gather_varlen, minibatch_token_mask
-from stapo.objectives import compute_token_mask, get_objective
+from stapo.core.minibatch import all_gather_varlen, minibatch_token_mask
+from stapo.core.objectives import compute_token_mask, get_objective
 
 TAU_P_LOGP = -7.0  # log p < ln 0.002 ≈ −6.2146: a candidate when Â > 0
 
@@ -114,7 +114,7 @@ def test_two_gloo_ranks_with_uneven_candidates_match_one_process(tmp_path):
 def test_single_process_without_torch_distributed_is_the_plain_mask():
     lp, ent, adv, m = _shares()[0]
     obj = get_objective("stapo")
-    from stapo.objectives import compute_token_mask
+    from stapo.core.objectives import compute_token_mask
 
     ref = compute_token_mask(obj, lp, ent, adv, m)
     got = minibatch_token_mask(obj, lp, ent, adv, m)

@@ -239,7 +239,7 @@ def _tiny_lm() -> torch.nn.Module:
 def _sync_worker(rank: int, store: str, out_dir: str) -> None:
     import os
 
-    from stapo import distributed as dist
+    from stapo.model import distributed as dist
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -13,8 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 BOOM_MASK = """
-from stapo.masks import register_token_mask
-from stapo.objectives import get_objective, register_objective
+from stapo.core.masks import register_token_mask
+from stapo.core.objectives import get_objective, register_objective
 
 
 @register_token_mask("boom", maskable_rows="all")

@@ -1,4 +1,4 @@
-"""train.py / evaluate.py --dry-run and the cost estimate behind them (stapo/estimate.py): the numbers worked by hand
+"""train.py / evaluate.py --dry-run and the cost estimate behind them (stapo/tools/estimate.py): the numbers worked by hand
 for small configs, the throughput lookups from hand-made files, and the CLIs (exit 0, resolved config printed,
 nothing created; a bad config still one line, exit 2)."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stapo import estimate as est
+from stapo.tools import estimate as est
 from stapo.config import load_config
-from stapo.perf import ModelShape
+from stapo.common.perf import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_test.yaml")
@@ -100,7 +100,7 @@ def test_validation_cost_per_rank_and_time_by_hand(tmp_path):
 
 def test_train_flops_at_the_bound_by_hand():
     # a 1-wide, 1-layer model: layer matmul weights 1 (q) + 2 (k, v) + 1 (o) + 3 (MLP) = 7, LM head 1;
-    # forward FLOPs = 2·7·positions + 4·keys + 2·logit rows (stapo/perf.py)
+    # forward FLOPs = 2·7·positions + 4·keys + 2·logit rows (stapo/common/perf.py)
     shape = ModelShape(hidden=1, intermediate=1, layers=1, heads=1, kv_heads=1, head_dim=1, vocab_rows=1)
     cfg = _tiny("data.train_batch_size=1", "rollout.n=2", "rollout.response_length=2", "actor.ppo_micro_batch_size=2")
     c = est.train_cost(cfg, prompt_lengths=[1], size=est.ModelSize(params=8, shape=shape))
@@ -125,7 +125,7 @@ def test_checkpoint_steps():
 
 
 def test_model_size_of_the_tiny_model_by_hand():
-    from stapo.models import EMBEDDED_ALIASES, load_tokenizer
+    from stapo.model.models import EMBEDDED_ALIASES, load_tokenizer
 
     tok = load_tokenizer(EMBEDDED_ALIASES[0])
     size = est.model_size("tiny", tokenizer=tok)
@@ -220,7 +220,7 @@ def _yaml_part(out: str):
 
 def test_train_py_dry_run_prints_the_resolved_config_and_cost_and_creates_nothing(tmp_path, shared_data_root,
                                                                                   monkeypatch, capsys):
-    from stapo.precision import resolve_compute_dtype
+    from stapo.model.precision import resolve_compute_dtype
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("--dry-run loaded a model or started an engine")

@@ -26,21 +26,21 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def tok():
-    from stapo.models import load_tokenizer
+    from stapo.model.models import load_tokenizer
 
     return load_tokenizer("embedded:smollm2")
 
 
 @pytest.fixture(scope="module")
 def tiny(tok):
-    from stapo.models import build_tiny_model
+    from stapo.model.models import build_tiny_model
 
     return build_tiny_model(seed=0, tokenizer=tok)[0]
 
 
 @pytest.fixture(scope="module")
 def grader():
-    from stapo.grader import MathGrader
+    from stapo.tasks.grader import MathGrader
 
     g = MathGrader(num_workers=1, timeout_s=5.0)
     yield g
@@ -68,8 +68,8 @@ def test_weights_replaced_at_the_same_path_are_refused_and_a_moved_folder_is_reu
     the old samples (and a moved copy of the same weights was refused)."""
     import shutil
 
-    from stapo.fingerprint import file_sha256, model_digest, read_fingerprint
-    from stapo.models import build_tiny_model
+    from stapo.common.fingerprint import file_sha256, model_digest, read_fingerprint
+    from stapo.model.models import build_tiny_model
 
     # the folders hold small tied models (under the 16-MiB digest cache threshold: nothing written to ~/.cache);
     # the samples come from the model object passed in
@@ -174,7 +174,7 @@ def test_a_store_sets_aside_records_of_other_content_and_splits_lines_on_newline
 # --- gold answers the grader cannot parse ---------------------------------------------------------------------
 def test_a_gold_math_verify_cannot_parse_is_an_error_verdict_not_a_wrong_answer():
     """Before: math-verify's text fallback made '\\frac{' a gold, and every response to it 'incorrect'."""
-    from stapo.grader import GradeStatus, grade_answer, gold_parses
+    from stapo.tasks.grader import GradeStatus, grade_answer, gold_parses
 
     assert [gold_parses(g) for g in ("34", "\\frac{1}{2}", "(1,2)", "x=3", "N/A")] == [True] * 5
     assert [gold_parses(g) for g in ("\\frac{", "\\sqrt", "\\begin{cases} x=1 \\\\ y=2 \\end{cases}", "-1./3",
@@ -186,8 +186,8 @@ def test_a_gold_math_verify_cannot_parse_is_an_error_verdict_not_a_wrong_answer(
 
 
 def test_check_golds_counts_reports_and_refuses(capsys):
-    from stapo.data import DataError
-    from stapo.golds import check_golds
+    from stapo.tasks.data import DataError
+    from stapo.tasks.golds import check_golds
 
     golds = ["1", "\\sqrt", "2", "3", "\\frac{"] + ["4"] * 15  # 2 of 20 unparsable: 10 %
     got = check_golds(golds, where="f.jsonl", key="data.max_unparsable_gold_fraction", max_fraction=0.1,
@@ -233,8 +233,8 @@ def test_the_shipped_benchmarks_load_with_the_default_threshold(shared_data_root
 @pytest.mark.slow
 def test_unparsable_golds_of_the_shipped_data(shared_data_root):
     """The counts docs/evaluation.md states (math-verify 0.9.0): all below the default 5 %."""
-    from stapo.data import BENCHMARKS, load_benchmark, load_train_set
-    from stapo.golds import check_golds
+    from stapo.tasks.data import BENCHMARKS, load_benchmark, load_train_set
+    from stapo.tasks.golds import check_golds
 
     counts = {}
     for name in BENCHMARKS:
@@ -251,7 +251,7 @@ def test_unparsable_golds_of_the_shipped_data(shared_data_root):
 
 def test_a_training_file_with_unparsable_golds_is_counted_or_refused(tmp_path, tok, capsys):
     from stapo.config import load_config
-    from stapo.data import DataError
+    from stapo.tasks.data import DataError
     from stapo.train import load_prompts
 
     path = tmp_path / "my_set.jsonl"

@@ -415,7 +415,7 @@ def test_the_offline_wandb_file_holds_the_curve_in_the_training_group(shared_dat
 
 # --- selection, damaged checkpoints and folders -----------------------------------------------------------------
 def fake_checkpoints(run: Path, steps=(1, 2, 3)) -> None:
-    from stapo.checkpoint_files import _write_marker
+    from stapo.common.checkpoint_files import _write_marker
 
     for step in steps:
         ckpt = run / "checkpoints" / f"step_{step:06d}"

@@ -37,14 +37,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def tok():
-    from stapo.models import load_tokenizer
+    from stapo.model.models import load_tokenizer
 
     return load_tokenizer("embedded:smollm2")
 
 
 @pytest.fixture(scope="module")
 def tiny(tok):
-    from stapo.models import build_tiny_model
+    from stapo.model.models import build_tiny_model
 
     model, _ = build_tiny_model(seed=0, tokenizer=tok)  # the model `model.path: tiny` builds
     return model
@@ -52,7 +52,7 @@ def tiny(tok):
 
 @pytest.fixture(scope="module")
 def grader():
-    from stapo.grader import MathGrader
+    from stapo.tasks.grader import MathGrader
 
     g = MathGrader(num_workers=1, timeout_s=5.0)
     yield g
@@ -264,7 +264,7 @@ def fake_run(tmp_path: Path) -> Path:
 
 
 def test_model_source_resolution(tmp_path):
-    from stapo.models import EMBEDDED_ALIASES
+    from stapo.model.models import EMBEDDED_ALIASES
 
     assert EMBEDDED_NAMES == EMBEDDED_ALIASES
     run = fake_run(tmp_path)
@@ -354,7 +354,7 @@ def test_validation_hook_on_a_trainer_like_object(shared_data_root, tmp_path, to
 
 
 def test_verifier_turns_rejected_answers_correct_and_is_counted(tmp_path, grader):
-    from stapo.data import Record
+    from stapo.tasks.data import Record
     from stapo.evaluation.verifier import VerifierVerdict
 
     class OneResponseEngine:
@@ -450,10 +450,10 @@ def test_custom_benchmark_from_a_jsonl_file(shared_data_root, tmp_path, tok, tin
 
 
 def test_generated_synthetic_benchmarks_need_no_data_root(tmp_path, tok, tiny, monkeypatch):
-    """arith_test / arith_hard (stapo.synthetic.GENERATED_BENCHMARKS) are benchmarks by name: their default N is 4,
+    """arith_test / arith_hard (stapo.tasks.synthetic.GENERATED_BENCHMARKS) are benchmarks by name: their default N is 4,
     they load without a data root, and grader.require_value grades an echo of the question incorrect."""
     from stapo.evaluation.runner import load_problems
-    from stapo.grader import MathGrader
+    from stapo.tasks.grader import MathGrader
 
     missing = tmp_path / "no_data_here"
     cfg = tiny_cfg(missing, tmp_path / "o", "data.benchmarks=[arith_test,Arith_Hard]", "data.limit=2",
@@ -471,7 +471,7 @@ def test_generated_synthetic_benchmarks_need_no_data_root(tmp_path, tok, tiny, m
             built.append(kwargs.get("require_value"))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr("stapo.grader.MathGrader", Recording)
+    monkeypatch.setattr("stapo.tasks.grader.MathGrader", Recording)
     run_evaluation(cfg, model=tiny, tokenizer=tok)
     assert built == [True]
     recs = read_jsonl(tmp_path / "o" / "generations" / "arith_test__t1.0_p1.0.jsonl")
@@ -613,9 +613,9 @@ def test_a_rollout_backend_from_the_eval_config_import_modules(capsys, shared_da
 
 
 def test_a_run_folder_resolves_to_its_latest_intact_checkpoint(tmp_path):
-    """evaluate.py --model <run> uses the rule a resume uses (stapo/checkpoint_files.py): a newest checkpoint
+    """evaluate.py --model <run> uses the rule a resume uses (stapo/common/checkpoint_files.py): a newest checkpoint
     whose files no longer match its COMPLETE.json is passed over for the previous one."""
-    from stapo.checkpoint_files import _write_marker
+    from stapo.common.checkpoint_files import _write_marker
 
     run = tmp_path / "run"
     for step in (1, 2):
@@ -635,7 +635,7 @@ def test_model_dtype_auto_follows_the_training_rule(shared_data_root, tmp_path, 
     # model.dtype=auto resolves at load like training's compute_dtype: bf16 where the CPU has it natively, else fp32
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr("stapo.perf.native_bf16", lambda native=native: native)
+        monkeypatch.setattr("stapo.common.perf.native_bf16", lambda native=native: native)
         assert tiny_cfg(shared_data_root, tmp_path / "o", "model.dtype=auto").model.dtype == expected
     assert tiny_cfg(shared_data_root, tmp_path / "o", "model.dtype=float32").model.dtype == "float32"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stapo.masks import MASKS, check_mask_result, get_mask_spec, register_token_mask
-from stapo.objectives import POLICY_LOSSES, get_objective, policy_loss, register_policy_loss
-from stapo.registry import ExtensionError
+from stapo.core.masks import MASKS, check_mask_result, get_mask_spec, register_token_mask
+from stapo.core.objectives import POLICY_LOSSES, get_objective, policy_loss, register_policy_loss
+from stapo.common.registry import ExtensionError
 from stapo.train.metrics import MetricAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,8 +98,8 @@ def test_a_fraction_without_its_count_is_averaged_not_zeroed():
 
 
 LIAR = """
-from stapo.masks import TokenMask, register_token_mask
-from stapo.objectives import get_objective, register_objective
+from stapo.core.masks import TokenMask, register_token_mask
+from stapo.core.objectives import get_objective, register_objective
 
 
 @register_token_mask("liar", maskable_rows="positive_advantage")

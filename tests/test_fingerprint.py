@@ -1,10 +1,10 @@
-"""stapo.fingerprint: content digests that follow bytes, not paths."""
+"""stapo.common.fingerprint: content digests that follow bytes, not paths."""
 from __future__ import annotations
 
 import hashlib
 import json
 
-from stapo import fingerprint as fp
+from stapo.common import fingerprint as fp
 
 
 def test_file_sha256_is_the_sha256_of_the_bytes(tmp_path):

@@ -1,4 +1,4 @@
-"""The fused LM head inside the model's forward (stapo.lm_head.forward_token_stats), in one process and inside the
+"""The fused LM head inside the model's forward (stapo.model.lm_head.forward_token_stats), in one process and inside the
 FSDP2 root module's forward on 2 gloo ranks; the token-statistics tile sizes per device.
 
 References: the logits path (the model's own LM head + token_stats) in one process without FSDP2, and
@@ -15,16 +15,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from stapo.lm_head import (
+from stapo.model.lm_head import (
     TokenStatsRequest,
     forward_token_stats,
     install_token_stats_forward,
     lm_head_tiles,
     lm_head_token_stats,
 )
-from stapo.policy import collate_responses, policy_token_stats
+from stapo.train.policy import collate_responses, policy_token_stats
 from stapo.rollout import Response
-from stapo.token_stats import ChunkSizes, chunk_sizes
+from stapo.core.token_stats import ChunkSizes, chunk_sizes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -151,8 +151,8 @@ def test_gpu_route_run_on_cpu_reads_bf16_directly_and_matches_the_eager_kernel(m
     tiles) run on the CPU by pretending the device is a GPU: the same statistics and gradients as the eager kernel
     (bf16 logits, fp32 statistics: ≤ 5e-6; bf16 gradient: ≤ 1 bf16 ulp of its scale).  Slow: compiles the kernels'
     bf16 variant (~10 s)."""
-    import stapo.lm_head as lm
-    import stapo.token_stats as ts
+    import stapo.model.lm_head as lm
+    import stapo.core.token_stats as ts
 
     upcasts = []
     real_upcast = ts._fwd_sums_upcast
@@ -209,13 +209,13 @@ def _max_numel_mode():
 
 
 # (tied embeddings, gradient checkpointing, forward layout): the padded batch untied, tied with checkpointing, and the
-# packed [1, T] layout (stapo.policy.layout_inputs; the head on flat positions) tied
+# packed [1, T] layout (stapo.train.policy.layout_inputs; the head on flat positions) tied
 VARIANTS = ((False, False, "padded"), (True, True, "padded"), (True, False, "packed"))
 
 
 def _fsdp2_worker(rank: int, store: str, out_dir: str) -> None:
-    import stapo.distributed as dist
-    import stapo.lm_head as lm
+    import stapo.model.distributed as dist
+    import stapo.model.lm_head as lm
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -117,7 +117,7 @@ def test_dry_run_writes_a_passing_summary(tmp_path):
         assert v["micro_batch"].startswith(f"{len(v['rows'])} × (16 + 48)")
         # a random init (std 0.02) gives logits ≈ 0: π ≈ uniform over the 4,032 tokens, log p ≈ −ln 4032 = −8.30
         assert v["old_logprobs_mean"] == pytest.approx(-math.log(4032), abs=0.05)
-        assert 0 < v["planned_GiB"]["old pass"] <= v["planned_GiB"]["update"]  # stapo.memory_plan's prediction
+        assert 0 < v["planned_GiB"]["old pass"] <= v["planned_GiB"]["update"]  # stapo.run.memory_plan's prediction
         if v["name"] != first:
             assert v["compared_with"] == first and v["logprob_mean_abs_diff"] <= 0.02
     assert not any("reserved" in c["name"] or "planned" in c["name"] for c in pm["checks"])  # GPU-only checks
@@ -234,11 +234,11 @@ def test_phase_memory_records_an_out_of_memory_and_halves_the_rows(monkeypatch, 
 
     import torch
 
-    import stapo.policy
+    import stapo.train.policy
 
     gc = _load_script()
     sz = gc.sizes_for(True)
-    original = stapo.policy.policy_token_stats
+    original = stapo.train.policy.policy_token_stats
     calls = []
 
     def flaky(model, batch, temperature, **kw):
@@ -247,7 +247,7 @@ def test_phase_memory_records_an_out_of_memory_and_halves_the_rows(monkeypatch, 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 17.39 GiB (injected)")
         return original(model, batch, temperature, backend="eager", **kw)  # eager: no compilation in this test
 
-    monkeypatch.setattr(stapo.policy, "policy_token_stats", flaky)
+    monkeypatch.setattr(stapo.train.policy, "policy_token_stats", flaky)
     part = gc.Part("phase_memory", "x", time.perf_counter() + 600)
     gc.part_phase_memory(part, sz)
     data = part.finish()

@@ -1,4 +1,4 @@
-"""Tests for stapo/grader.py: verdicts on the golden file, the hard timeout, threads, worker death."""
+"""Tests for stapo/tasks/grader.py: verdicts on the golden file, the hard timeout, threads, worker death."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stapo.grader import GradeStatus, GraderError, GraderStats, MathGrader, grade_answer
+from stapo.tasks.grader import GradeStatus, GraderError, GraderStats, MathGrader, grade_answer
 
 GOLDEN = Path(__file__).parent / "golden" / "reward_cases.json"
 CASES = json.loads(GOLDEN.read_text(encoding="utf-8"))
@@ -219,7 +219,7 @@ def test_stats_merge_and_dict():
 
 
 def test_unevaluated_expression_rule_by_hand():
-    from stapo.grader import is_unevaluated_expression as unevaluated
+    from stapo.tasks.grader import is_unevaluated_expression as unevaluated
 
     # an operator between two operands: not a value
     for answer in ("9 + 5.", "9+5", "3\\times 4", "12 - 7", "(2)+(3)", "8 / 2"):

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stapo.checkpoint_files import checkpoint_digest  # noqa: E402
+from stapo.common.checkpoint_files import checkpoint_digest  # noqa: E402
 from stapo.config import (FORK_MUTABLE_KEYS, ConfigError, TrainConfig, fork_key_changes, load_config,  # noqa: E402
                           to_dict)
-from stapo.run_identity import NEUTRAL_KEYS, config_digest  # noqa: E402
+from stapo.run.run_identity import NEUTRAL_KEYS, config_digest  # noqa: E402
 from stapo.train.prompts import PromptLoader  # noqa: E402
 from stapo.train.samples import read_rollouts  # noqa: E402
 from toy_run import REPO, make_trainer  # noqa: E402

@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy_run import make_trainer, toy_reward  # noqa: E402
 
-from stapo.checkpoint import latest_checkpoint  # noqa: E402
+from stapo.model.checkpoint import latest_checkpoint  # noqa: E402
 from stapo.train.trainer import Interrupted  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

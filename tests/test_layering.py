@@ -1,5 +1,7 @@
 """Package layering: no import cycle between stapo's modules (module-level and function-level imports alike),
-and nothing in the core imports from ``stapo/integrations/`` (adapters depend on the core, never the reverse)."""
+imports only run down the layers of ``stapo.LAYERS`` (the algorithm in ``stapo/core/`` imports nothing above it, the
+run shell ``stapo/run/`` nothing of training or evaluation), and the package map in ``stapo/__init__.py`` names every
+module of the tree."""
 from __future__ import annotations
 
 import ast
@@ -81,3 +83,50 @@ def test_the_core_never_imports_the_integrations():
     bad = sorted((m, t) for m, ts in graph.items() if not m.startswith("stapo.integrations") for t in ts
                  if t.startswith("stapo.integrations"))
     assert bad == []
+
+
+def layer_of(module: str) -> int:
+    """The index in ``stapo.LAYERS`` of a module's layer (``stapo.core.masks`` → that of ``core``), or -1 for the
+    package itself and its private top-level modules (``stapo``, ``stapo._vision_guard``)."""
+    from stapo import LAYERS
+
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1].startswith("_"):
+        return -1
+    assert parts[1] in LAYERS, f"{module} is in no layer of stapo.LAYERS"
+    return LAYERS.index(parts[1])
+
+
+def test_layer_of_by_hand():
+    # LAYERS = (common, core, tasks, model, rollout, config, run, evaluation, train, study, tools, integrations)
+    assert (layer_of("stapo.common.registry"), layer_of("stapo.core.masks"), layer_of("stapo.config")) == (0, 1, 5)
+    assert layer_of("stapo.train.update") == 8 and layer_of("stapo._vision_guard") == -1
+
+
+def test_imports_only_run_down_the_layers():
+    graph = import_graph()
+    up = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if layer_of(t) > layer_of(m) >= 0)
+    assert up == []
+    # the algorithm imports only the bottom layer; the run shell never imports training or evaluation
+    core = {t for m, ts in graph.items() if m.startswith("stapo.core.") for t in ts}
+    assert {t.split(".")[1] for t in core} <= {"core", "common"}, core
+    run = {t for m, ts in graph.items() if m.startswith("stapo.run.") for t in ts}
+    assert not {t for t in run if t.startswith(("stapo.train", "stapo.evaluation", "stapo.study"))}, run
+
+
+def test_the_package_map_names_every_module():
+    """Every sub-package of stapo/ is a layer, and the map in stapo/__init__.py names each module (by its file
+    stem) and each sub-package (``core/``...)."""
+    import stapo
+
+    doc = stapo.__doc__
+    folders = sorted(p.name for p in (REPO / "stapo").iterdir() if (p / "__init__.py").is_file())
+    assert set(folders) | {"config"} == set(stapo.LAYERS)
+    missing = [f"{d}/" for d in folders if f"{d}/" not in doc]
+    for f in (REPO / "stapo").rglob("*.py"):
+        stem = f.stem
+        if stem.startswith("_") or f.parent.name == "configs":
+            continue
+        if not any(word.strip(",():;") == stem for word in doc.split()):
+            missing.append(str(f.relative_to(REPO)))
+    assert missing == []

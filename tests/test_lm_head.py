@@ -1,4 +1,4 @@
-"""Tests for stapo.lm_head.lm_head_token_stats (docs/method.md#token-statistics, #token-analysis).
+"""Tests for stapo.model.lm_head.lm_head_token_stats (docs/method.md#token-statistics, #token-analysis).
 
 Expected values come from a float64 reference written here (z = h·Wᵀ / T in float64, log_softmax) and from the
 existing path ``token_stats(F.linear(h, W[:V]), targets, T)``; never from calling lm_head_token_stats twice.
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from stapo.lm_head import lm_head_token_stats
-from stapo.token_stats import TokenStats, token_stats
+from stapo.model.lm_head import lm_head_token_stats
+from stapo.core.token_stats import TokenStats, token_stats
 
 N, D, V = 37, 16, 1000
 TILES = {"vocab_tile": 128, "row_tile": 16}  # 7 full vocab tiles + one of 104 columns; row tiles 16, 16, 5

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from stapo.masks import MASKS, get_token_mask, no_mask, s2t_mask, top_entropy_mask
-from stapo.tensor_utils import quantile
+from stapo.core.masks import MASKS, get_token_mask, no_mask, s2t_mask, top_entropy_mask
+from stapo.core.tensor_utils import quantile
 
 
 def _case_2x6():
@@ -225,7 +225,7 @@ def test_nan_entropy_is_an_error_not_a_silent_no_op():
 
 
 def test_maskable_rows_by_mask():
-    from stapo.masks import maskable_rows
+    from stapo.core.masks import maskable_rows
 
     adv = torch.tensor([0.5, 0.0, -0.5])  # S2T silences only Â > 0 tokens (docs/method.md#s2t-mask): row 0 only
     assert maskable_rows("s2t", adv).tolist() == [True, False, False]
@@ -238,7 +238,7 @@ def test_maskable_rows_by_mask():
 # --- the paper's ablations of S2T (same candidates as S2T: (0,1) H .2, (0,2) H .4, (0,4) H 1.3, (1,0) H .6,
 # (1,2) H .3 in _case_2x6; S2T with q = 0.75 silences (0,1), (0,2), (1,2)) ------------------------------------
 def test_high_entropy_masking_silences_candidates_above_the_1_minus_q_quantile():
-    from stapo.masks import s2t_high_entropy_mask
+    from stapo.core.masks import s2t_high_entropy_mask
 
     # candidate H sorted [0.2, 0.3, 0.4, 0.6, 1.3]; 1 − q = 0.25 → pos = 0.25·4 = 1 → τ = 0.3.
     # silenced: H > 0.3 (strict): (0,2) .4, (0,4) 1.3, (1,0) .6; (1,2) has H = τ → kept; (0,1) .2 kept.
@@ -254,7 +254,7 @@ def test_high_entropy_masking_silences_candidates_above_the_1_minus_q_quantile()
 
 
 def test_random_masking_silences_as_many_candidates_as_s2t_with_a_documented_seed():
-    from stapo.masks import s2t_random_mask
+    from stapo.core.masks import s2t_random_mask
 
     logp, h, adv, mask = _case_2x6()
     out = s2t_random_mask(logp, h, adv, mask, seed=0)
@@ -275,10 +275,10 @@ def test_random_masking_silences_as_many_candidates_as_s2t_with_a_documented_see
 
 def test_random_masking_depends_on_the_candidate_sequence_not_on_the_layout():
     """The one-process trainer masks the [n, R] mini-batch, the data-parallel path its [1, N_resp] flattening
-    (stapo.dp_mask.minibatch_token_mask): both, and any padding width, silence the same tokens. By hand: seed 11104 as
+    (stapo.core.minibatch.minibatch_token_mask): both, and any padding width, silence the same tokens. By hand: seed 11104 as
     above (N_resp = 11 response tokens whatever the padding, N_cand = 5); the flattening puts row 0's 6 response
     tokens at 0..5 and row 1's 5 at 6..10, so the candidates (0,1), (0,2), (0,4), (1,0), (1,2) are at 1, 2, 4, 6, 8."""
-    from stapo.masks import s2t_random_mask
+    from stapo.core.masks import s2t_random_mask
 
     logp, h, adv, mask = _case_2x6()
     perm = torch.randperm(5, generator=torch.Generator().manual_seed(11104))[:3].tolist()
@@ -302,7 +302,7 @@ def test_random_masking_depends_on_the_candidate_sequence_not_on_the_layout():
 
 
 def test_justrl_fullmask_silences_every_low_probability_token_of_positive_advantage():
-    from stapo.masks import full_low_prob_mask
+    from stapo.core.masks import full_low_prob_mask
 
     logp, h, adv, mask = _case_2x6()
     out = full_low_prob_mask(logp, h, adv, mask, prob_threshold=0.002)
@@ -317,7 +317,7 @@ def test_justrl_fullmask_silences_every_low_probability_token_of_positive_advant
 
 
 def test_ablation_masks_touch_only_positive_advantage_rows():
-    from stapo.masks import maskable_rows
+    from stapo.core.masks import maskable_rows
 
     adv = torch.tensor([0.5, 0.0, -0.5])
     for name in ("s2t_high_entropy", "s2t_random", "full_low_prob"):

@@ -1,4 +1,4 @@
-"""The mechanism measurements (stapo/mechanism.py, stapo/train/mechanism.py;
+"""The mechanism measurements (stapo/train/probes.py, stapo/train/mechanism.py;
 docs/metrics.md#mechanism-measurements-mechanism-probe): probe set, first-K entropy, token groups and weights, the
 AdamW linearisation (by hand on a 2-layer linear toy and against torch's AdamW step), and on the tiny model: the
 groups add up to the step's first-order change, the counterfactual's δ is exactly 0 when nothing is silenced, and
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stapo.mechanism import (GROUPS, AdamWLinearisation, ProbeRow, ProbeSetError, build_probe_set, dot,
+from stapo.train.probes import (GROUPS, AdamWLinearisation, ProbeRow, ProbeSetError, build_probe_set, dot,
                              first_k_entropy, probe_batch, probe_digest, probe_entropy, read_probe_set, shares,
                              token_groups, token_weights, weighted_token_gradients, write_probe_set)
-from stapo.objectives import aggregate_loss
+from stapo.core.objectives import aggregate_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy_run import make_trainer  # noqa: E402
@@ -297,7 +297,7 @@ def test_grpo_attribution_has_a_kl_part_and_every_key_is_documented(tmp_path):
 
 def _probe_grad(model, trainer, rows_file):
     """∇_θ H_probe and H_probe at ``model``'s weights, computed here from the probe file (not by the hook)."""
-    from stapo.policy import policy_token_stats
+    from stapo.train.policy import policy_token_stats
 
     rows = read_probe_set(rows_file)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -405,8 +405,8 @@ def _script():
 
 
 def test_build_probe_set_script_writes_the_initial_models_answers(tmp_path, capsys):
-    from stapo.prompts import encode_prompt
-    from stapo.synthetic import generated_benchmark
+    from stapo.tasks.prompts import encode_prompt
+    from stapo.tasks.synthetic import generated_benchmark
 
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny_test.yaml"
     out = tmp_path / "probe.jsonl"
@@ -414,7 +414,7 @@ def test_build_probe_set_script_writes_the_initial_models_answers(tmp_path, caps
                            "--out", str(out)]) == 0
     rows = read_probe_set(out)
     assert [r.source for r in rows] == ["arith_test/0#0", "arith_test/1#0"]
-    from stapo.models import EMBEDDED_ALIASES, load_tokenizer
+    from stapo.model.models import EMBEDDED_ALIASES, load_tokenizer
 
     tok = load_tokenizer(EMBEDDED_ALIASES[0])
     problem = generated_benchmark("arith_test")[0].problem

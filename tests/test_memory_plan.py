@@ -1,4 +1,4 @@
-"""The GPU memory plan per phase (stapo/memory_plan.py): every term of a small made-up shape worked by hand, the
+"""The GPU memory plan per phase (stapo/run/memory_plan.py): every term of a small made-up shape worked by hand, the
 order of the engine's memory over the phases, the start-up refusal, the dry run's table for a paper config on this
 CPU machine, and results/memory_plan.md as scripts/memory_plan.py prints it now."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stapo.config import ConfigError, load_config
-from stapo.memory_plan import (GIB, PAPER_SHAPES, MemoryPlanError, ModelShape, check_memory_plan, format_plan,
+from stapo.run.memory_plan import (GIB, PAPER_SHAPES, MemoryPlanError, ModelShape, check_memory_plan, format_plan,
                                model_shape, plan_memory)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_a_config_over_the_gpu_is_refused_in_one_line_naming_the_phase_and_the_k
 def _qwen_folder(root: Path) -> Path:
     """A local folder with the public Qwen3-1.7B config.json, the SmolLM2 tokenizer and an empty weights file (a dry
     run never reads weights): the paper config's model where the hub cannot be reached."""
-    from stapo.models import embedded_model_path
+    from stapo.model.models import embedded_model_path
 
     folder = root / "Qwen3-1.7B-Base"
     folder.mkdir()

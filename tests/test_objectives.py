@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from stapo.objectives import (
+from stapo.core.objectives import (
     OBJECTIVES,
     Objective,
     aggregate_loss,
@@ -245,7 +245,7 @@ def test_s2t_silencing_a_whole_micro_batch_gives_finite_zero_loss_and_zero_gradi
 
 
 def test_build_objective_applies_overrides_and_mask_parameters_by_config_key():
-    from stapo.objectives import build_objective
+    from stapo.core.objectives import build_objective
 
     # the docstring's example: ε_high 0.3 and q 0.8; the other S2T parameters keep the objective's values
     obj = build_objective("stapo", {"clip_ratio_high": 0.3, "kl_coef": None},
@@ -258,7 +258,7 @@ def test_build_objective_applies_overrides_and_mask_parameters_by_config_key():
 
 
 def test_a_loss_formula_registered_by_name_replaces_the_clipped_surrogate():
-    from stapo.objectives import POLICY_LOSSES, register_policy_loss
+    from stapo.core.objectives import POLICY_LOSSES, register_policy_loss
 
     @register_policy_loss("test_unclipped")
     def unclipped(logprobs, old_logprobs, advantages, keep, objective):

@@ -109,19 +109,19 @@ def test_packages_and_configs_ship():
     assert sorted(p.name for p in REPO.glob("*.py")) == ["evaluate.py", "train.py"]  # what stapo._cli carries
     assert PROJECT["license"] == "MIT" and (REPO / "LICENSE").read_text().startswith("MIT License")
     assert "the stapo authors" in (REPO / "LICENSE").read_text()
-    assert PROJECT["scripts"] == {"stapo-train": "stapo.entry_points:train",
-                                  "stapo-eval": "stapo.entry_points:evaluate",
-                                  "stapo-study": "stapo.entry_points:study",
-                                  "stapo-summarize": "stapo.entry_points:summarize",
-                                  "stapo-compare": "stapo.entry_points:compare",
-                                  "stapo-prepare-data": "stapo.entry_points:prepare_data"}
+    assert PROJECT["scripts"] == {"stapo-train": "stapo.tools.entry_points:train",
+                                  "stapo-eval": "stapo.tools.entry_points:evaluate",
+                                  "stapo-study": "stapo.tools.entry_points:study",
+                                  "stapo-summarize": "stapo.tools.entry_points:summarize",
+                                  "stapo-compare": "stapo.tools.entry_points:compare",
+                                  "stapo-prepare-data": "stapo.tools.entry_points:prepare_data"}
     # each console script's target runs a file that is there (scripts/X.py, carried as stapo/_cli/scripts/X.py)
     for name in ("summarize_run", "compare", "prepare_data"):
         assert (REPO / "scripts" / f"{name}.py").is_file()
 
 
 def test_resolve_config_finds_shipped_configs(tmp_path, monkeypatch):
-    from stapo.entry_points import _with_resolved_config, resolve_config
+    from stapo.tools.entry_points import _with_resolved_config, resolve_config
 
     base = tmp_path / "shipped"
     (base / "eval").mkdir(parents=True)

@@ -1,5 +1,5 @@
 """Padding-free and token-budget micro-batches (actor.use_remove_padding, actor.use_dynamic_bsz): the layouts of
-stapo.policy.layout_inputs worked by hand, their per-token statistics and gradients against the padded forward,
+stapo.train.policy.layout_inputs worked by hand, their per-token statistics and gradients against the padded forward,
 the token-budget split of stapo.train.plan, and two trainer steps that must give the padded run's masks, loss
 denominators and update."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from stapo.config import ConfigError, load_config  # noqa: E402
-from stapo.models import build_tiny_model, load_tokenizer  # noqa: E402
-from stapo.policy import collate_responses, forward_layout, layout_inputs, policy_token_stats  # noqa: E402
+from stapo.model.models import build_tiny_model, load_tokenizer  # noqa: E402
+from stapo.train.policy import collate_responses, forward_layout, layout_inputs, policy_token_stats  # noqa: E402
 from stapo.rollout import Response  # noqa: E402
 from stapo.train.plan import build_plan, micro_batch_tokens, token_budget_micro_batches  # noqa: E402
 
@@ -176,7 +176,7 @@ def _sync_worker(rank: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        from stapo.distributed import DistContext
+        from stapo.model.distributed import DistContext
         from stapo.train.plan import max_over_ranks
 
         # rank 0's long rows need more micro-batches of 32 tokens than rank 1's short ones
@@ -225,7 +225,7 @@ def test_padding_free_token_budget_steps_give_the_padded_masks_denominators_and_
     step) with the default padded, fixed-row micro-batches, with trailing padding + a token budget, and packed + a
     token budget + the fused forward path (its deferred rows) + the fused LM head: the same kept-token denominators
     (computed from the mask alone), the same masks and metrics, and the same weights up to float rounding."""
-    import stapo.distributed as dist
+    import stapo.model.distributed as dist
 
     denoms: list[float] = []
     inner = dist.rank_loss_denominator

@@ -1,11 +1,11 @@
-"""stapo.perf: the FLOP / byte counts of the utilisation report, worked by hand on a tiny shape."""
+"""stapo.common.perf: the FLOP / byte counts of the utilisation report, worked by hand on a tiny shape."""
 import math
 import os
 
 import pytest
 import torch
 
-from stapo import perf
+from stapo.common import perf
 
 # d = 4, MLP 8, 2 layers, 2 query heads and 1 key-value head of 2, 10 output rows.
 # One layer's matmul weights: q 4·4 + k, v 2·(4·2) + o 4·4 + MLP 3·(4·8) = 16 + 16 + 16 + 96 = 144.
@@ -80,7 +80,7 @@ def test_machine_line_names_flags():
 
 # --- logged utilisation: perf/mfu/actor, perf/max_memory_allocated_gb (issue 33) ---------------------------------
 def test_update_flops_by_hand():
-    from stapo.perf import ModelShape, update_flops
+    from stapo.common.perf import ModelShape, update_flops
 
     # d = 4, 1 layer, 1 head of 4, MLP 8, V = 10: layer params 4·4 (q) + 2·4·4 (k, v) + 4·4 (o) + 3·4·8 = 160
     shape = ModelShape(hidden=4, intermediate=8, layers=1, heads=1, kv_heads=1, head_dim=4, vocab_rows=10)
@@ -94,7 +94,7 @@ def test_update_flops_by_hand():
 
 
 def test_peak_flops_table_override_and_unknown():
-    from stapo.perf import mfu, peak_flops
+    from stapo.common.perf import mfu, peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
     assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12  # the PCIe card before the generic H100 entry
@@ -110,7 +110,7 @@ def test_peak_flops_table_override_and_unknown():
 def test_max_memory_gb_on_cpu_is_the_process_peak_rss():
     import resource
 
-    from stapo.perf import max_memory_gb
+    from stapo.common.perf import max_memory_gb
 
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
     got = max_memory_gb("cpu")

@@ -1,5 +1,5 @@
 """scripts/plot_runs.py: run folders grouped by their W&B group (else objective), curves over seeds, a PNG written;
-stapo/plotting.py's physical ranges and the band clipping (shared with the study report)."""
+stapo/common/plotting.py's physical ranges and the band clipping (shared with the study report)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stapo.plotting import draw_seed_curves, physical_range
+from stapo.common.plotting import draw_seed_curves, physical_range
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("plot_runs", REPO / "scripts" / "plot_runs.py")

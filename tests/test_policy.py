@@ -1,4 +1,4 @@
-"""stapo.policy: collation of responses, batch slicing, and trainer-side log-probs / entropies.
+"""stapo.train.policy: collation of responses, batch slicing, and trainer-side log-probs / entropies.
 
 References are independent of the code under test: tensors written out by hand for the collation, and a
 plain unpadded forward of each sequence followed by a float64 log-softmax for the statistics.
@@ -13,8 +13,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from stapo.models import build_tiny_model, load_tokenizer, set_constant_logits  # noqa: E402
-from stapo.policy import RolloutBatch, collate_responses, policy_token_stats  # noqa: E402
+from stapo.model.models import build_tiny_model, load_tokenizer, set_constant_logits  # noqa: E402
+from stapo.train.policy import RolloutBatch, collate_responses, policy_token_stats  # noqa: E402
 from stapo.rollout import Response  # noqa: E402
 
 N = 49152

@@ -1,4 +1,4 @@
-"""The precision policy (stapo/precision.py): fp32 master weights with bf16 compute, and the refusal of bf16 AdamW.
+"""The precision policy (stapo/model/precision.py): fp32 master weights with bf16 compute, and the refusal of bf16 AdamW.
 
 Why it matters (worked numbers): at the paper's lr 1e-6 with 10 warm-up steps, the first update is lr 1e-7 per
 weight (Adam's first step moves each weight by ≈ lr · sign(g)); a bf16 weight of size 0.02 has ulp 2^-13 ≈ 1.2e-4,
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stapo.config import ConfigError, load_config
-from stapo.precision import PrecisionPolicy
+from stapo.model.precision import PrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy_run import make_trainer  # noqa: E402
@@ -65,9 +65,9 @@ def bf16_vs_fp32_loss_and_grad():
     """The stapo policy loss and its gradient on one fixed batch of the tiny model (same fp32 weights), computed with
     fp32 and with bf16 autocast → ``(loss32, grad32, loss16, grad16, stats_dtype)``; grads flat fp32, stats_dtype the
     bf16 run's token-statistics dtype. Also used by scripts/probe_precision.py."""
-    from stapo.models import build_tiny_model
-    from stapo.objectives import compute_token_mask, get_objective, policy_loss
-    from stapo.policy import collate_responses, policy_token_stats
+    from stapo.model.models import build_tiny_model
+    from stapo.core.objectives import compute_token_mask, get_objective, policy_loss
+    from stapo.train.policy import collate_responses, policy_token_stats
     from stapo.rollout.base import Response
 
     model, tok = build_tiny_model(seed=0)
@@ -165,7 +165,7 @@ def test_precision_config_checks():
 def test_engine_weights_are_cast_one_tensor_at_a_time():
     """fp32 master → bf16 engine weights: every entry in bf16, equal to the master rounded to bf16, a fresh
     tensor (never the trainer's storage), produced lazily (one at a time, not a second copy of the model)."""
-    from stapo.models import build_tiny_model
+    from stapo.model.models import build_tiny_model
     from stapo.rollout.vllm_backend import engine_weights
 
     model, _ = build_tiny_model(seed=0)
@@ -179,7 +179,7 @@ def test_engine_weights_are_cast_one_tensor_at_a_time():
     for k, t in rest.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, sd[k].to(torch.bfloat16)), k
         assert t.data_ptr() != sd[k].data_ptr()
-    import stapo.distributed as stapo_dist
+    import stapo.model.distributed as stapo_dist
 
     sd_before = stapo_dist.iter_full_state_dict
     casts = {}
@@ -207,7 +207,7 @@ def test_trainer_with_a_bf16_vllm_engine_and_fp32_master_weights(tmp_path):
     fails it), and above 0 (the engine really computes in bf16). Seen here: 7e-4 vs 7.3e-3 nats."""
     import copy
 
-    from stapo.policy import collate_responses, policy_token_stats
+    from stapo.train.policy import collate_responses, policy_token_stats
     from stapo.rollout import SamplingParams
     from stapo.rollout.vllm_backend import vllm_available
 
@@ -245,8 +245,8 @@ def test_compute_dtype_auto_resolves_by_native_bf16(monkeypatch):
     explicit names pass through; an unresolved auto is refused by PrecisionPolicy."""
     from types import SimpleNamespace
 
-    from stapo import perf
-    from stapo.precision import PrecisionPolicy, resolve_compute_dtype
+    from stapo.common import perf
+    from stapo.model.precision import PrecisionPolicy, resolve_compute_dtype
 
     assert resolve_compute_dtype("float32", "cpu") == "float32"
     assert resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"

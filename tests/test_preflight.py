@@ -1,4 +1,4 @@
-"""Checks that run before a model loads (stapo/preflight.py) and storage failures while running.
+"""Checks that run before a model loads (stapo/run/preflight.py) and storage failures while running.
 
 A user's mistake that needs no model to find (an output folder that cannot be written, ``trainer.device=cuda``
 without a GPU, a model folder without weights, ``prompt_style=chat`` with a tokenizer that has no chat template,
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stapo import preflight
+from stapo.run import preflight
 from stapo.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_check_writable_names_the_key_and_the_file_in_the_way(tmp_path):
 def test_check_writable_in_a_process_that_may_not_write_files(tmp_path):
     """A real process whose file-size limit is 0 (as a full disk or a quota: a file can be created, no byte
     written; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
-    code = ("import sys; from stapo.preflight import check_writable\n"
+    code = ("import sys; from stapo.run.preflight import check_writable\n"
             "try:\n    check_writable(sys.argv[1], 'trainer.output_dir')\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs")], capture_output=True, text=True,
@@ -90,18 +90,18 @@ def test_check_chat_template():
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Loading any model (the tiny one or a folder) fails the test: the error must come before it."""
-    import stapo.models
+    import stapo.model.models
 
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded before the check")
 
-    monkeypatch.setattr(stapo.models, "build_tiny_model", fail)
-    monkeypatch.setattr(stapo.models, "load_policy", fail)
+    monkeypatch.setattr(stapo.model.models, "build_tiny_model", fail)
+    monkeypatch.setattr(stapo.model.models, "load_policy", fail)
 
 
 def _embedded_copy(folder: Path, chat_template: bool = True, weights: bool = True) -> Path:
     """An HF folder of links to the embedded model's files, optionally without its chat template or weights."""
-    from stapo.models import embedded_model_path
+    from stapo.model.models import embedded_model_path
 
     src = embedded_model_path()
     folder.mkdir()
@@ -160,7 +160,7 @@ def test_trainer_chat_style_without_a_chat_template_fails_before_the_model(tmp_p
 
 
 def test_trainer_no_training_prompt_fails_before_the_model(tmp_path, no_model_loads):
-    from stapo.data import DataError
+    from stapo.tasks.data import DataError
 
     with pytest.raises(DataError, match=r"^no training prompts from data.train_set=synthetic: 16 rows read, 0 skipped, "
                                         r"16 longer than data.max_prompt_length=2 tokens; raise data.max_prompt_length$"):
@@ -182,7 +182,7 @@ def test_evaluate_py_chat_style_without_a_chat_template_is_one_line(tmp_path):
 # --- storage failures while running ------------------------------------------------------------------------------
 def test_a_metrics_write_on_a_full_device_names_the_file(tmp_path):
     """/dev/full refuses every write with ENOSPC, as a full disk does."""
-    from stapo.tracking import Tracker
+    from stapo.run.tracking import Tracker
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
@@ -225,7 +225,7 @@ def test_train_py_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path
 # --- model sources ------------------------------------------------------------------------------------------------
 def test_a_truncated_weight_file_is_named_with_its_size(tmp_path):
     folder = _embedded_copy(tmp_path / "damaged", weights=False)
-    from stapo.models import embedded_model_path
+    from stapo.model.models import embedded_model_path
 
     with open(embedded_model_path() / "model.safetensors", "rb") as src:
         (folder / "model.safetensors").write_bytes(src.read(1_000_000))  # the first MB of a 540 MB file
@@ -238,7 +238,7 @@ def test_a_truncated_weight_file_is_named_with_its_size(tmp_path):
 
 def _tiny_folder(folder: Path, **config_changes) -> Path:
     """The tiny Qwen3 model saved as an HF folder, then its config.json edited (``None`` deletes a key)."""
-    from stapo.models import build_tiny_model
+    from stapo.model.models import build_tiny_model
 
     model, tok = build_tiny_model()
     model.save_pretrained(folder)
@@ -268,7 +268,7 @@ def test_a_config_json_of_another_model_size_is_named_with_the_mismatch(tmp_path
 def test_a_config_json_with_more_or_fewer_layers_than_the_weights_is_refused(tmp_path):
     """More layers than the weights hold would be randomly initialised, fewer would drop weights: both were loaded
     without a word (transformers' report is quiet here)."""
-    from stapo.models import load_policy
+    from stapo.model.models import load_policy
 
     more = _tiny_folder(tmp_path / "more", num_hidden_layers=3, layer_types=None, max_window_layers=None)
     with pytest.raises(ValueError, match=r"11 tensor\(s\) that config.json expects are missing from the weights "
@@ -290,7 +290,7 @@ def test_an_unusable_model_cache_names_model_cache_dir(tmp_path, no_model_loads)
 
 
 def test_a_hub_id_fails_fast_without_network_and_a_local_looking_path_is_not_a_hub_id(tmp_path, monkeypatch):
-    import stapo.models as models
+    import stapo.model.models as models
 
     monkeypatch.setattr(models, "_hub_reachable", lambda timeout_s=3.0: False)
     with pytest.raises(OSError) as err:
@@ -309,10 +309,10 @@ def test_a_hub_id_fails_fast_without_network_and_a_local_looking_path_is_not_a_h
 
 
 def test_a_run_folder_held_by_another_process_is_refused_before_the_model(tmp_path, no_model_loads):
-    from stapo.runlock import RunLockError
+    from stapo.run.runlock import RunLockError
 
     run_dir = tmp_path / "runs" / "r"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom stapo.runlock import RunLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom stapo.run.runlock import RunLock\n"
                                "RunLock(sys.argv[1], 'holder.py').acquire()\nprint('held', flush=True)\n"
                                "time.sleep(600)\n", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -328,7 +328,7 @@ def test_a_run_folder_held_by_another_process_is_refused_before_the_model(tmp_pa
 def test_a_tokenizer_that_encodes_to_nothing_is_refused_before_the_model(tmp_path, no_model_loads):
     folder = tmp_path / "notok"
     folder.mkdir()
-    from stapo.models import embedded_model_path
+    from stapo.model.models import embedded_model_path
 
     for name in ("config.json", "model.safetensors"):  # the weights, but none of the tokenizer files
         (folder / name).symlink_to(embedded_model_path() / name)
@@ -391,7 +391,7 @@ def test_evaluating_a_run_folder_skips_a_damaged_latest_checkpoint(tmp_path, cap
 def test_sigterm_as_interrupt_raises_and_the_step_loop_still_takes_over(tmp_path):
     import signal
 
-    from stapo.cli import Terminated, raise_terminated, sigterm_as_interrupt
+    from stapo.run.cli import Terminated, raise_terminated, sigterm_as_interrupt
 
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
@@ -420,7 +420,7 @@ def test_a_failed_report_write_keeps_the_previous_file_and_names_it(tmp_path):
 
 
 def test_a_resume_drops_repeated_rows_of_a_step(tmp_path, capsys):
-    from stapo.tracking import Tracker
+    from stapo.run.tracking import Tracker
 
     tracker = Tracker(tmp_path, {}, mode="disabled")
     rows = [{"step": 1, "a": 1}, {"step": 1, "a": 2}, {"step": 2, "a": 3}, {"step": 3, "a": 4}]
@@ -435,7 +435,7 @@ def test_a_resume_drops_repeated_rows_of_a_step(tmp_path, capsys):
 def test_a_config_json_that_contradicts_itself_is_one_line_naming_the_folder(tmp_path):
     """num_hidden_layers raised while layer_types keeps 2 entries: transformers' config validation fails. Before: exit
     1 with "StrictDataclassClassValidationError: ..." and no folder named."""
-    from stapo.models import load_policy
+    from stapo.model.models import load_policy
 
     folder = _tiny_folder(tmp_path / "contradicts", num_hidden_layers=3)  # layer_types still lists 2 layers
     with pytest.raises(ValueError) as err:

@@ -1,11 +1,11 @@
-"""Tests for stapo/prompts.py with small tokenizers built here (no hub access)."""
+"""Tests for stapo/tasks/prompts.py with small tokenizers built here (no hub access)."""
 from __future__ import annotations
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from stapo.prompts import BOXED_SUFFIX, encode_prompt, format_prompt, format_prompts, user_content, uses_chat_template
+from stapo.tasks.prompts import BOXED_SUFFIX, encode_prompt, format_prompt, format_prompts, user_content, uses_chat_template
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stapo.config import ConfigError, load_config
-from stapo.provenance import (RUN_INFO, TRAIN_STEP_METRIC, apply_identity, config_family, config_method, git_state,
+from stapo.run.provenance import (RUN_INFO, TRAIN_STEP_METRIC, apply_identity, config_family, config_method, git_state,
                               method_overrides,
                               launch_record, read_launches, record_launch, resolve_identity)
 
@@ -214,7 +214,7 @@ def _one_wandb_file(run_dir: Path) -> Path:
 
 
 def test_offline_tracker_files_carry_group_tags_job_type_and_the_step_metric(tmp_path):
-    from stapo.tracking import Tracker
+    from stapo.run.tracking import Tracker
 
     tracker = Tracker(tmp_path / "run", {"run_info": {"command": "python train.py"}}, mode="offline",
                       group="cpu_smollm2", tags=["stapo", "embedded-smollm2", "math_verify"], job_type="train",

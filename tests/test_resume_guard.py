@@ -1,4 +1,4 @@
-"""Resuming a run (stapo/train/state.py, stapo/checkpoint.py): the config guard, the changes it allows and
+"""Resuming a run (stapo/train/state.py, stapo/model/checkpoint.py): the config guard, the changes it allows and
 records, ``--resume`` without a checkpoint, and damaged latest checkpoints (COMPLETE.json) — through train.py on
 the tiny config where practical."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stapo import checkpoint as ck
+from stapo.model import checkpoint as ck
 from stapo.config import RESUME_MUTABLE_KEYS, TrainConfig, load_config, resume_key_changes, to_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -184,7 +184,7 @@ def test_no_intact_checkpoint_is_one_line_and_exit_2(run):
 def test_checkpoints_without_the_marker_still_resume(run):
     """Written before COMPLETE.json existed: judged by the file rule, the config still checked (in process, no
     weights loaded)."""
-    from stapo.provenance import apply_identity
+    from stapo.run.provenance import apply_identity
     from stapo.train.state import plan_resume
 
     root = run / "r" / "checkpoints"
@@ -220,7 +220,7 @@ def test_key_classification():
 def test_a_damaged_newer_checkpoint_never_counts_for_keep_last(tmp_path):
     """Resumed from step 2 past a damaged step 4, the save of step 3 with keep_last=1 keeps step 3 (the damaged
     step 4 stays, is never picked, and would be replaced by the next save of step 4)."""
-    from stapo.models import EMBEDDED_ALIASES, build_tiny_model, load_tokenizer
+    from stapo.model.models import EMBEDDED_ALIASES, build_tiny_model, load_tokenizer
 
     tokenizer = load_tokenizer(EMBEDDED_ALIASES[0])
     model, _ = build_tiny_model(seed=0, tokenizer=tokenizer)

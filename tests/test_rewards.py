@@ -1,4 +1,4 @@
-"""Tests for stapo/rewards.py: the DAPO strict-box reward (golden file) and the math-verify reward."""
+"""Tests for stapo/tasks/rewards.py: the DAPO strict-box reward (golden file) and the math-verify reward."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from stapo.grader import MathGrader
-from stapo.rewards import (
+from stapo.tasks.grader import MathGrader
+from stapo.tasks.rewards import (
     REWARD_NAMES,
     MathVerifyReward,
     StrictBoxReward,

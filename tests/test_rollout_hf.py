@@ -1,7 +1,7 @@
 """HF rollout backend on tiny Qwen3 models.
 
 Most expectations come from models whose next-token distribution is set by hand
-(:func:`stapo.models.set_constant_logits`: every position predicts the same logits), so the engine's sampled
+(:func:`stapo.model.models.set_constant_logits`: every position predicts the same logits), so the engine's sampled
 ids, finish reasons and log-probs are compared with values computed here from the formula
 p = softmax(logits / T) restricted to the nucleus / to the tokenizer's ids.
 """
@@ -15,7 +15,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from stapo.models import build_tiny_model, load_tokenizer, set_constant_logits  # noqa: E402
+from stapo.model.models import build_tiny_model, load_tokenizer, set_constant_logits  # noqa: E402
 from stapo.rollout import SamplingParams, build_rollout_engine  # noqa: E402
 from stapo.rollout.hf import HFRolloutEngine  # noqa: E402
 

@@ -3,7 +3,7 @@
 One in-process engine (fp32, eager, 1 GiB KV cache) is built once for the module from a tiny Qwen3 model
 whose embedding has 3·N rows beyond the tokenizer's N ids. Other weights of the same shapes are pushed into it
 with ``sync_weights``: a random model (log-probs compared with the trainer's fp64 recomputation) and models
-whose next-token distribution is set by hand (:func:`stapo.models.set_constant_logits`).
+whose next-token distribution is set by hand (:func:`stapo.model.models.set_constant_logits`).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from stapo.models import build_tiny_model, load_tokenizer, set_constant_logits  # noqa: E402
-from stapo.policy import collate_responses, policy_token_stats  # noqa: E402
+from stapo.model.models import build_tiny_model, load_tokenizer, set_constant_logits  # noqa: E402
+from stapo.train.policy import collate_responses, policy_token_stats  # noqa: E402
 from stapo.rollout import SamplingParams, build_rollout_engine  # noqa: E402
 from stapo.rollout.vllm_backend import vllm_available  # noqa: E402
 

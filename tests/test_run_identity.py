@@ -1,4 +1,4 @@
-"""What a training run was made from (stapo/run_identity.py): every run records ``fingerprint.json``; a resume whose
+"""What a training run was made from (stapo/run/run_identity.py): every run records ``fingerprint.json``; a resume whose
 model weights or training data changed under the same path is refused in one line naming the key and the file; a
 resume on another kind of machine is recorded, not refused.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from stapo.config import ConfigError, load_config
-from stapo.fingerprint import file_sha256, machine_kind, model_digest, read_fingerprint
-from stapo.run_identity import (HOW_KEYS, NEUTRAL_KEYS, config_digest, config_matches_fingerprint,
+from stapo.common.fingerprint import file_sha256, machine_kind, model_digest, read_fingerprint
+from stapo.run.run_identity import (HOW_KEYS, NEUTRAL_KEYS, config_digest, config_matches_fingerprint,
                                 plan_differences)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +39,7 @@ def _cfg(tmp: Path, *extra: str):
 def trained(tmp_path_factory):
     """A finished 1-step run ``out/r`` of the tiny model saved in ``model/`` on ``train.jsonl``; ``model.seed1``
     holds the weights of another seed (a replacement of the same shape)."""
-    from stapo.models import EMBEDDED_ALIASES, build_tiny_model, load_tokenizer
+    from stapo.model.models import EMBEDDED_ALIASES, build_tiny_model, load_tokenizer
     from stapo.train import Trainer
 
     tmp = tmp_path_factory.mktemp("identity")
@@ -167,7 +167,7 @@ def test_plan_differences_classify_keys():
 def test_stop_rules_gold_threshold_and_measurements_are_neutral_keys():
     """Keys that decide when a run stops or is refused, and measurements that leave it bit-identical, do not change
     the config part; a key that changes the update does."""
-    from stapo.run_identity import config_digest
+    from stapo.run.run_identity import config_digest
 
     base = {"trainer": {"seed": 0, "stop_after_silent_steps": 3, "stop_after_nonfinite_steps": 3},
             "data": {"max_unparsable_gold_fraction": 0.05}, "mechanism": {"enabled": False}, "actor": {"lr": 1e-6}}

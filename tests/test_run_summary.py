@@ -158,7 +158,7 @@ def test_summarize_run_script_reads_a_torn_file(tmp_path):
 
 # --- the console ---------------------------------------------------------------------------------------------
 def test_rotary_reload_warning_is_dropped_unless_verbose():
-    from stapo import console
+    from stapo.run import console
 
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     records: list[logging.LogRecord] = []
@@ -197,7 +197,7 @@ def test_validation_notes_skipped_long_prompts_in_one_plain_line(shared_data_roo
     from types import SimpleNamespace
 
     from stapo.evaluation import make_validation_hook
-    from stapo.models import load_tokenizer
+    from stapo.model.models import load_tokenizer
 
     hook = make_validation_hook(benchmarks=["math500"], limit=2, samples=1, data_root=str(shared_data_root))
     trainer = SimpleNamespace(tokenizer=load_tokenizer("embedded:smollm2"), cfg=SimpleNamespace(data=SimpleNamespace(

@@ -1,4 +1,4 @@
-"""One writer per run folder (stapo/runlock.py): the lock itself, its stale-lock takeover, the no-flock fallback,
+"""One writer per run folder (stapo/run/runlock.py): the lock itself, its stale-lock takeover, the no-flock fallback,
 and two real processes on one folder — train.py on a run directory, evaluate.py on an output directory.
 
 The two-process tests never assume a speed: the first process is made to hold its lock for as long as the test
@@ -21,8 +21,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stapo import runlock  # noqa: E402
-from stapo.runlock import LOCK_NAME, Holder, RunLock, RunLockError  # noqa: E402
+from stapo.run import runlock  # noqa: E402
+from stapo.run.runlock import LOCK_NAME, Holder, RunLock, RunLockError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONHASHSEED": "0"}

@@ -83,7 +83,7 @@ def test_completions_table_and_rollouts_file_match_the_step(tmp_path):
 
 
 def test_extracted_answer_is_the_reward_functions_own(tmp_path):
-    from stapo.rewards import make_reward_fn
+    from stapo.tasks.rewards import make_reward_fn
 
     trainer = make_trainer(str(tmp_path), ["trainer.total_steps=1", "trainer.save_every=0",
                                            "trainer.save_rollouts=true"])

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from stapo.config import load_config
-from stapo.models import EMBEDDED_ALIASES, load_tokenizer
-from stapo.prompts import encode_prompt
-from stapo.word_problems import reference_solution
+from stapo.model.models import EMBEDDED_ALIASES, load_tokenizer
+from stapo.tasks.prompts import encode_prompt
+from stapo.tasks.word_problems import reference_solution
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("sft_warm_start", REPO / "scripts" / "sft_warm_start.py")

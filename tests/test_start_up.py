@@ -1,4 +1,4 @@
-"""Start-up under torchrun with ``model.meta_init`` (stapo/distributed.py ``build_on_rank0`` / ``wrap_from_rank0``):
+"""Start-up under torchrun with ``model.meta_init`` (stapo/model/distributed.py ``build_on_rank0`` / ``wrap_from_rank0``):
 rank 0 alone reads the weights, rank 1 builds the model on the meta device and receives rank 0's weights. Two gloo
 ranks (spawned processes, one torch thread each); the expected weights are a one-process load in this process."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from stapo import distributed as dist
+from stapo.model import distributed as dist
 from stapo.config import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,8 +44,8 @@ def _start_up_worker(rank: int, store: str, out_dir: str, folder: str) -> None:
     faulthandler.enable()  # a gloo abort prints the Python stack of the rank
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), TORCHDYNAMO_DISABLE="1")
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    import stapo.models as models
-    from stapo.models import build_tiny_model, load_tokenizer
+    import stapo.model.models as models
+    from stapo.model.models import build_tiny_model, load_tokenizer
     from toy_run import make_trainer, toy_reward
 
     res: dict = {}
@@ -66,7 +66,7 @@ def _start_up_worker(rank: int, store: str, out_dir: str, folder: str) -> None:
             dist.build_on_rank0(broken, ctx)
         except ConfigError as e:
             res["error"] = str(e)
-        # (2) the trainer: every load goes through stapo.models (looked up at call time), recorded per rank
+        # (2) the trainer: every load goes through stapo.model.models (looked up at call time), recorded per rank
         loads: list[str] = []
         models.load_policy = _recorded(loads, "load_policy", models.load_policy)
         models.build_tiny_model = _recorded(loads, "build_tiny_model", models.build_tiny_model)
@@ -95,7 +95,7 @@ def test_rank_1_builds_on_meta_and_receives_rank_0s_weights(tmp_path):
     original_inv_freq, config with stapo_vocab_size, generation config); tied embeddings stay one parameter; rank 1
     never calls load_policy / build_tiny_model (the policy and the bf16 GRPO reference), rank 0 once each; a load
     error on rank 0 is raised on both ranks. ~15 s (two spawned processes)."""
-    from stapo.models import EMBEDDED_ALIASES, build_tiny_model, load_policy, load_tokenizer
+    from stapo.model.models import EMBEDDED_ALIASES, build_tiny_model, load_policy, load_tokenizer
 
     tok = load_tokenizer(EMBEDDED_ALIASES[0])
     folder = tmp_path / "tied_padded"
@@ -135,7 +135,7 @@ def test_start_up_host_memory_by_hand():
     (14.77 B parameters), fp32 policy 59.08 GB, bf16 GRPO reference 29.54 GB read after the policy is placed."""
     from types import SimpleNamespace
 
-    from stapo.estimate import ModelSize, _start_up_memory
+    from stapo.tools.estimate import ModelSize, _start_up_memory
 
     p = 14_770_000_000
     on = dist.start_up_host_bytes(p, "float32", "bfloat16", reference=True, ranks=8, meta_init=True)

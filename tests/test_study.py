@@ -2,7 +2,7 @@
 and (slow) a real study of the tiny model killed with SIGKILL mid-grid and resumed to the same report.
 
 The fast tests build run folders by hand (a checkpoint = ``checkpoints/step_N/trainer_state.pt``, the file rule of
-:func:`stapo.checkpoint_files.latest_checkpoint` for folders without a COMPLETE.json) and write metrics rows whose
+:func:`stapo.common.checkpoint_files.latest_checkpoint` for folders without a COMPLETE.json) and write metrics rows whose
 statistics are worked out in the comments.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from stapo.checkpoint_files import latest_checkpoint
+from stapo.common.checkpoint_files import latest_checkpoint
 from stapo.config import ConfigError
-from stapo.tracking import CorruptJsonlError
+from stapo.run.tracking import CorruptJsonlError
 from stapo.study import describe_plan, load_study_config, run_grid, run_specs, run_status, write_report
 from stapo.study import runner as study_runner
 from stapo.study.report import eval_se_rows
@@ -54,7 +54,7 @@ def test_config_runs_in_seed_major_order_with_their_overrides(tmp_path):
     assert (s.train.logging.study, s.train.logging.method) == ("tiny_test", "grpo")
     assert s.train.trainer.run_name == "grpo_seed1"
     # the W&B group train.py resolves: <study>-<method>, shared by the seeds of a method, one per method
-    from stapo.provenance import apply_identity
+    from stapo.run.provenance import apply_identity
 
     groups = {spec.name: apply_identity(spec.train, spec.config).group for spec in specs}
     assert groups == {"stapo_seed0": "tiny_test-stapo", "grpo_seed0": "tiny_test-grpo",
@@ -406,9 +406,9 @@ def test_cli_dry_run_and_bad_config(tmp_path, capsys):
 
 
 def test_cli_sigterm_while_starting_is_one_line(tmp_path, capsys, monkeypatch):
-    """SIGTERM while the runner imports torch or loads its config (stapo.cli.Terminated raised there): one line and
+    """SIGTERM while the runner imports torch or loads its config (stapo.run.cli.Terminated raised there): one line and
     exit 143, nothing written — not an import traceback (seen when a runner was stopped seconds after its start)."""
-    from stapo.cli import Terminated
+    from stapo.run.cli import Terminated
     from stapo.study import config as study_config
     from stapo.study.__main__ import main
 
@@ -451,7 +451,7 @@ def test_report_stops_on_a_damaged_middle_line(tmp_path, capsys):
     """Defect #1: a damaged line that is not the last one stops the report (and --report-only, exit 2) with the
     one line naming file and line; the run is never dropped silently, and no report is written."""
     from stapo.study.__main__ import main
-    from stapo.tracking import CorruptJsonlError
+    from stapo.run.tracking import CorruptJsonlError
 
     cfg, specs = _study(tmp_path)
     for s in specs:
@@ -530,7 +530,7 @@ def test_exit_text_names_the_signal():
     assert study_runner.exit_text(-15) == "killed by signal 15 (SIGTERM)"
 
 
-HOLD_LOCK = ("import sys\nfrom stapo.runlock import RunLock\nRunLock(sys.argv[1], sys.argv[2]).acquire()\n"
+HOLD_LOCK = ("import sys\nfrom stapo.run.runlock import RunLock\nRunLock(sys.argv[1], sys.argv[2]).acquire()\n"
              "print('held', flush=True)\nsys.stdin.read()\n")
 
 
@@ -881,7 +881,7 @@ def test_report_refuses_foreign_rows_and_non_numbers(tmp_path, capsys):
     is not something train.py writes: the report stops with one line naming file, row and key, rather than letting
     it move a final window or drop a value silently."""
     from stapo.study.__main__ import main
-    from stapo.tracking import CorruptJsonlError
+    from stapo.run.tracking import CorruptJsonlError
 
     cfg, specs = _study(tmp_path)
     for s in specs:

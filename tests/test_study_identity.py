@@ -1,5 +1,5 @@
 """A study reuses runs by content, not by folder name, and never deletes a finished run (stapo/study/runner.py,
-stapo/run_identity.py).
+stapo/run/run_identity.py).
 
 Each case was silently wrong before:
 
@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from stapo.config import to_dict
-from stapo.fingerprint import model_digest, write_fingerprint
-from stapo.run_identity import run_fingerprint
+from stapo.common.fingerprint import model_digest, write_fingerprint
+from stapo.run.run_identity import run_fingerprint
 from stapo.study import run_grid, run_status, write_report
 from stapo.study import runner as study_runner
 from stapo.study.runner import RunIdentityError, describe_plan, run_identity_problems

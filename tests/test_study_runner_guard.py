@@ -27,7 +27,7 @@ import pytest
 
 from stapo.study import describe_plan, run_grid, run_status
 from stapo.study import runner as study_runner
-from stapo.tracking import CorruptJsonlError
+from stapo.run.tracking import CorruptJsonlError
 
 from test_study import REPO, TINY, _study, _write_run  # the study tests' tiny config and hand-built run folders
 
@@ -163,7 +163,7 @@ def test_the_exit_code_of_an_interrupted_run_names_its_signal(tmp_path, monkeypa
 
 RUNNER = r"""
 import sys
-from stapo.cli import sigterm_as_interrupt
+from stapo.run.cli import sigterm_as_interrupt
 from stapo.study import load_study_config, run_specs
 from stapo.study import runner
 tiny, out, child, mode = sys.argv[1:]

@@ -1,4 +1,4 @@
-"""Tests for stapo/synthetic.py: the seeded arithmetic task."""
+"""Tests for stapo/tasks/synthetic.py: the seeded arithmetic task."""
 from __future__ import annotations
 
 import ast
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from stapo.data import Record
-from stapo.synthetic import LEVELS, evaluate_expression, generate_arithmetic, make_problem
+from stapo.tasks.data import Record
+from stapo.tasks.synthetic import LEVELS, evaluate_expression, generate_arithmetic, make_problem
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -90,21 +90,23 @@ def test_bad_arguments():
 
 
 def test_record_has_one_home_and_no_import_cycle():
-    """Record lives in stapo.records; stapo.data re-exports the same class; synthetic does not import data."""
+    """Record lives in stapo.tasks.records; stapo.tasks.data re-exports the same class; synthetic does not import data."""
     import subprocess
     import sys
 
-    from stapo import data, records, synthetic
+    from stapo.tasks import data
+from stapo.tasks import records
+from stapo.tasks import synthetic
 
     assert data.Record is records.Record is synthetic.Record
-    code = "import sys, stapo.synthetic; print('stapo.data' in sys.modules)"
+    code = "import sys, stapo.tasks.synthetic; print('stapo.tasks.data' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
 
 
 # --- the held-out split (issue 17) --------------------------------------------------------------------------
 def test_heldout_split_is_a_fixed_tenth_by_text():
-    from stapo.synthetic import HELDOUT_MODULUS, is_heldout
+    from stapo.tasks.synthetic import HELDOUT_MODULUS, is_heldout
 
     # by the definition: sha256(text)[:8 bytes] as a big-endian int, mod 10 == 0
     import hashlib
@@ -118,7 +120,7 @@ def test_heldout_split_is_a_fixed_tenth_by_text():
 
 
 def test_train_and_test_splits_are_disjoint_and_all_is_unchanged():
-    from stapo.synthetic import is_heldout
+    from stapo.tasks.synthetic import is_heldout
 
     train = generate_arithmetic(600, seed=3, levels=(1, 2), split="train")
     test = generate_arithmetic(200, seed=4, levels=(2,), split="test")
@@ -141,7 +143,7 @@ def test_test_split_larger_than_a_level_fails_with_a_message():
 
 
 def test_generated_benchmarks():
-    from stapo.synthetic import GENERATED_BENCHMARKS, generated_benchmark, is_heldout
+    from stapo.tasks.synthetic import GENERATED_BENCHMARKS, generated_benchmark, is_heldout
 
     test, hard = generated_benchmark("arith_test"), generated_benchmark("arith_hard")
     assert len(test) == GENERATED_BENCHMARKS["arith_test"].num_problems
@@ -156,7 +158,7 @@ def test_generated_benchmarks():
 
 
 def test_could_be_level_by_hand():
-    from stapo.synthetic import could_be_level
+    from stapo.tasks.synthetic import could_be_level
 
     assert could_be_level("What is 88 - 71?", 2) and could_be_level("What is 88 - 71?", 3)
     assert not could_be_level("What is 71 - 88?", 2)  # level 2 never prints a negative difference
@@ -170,7 +172,7 @@ def test_could_be_level_by_hand():
 
 
 def test_arith_hard_has_no_training_level_problem():
-    from stapo.synthetic import could_be_level, generated_benchmark
+    from stapo.tasks.synthetic import could_be_level, generated_benchmark
 
     hard = generated_benchmark("arith_hard")
     assert not any(could_be_level(r.problem, lv) for r in hard for lv in (1, 2))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from stapo.tensor_utils import as_bool_mask, masked_mean, quantile
+from stapo.core.tensor_utils import as_bool_mask, masked_mean, quantile
 
 
 def test_quantile_linear_interpolation_by_hand():

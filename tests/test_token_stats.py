@@ -1,4 +1,4 @@
-"""Tests for stapo.token_stats (docs/method.md#token-statistics, #token-analysis, #pitfalls).
+"""Tests for stapo.core.token_stats (docs/method.md#token-statistics, #token-analysis, #pitfalls).
 
 Every expected value comes from an independent float64 softmax reference written here (or from a
 hand computation), never from calling token_stats twice.  The compiled backend is exercised when
@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-import stapo.token_stats as ts_mod
-from stapo.token_stats import TokenStats, token_stats
+import stapo.core.token_stats as ts_mod
+from stapo.core.token_stats import TokenStats, token_stats
 
 NEG_INF = float("-inf")
 

@@ -1,6 +1,6 @@
 """Torn JSONL files: a last line cut by a kill mid-write or a full disk is repaired on resume (counted, said in one
 line); a damaged complete line is never dropped silently (one line naming the file and line). The training run's
-metrics.jsonl / tables.jsonl (stapo.tracking) and the evaluation's generation store follow the same rule."""
+metrics.jsonl / tables.jsonl (stapo.run.tracking) and the evaluation's generation store follow the same rule."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stapo.evaluation.store import GenerationStore  # noqa: E402
-from stapo.tracking import CorruptJsonlError, Tracker, read_jsonl_rows  # noqa: E402
+from stapo.run.tracking import CorruptJsonlError, Tracker, read_jsonl_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

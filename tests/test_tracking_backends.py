@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stapo.config import ConfigError, load_config
-from stapo.tracking import TENSORBOARD_DIR, Tracker
+from stapo.run.tracking import TENSORBOARD_DIR, Tracker
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))

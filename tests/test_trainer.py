@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stapo.checkpoint import latest_checkpoint
+from stapo.model.checkpoint import latest_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy_run import make_trainer  # noqa: E402
@@ -151,7 +151,7 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
     assert offline[0].name.endswith(f"-{run_id}") and (offline[0] / f"run-{run_id}.wandb").exists()
     row = _rows(run_dir / "metrics.jsonl")[0]
     scalars = [data for data in logged if "actor/entropy" in data]
-    # the step travels as W&B's x axis training/global_step (stapo.provenance.TRAIN_STEP_METRIC) and as W&B's own
+    # the step travels as W&B's x axis training/global_step (stapo.run.provenance.TRAIN_STEP_METRIC) and as W&B's own
     # step (increasing, so a resumed offline run's rows continue the earlier ones on `wandb sync`)
     assert len(scalars) == 1 and scalars[0].pop("training/global_step") == row["step"] == 1
     assert scalars[0].pop("<wandb step>") == 1
@@ -250,9 +250,9 @@ def test_training_prompts_from_a_user_file(tmp_path):
     """data.train_set=file reads data.train_file with its column mapping: the trainer's (prompt ids, gold, id)
     are those of encode_prompt on each row; a bad column name is one line naming the file and the key."""
     from stapo.config import load_config
-    from stapo.data import DataError
-    from stapo.models import load_tokenizer
-    from stapo.prompts import encode_prompt
+    from stapo.tasks.data import DataError
+    from stapo.model.models import load_tokenizer
+    from stapo.tasks.prompts import encode_prompt
     from stapo.train import load_prompts
 
     path = tmp_path / "my_set.jsonl"
@@ -277,8 +277,8 @@ def test_no_training_prompts_names_the_source_the_counts_and_the_key(tmp_path):
     naming the file (or the set), rows read / skipped (with the reasons) / too long and the key to change (it was a
     ValueError from PromptLoader naming neither)."""
     from stapo.config import load_config
-    from stapo.data import DataError
-    from stapo.models import load_tokenizer
+    from stapo.tasks.data import DataError
+    from stapo.model.models import load_tokenizer
     from stapo.train import load_prompts
 
     tok = load_tokenizer("embedded:smollm2")
@@ -333,8 +333,8 @@ def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, 
     one training step through load_config + Trainer, its statistics in metrics.jsonl under its own prefix."""
     from dataclasses import dataclass
 
-    from stapo.masks import TokenMask, register_token_mask, unregister_token_mask
-    from stapo.objectives import OBJECTIVES, get_objective, register_objective
+    from stapo.core.masks import TokenMask, register_token_mask, unregister_token_mask
+    from stapo.core.objectives import OBJECTIVES, get_objective, register_objective
 
     calls = []
 
@@ -377,8 +377,8 @@ def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, 
 USER_MODULE = """
 from dataclasses import dataclass
 
-from stapo.masks import TokenMask, register_token_mask
-from stapo.objectives import get_objective, register_objective
+from stapo.core.masks import TokenMask, register_token_mask
+from stapo.core.objectives import get_objective, register_objective
 
 
 @dataclass
@@ -425,7 +425,7 @@ def test_a_mask_and_objective_from_trainer_import_modules_train_through_train_py
 
 def test_train_py_reports_a_failed_import_module_in_one_line_and_exits_2(tmp_path):
     broken = tmp_path / "broken_user.py"
-    broken.write_text("from stapo.masks import no_such_name\n")
+    broken.write_text("from stapo.core.masks import no_such_name\n")
     for entry, expect in [("no_such_module_xyz", "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
                           (str(broken), "ImportError: cannot import name 'no_such_name'")]:
         out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny_test.yaml"),
@@ -493,7 +493,7 @@ def _assert_same_runs(h0, p0, h1, p1) -> None:
 
 
 def test_fused_lm_head_gives_the_same_masks_loss_and_update(tmp_path, monkeypatch):
-    """actor.lm_head=fused (stapo/lm_head.py: tiled LM head + token statistics, shared prompt and fused forward
+    """actor.lm_head=fused (stapo/model/lm_head.py: tiled LM head + token statistics, shared prompt and fused forward
     on, as in the CPU configs) against the model's own LM head: the same masks, losses and weights after 2 steps;
     a model whose logits are not hidden @ Wᵀ is refused at start-up naming the key."""
     common = ["trainer.save_every=0", "actor.share_prompt=true", "actor.fused_forward=true"]
@@ -504,14 +504,14 @@ def test_fused_lm_head_gives_the_same_masks_loss_and_update(tmp_path, monkeypatc
     (h0, p0), (h1, p1) = runs["logits"], runs["fused"]
     assert h0[0]["actor/s2t/num_masked"] > 0  # the mask is exercised
     _assert_same_runs(h0, p0, h1, p1)
-    import stapo.policy
+    import stapo.train.policy
     from stapo.config import ConfigError
 
     def soft_capped(model):
         raise ValueError("Qwen3ForCausalLM scales its logits (config.final_logit_softcapping=30.0): use "
                          "actor.lm_head=logits")
 
-    monkeypatch.setattr(stapo.policy, "check_fused_head", soft_capped)
+    monkeypatch.setattr(stapo.train.policy, "check_fused_head", soft_capped)
     with pytest.raises(ConfigError, match=r"'actor.lm_head' \('fused'\): .*final_logit_softcapping"):
         make_trainer(str(tmp_path / "capped"), [*common, "actor.lm_head=fused"])
 

@@ -50,7 +50,7 @@ def _parts():
     """The config, tokenizer, tiny policy (``model.path: tiny``) and validation hook (its grader pool is reused)."""
     from stapo.config import load_config
     from stapo.evaluation import make_validation_hook
-    from stapo.models import build_tiny_model, load_tokenizer
+    from stapo.model.models import build_tiny_model, load_tokenizer
 
     tok = load_tokenizer("embedded:smollm2")
     return (load_config(REPO / "configs" / "tiny_test.yaml"), tok, build_tiny_model(seed=0, tokenizer=tok)[0],
@@ -59,7 +59,7 @@ def _parts():
 
 def _trainer(parts, run_dir, ctx=None, fail: bool = False, fsdp2: bool = False):
     """A trainer-like object for the hook: its own copy of the policy (FSDP2: sharded) and a recording HF engine."""
-    from stapo import distributed as dist
+    from stapo.model import distributed as dist
     from stapo.rollout import build_rollout_engine
 
     cfg, tok, model, _ = parts
@@ -72,7 +72,7 @@ def _trainer(parts, run_dir, ctx=None, fail: bool = False, fsdp2: bool = False):
 
 
 def _worker(rank: int, store: str, out: str) -> None:
-    from stapo import distributed as dist
+    from stapo.model import distributed as dist
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -93,7 +93,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         except Exception as e:  # noqa: BLE001 - what each rank raised is the assertion
             res["fail"] = f"{type(e).__name__}: {e}"
         # ranks that loaded different problems (rank 1 one fewer): every rank refuses before generating
-        from stapo.data import Record
+        from stapo.tasks.data import Record
         from stapo.evaluation.config import DecodingSetting
         from stapo.evaluation.runner import Problem, evaluate_problems
 
@@ -203,7 +203,7 @@ def test_a_step_folder_of_other_settings_is_not_resumed(tmp_path):
     from stapo.config import load_config
     from stapo.evaluation import make_validation_hook
     from stapo.evaluation.validation import MANIFEST
-    from stapo.models import load_tokenizer
+    from stapo.model.models import load_tokenizer
 
     trainer = SimpleNamespace(cfg=load_config(REPO / "configs" / "tiny_test.yaml"),
                               tokenizer=load_tokenizer("embedded:smollm2"), engine=SeedEchoEngine(), run_dir=tmp_path)

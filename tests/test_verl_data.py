@@ -6,7 +6,7 @@ import importlib.util
 import pyarrow.parquet as pq
 
 from conftest import REPO_ROOT
-from stapo.prompts import BOXED_SUFFIX
+from stapo.tasks.prompts import BOXED_SUFFIX
 
 _spec = importlib.util.spec_from_file_location("prepare_verl_data", REPO_ROOT / "scripts" / "verl" / "prepare_verl_data.py")
 prep = importlib.util.module_from_spec(_spec)

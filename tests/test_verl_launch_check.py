@@ -5,7 +5,7 @@ the three S2T ablations), in the check environment ``.venv-verl`` (scripts/verl/
 
 Each dry run composes the launch line with hydra against verl 0.9.1's own config, imports the plugin the way the
 workers do, checks the hook on TrainingWorker.train_batch, instantiates the actor config, runs verl's
-validate_config and names the objective of stapo/objectives.py that verl's actor will optimise.
+validate_config and names the objective of stapo/core/objectives.py that verl's actor will optimise.
 Cost: ~15 s to create the environment once (pip cache warm), ~8 s of CPU per dry run; the eight run at once.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_dry_run_of_the_launch_script(dry_runs, method):
     assert ("(active)" in out) == (method in PLUGIN_METHODS)
     loss_mode = "vanilla" if method == "grpo" else method
     assert f"policy loss {loss_mode!r} -> {fn}" in out
-    assert f"equals stapo.objectives {objective!r}" in out
+    assert f"equals stapo.core.objectives {objective!r}" in out
     assert ref in out
     # no flash_attn on this CPU machine → the script falls back to sdpa and says so
     assert "attention (FSDP actor/ref): sdpa" in out and "flash_attn is not importable" in proc.stderr

@@ -26,8 +26,8 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 import stapo.integrations.verl as plugin  # noqa: E402
-from stapo.dp_mask import minibatch_token_mask  # noqa: E402
-from stapo.objectives import (  # noqa: E402
+from stapo.core.minibatch import minibatch_token_mask  # noqa: E402
+from stapo.core.objectives import (  # noqa: E402
     OBJECTIVES, compute_token_mask, get_objective, loss_denominator, objective_loss, policy_loss)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -142,7 +142,7 @@ def test_every_registered_objective_with_a_mask_token_mean_and_no_kl_is_a_loss_m
 
 
 def test_an_objective_registered_later_becomes_a_loss_mode():
-    from stapo.objectives import register_objective
+    from stapo.core.objectives import register_objective
 
     obj = register_objective(get_objective("stapo").replace(name="test_late_objective", clip_ratio_high=0.3))
     try:
@@ -189,7 +189,7 @@ HAND_ABLATIONS = {"stapo_high_entropy": (1.924, 5), "stapo_random": (1.924, 5), 
 @pytest.mark.parametrize("loss_mode", ["stapo", "entropy20", *ABLATIONS])
 def test_plugin_loss_equals_our_policy_loss_over_compute_token_mask(loss_mode):
     """Every plugin loss mode on the hand-made batch: the registered verl loss (mask computed from
-    mask_context(entropy=...)) = stapo.objectives.policy_loss over compute_token_mask's keep-mask, denominator N."""
+    mask_context(entropy=...)) = stapo.core.objectives.policy_loss over compute_token_mask's keep-mask, denominator N."""
     cfg = _actor_config(loss_mode, batch_num_tokens=int(MASK.sum()))
     obj = plugin.objective_from_verl_config(loss_mode, cfg)
     assert obj == get_objective(loss_mode)  # the paper's clip values, the default mask parameters
@@ -231,7 +231,7 @@ def test_ablation_mask_parameters_reach_the_objective():
     assert plugin.objective_from_verl_config("justrl_fullmask", _actor_config("justrl_fullmask", s2t_prob_threshold=0.01)
                                              ).mask_params == {"prob_threshold": 0.01}
     # every parameter of every plugin loss's mask has its field in StapoPolicyLossConfig
-    from stapo.masks import MASKS
+    from stapo.core.masks import MASKS
     fields = set(plugin.StapoPolicyLossConfig.__dataclass_fields__)
     for name in plugin.PLUGIN_LOSSES:
         for key in MASKS[get_objective(name).token_mask].config_keys.values():
@@ -269,7 +269,7 @@ def test_precomputed_mask_split_into_micro_batches_and_dp_ranks_gives_the_whole_
 def test_minibatch_mask_over_ranks_equals_the_single_rank_mask():
     """Two ranks simulated by splitting the rows; the all-gather is replaced by the two shares in rank order
     (the real 2-process gloo all-gather is tested in tests/test_dp_mask.py)."""
-    import stapo.dp_mask as dp
+    import stapo.core.minibatch as dp
 
     obj = plugin.objective_from_verl_config("stapo", _actor_config())
     full = minibatch_token_mask(obj, P.log().float(), H, ADV, MASK)
@@ -544,7 +544,7 @@ def _check_against_reference(out, grads, seen, ref, loss_mode):
     assert math.isclose(sum(out["loss"]), ref_loss.item(), rel_tol=1e-5, abs_tol=1e-6)
     # the mask statistics (τ_h, counts, means of the silenced tokens' p / H / Â) are the whole mini-batch's; each
     # micro-batch reports them (a verl Metric, MEAN over the micro-batches)
-    from stapo.masks import MASKS
+    from stapo.core.masks import MASKS
     prefix = f"actor/{MASKS[get_objective(loss_mode).token_mask].prefix}/"  # actor/s2t/, actor/top_entropy/...
     # (non-finite statistics, e.g. full_low_prob's entropy_threshold = NaN, are not reported)
     stats = {k: v for k, v in ref_metrics.items() if k.startswith(prefix) and math.isfinite(v)}
@@ -635,12 +635,12 @@ def test_keep_mask_follows_a_jagged_response_mask():
 
 
 def test_mask_parameters_use_the_train_config_key_as_the_verl_field():
-    """One mapping config → objective (stapo.objectives.build_objective): a mask parameter's policy_loss field is its
+    """One mapping config → objective (stapo.core.objectives.build_objective): a mask parameter's policy_loss field is its
     train-config key without 'algorithm.' / 'masks.' and with '_' for '.'."""
     assert plugin.verl_param_key("algorithm.s2t.prob_threshold") == "s2t_prob_threshold"
     assert plugin.verl_param_key("algorithm.top_entropy_ratio") == "top_entropy_ratio"
     assert plugin.verl_param_key("algorithm.masks.s2t_random.seed") == "s2t_random_seed"
-    from stapo.masks import MASKS
+    from stapo.core.masks import MASKS
     fields = {plugin.verl_param_key(k) for name in ("s2t", "top_entropy") for k in MASKS[name].config_keys.values()}
     assert fields == {"s2t_prob_threshold", "s2t_entropy_quantile", "s2t_quantile_scope", "top_entropy_ratio"}
     assert fields <= set(plugin.StapoPolicyLossConfig.__dataclass_fields__)

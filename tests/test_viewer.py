@@ -1,4 +1,4 @@
-"""The token viewer's page (stapo/viewer.py, scripts/view_rollouts.py), read back with the stdlib's html.parser."""
+"""The token viewer's page (stapo/tools/viewer.py, scripts/view_rollouts.py), read back with the stdlib's html.parser."""
 import json
 import math
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stapo.train.samples import write_rollouts
-from stapo.viewer import ViewerError, render_page, write_page
+from stapo.tools.viewer import ViewerError, render_page, write_page
 
 REPO = Path(__file__).resolve().parents[1]
 TAU_P = 0.002  # ln τ_p ≈ -6.2146

@@ -1,6 +1,6 @@
 """``logging.wandb_mode=online`` when W&B cannot start: no credentials (checked before ``wandb.init``, so it
 never prompts or waits) or a server that does not answer (a short init timeout). ``logging.wandb_fallback=error``:
-a one-line :class:`~stapo.tracking.TrackerError` (train.py: exit 2, no traceback); ``offline`` (the default): one
+a one-line :class:`~stapo.run.tracking.TrackerError` (train.py: exit 2, no traceback); ``offline`` (the default): one
 line saying so, then offline W&B files. A finished evaluation never fails because of W&B. No network is used:
 the "server" is a closed local port.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stapo.tracking import INIT_TIMEOUT_S, Tracker, TrackerError
+from stapo.run.tracking import INIT_TIMEOUT_S, Tracker, TrackerError
 
 REPO = Path(__file__).resolve().parents[1]
 _CRED_VARS = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_BASE_URL", "WANDB_MODE",
@@ -61,7 +61,7 @@ def test_online_without_a_key_falls_back_offline_and_says_so(tmp_path, no_creden
 def test_online_with_an_unreachable_server_times_out_and_falls_back(tmp_path):
     """In a fresh process (wandb keeps its settings per process): a key, but the server is a closed local port."""
     env = {**_clean_env(tmp_path), "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
-    script = ("import sys, time; from stapo.tracking import Tracker; t = time.perf_counter(); "
+    script = ("import sys, time; from stapo.run.tracking import Tracker; t = time.perf_counter(); "
               "tr = Tracker(sys.argv[1], {}, mode='online', fallback='offline'); "
               "print(tr.mode, time.perf_counter() - t); tr.log(1, {'x': 1.0}); tr.finish()")
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
@@ -128,7 +128,7 @@ def test_finished_evaluation_never_fails_because_of_wandb(tmp_path, no_credentia
 def test_a_bad_wandb_environment_variable_is_named(tmp_path):
     """wandb reads WANDB_MODE from the environment; a bad value makes even offline fail: the message says which.
     In a fresh process: wandb keeps the settings of an earlier run of the same process."""
-    code = ("import sys\nfrom stapo.tracking import Tracker, TrackerError\n"
+    code = ("import sys\nfrom stapo.run.tracking import Tracker, TrackerError\n"
             "try:\n    Tracker(sys.argv[1], {}, mode='offline')\nexcept TrackerError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
                          env={**_clean_env(tmp_path), "WANDB_MODE": "garbage"})

@@ -20,7 +20,7 @@ def _train(out: Path, name: str, *overrides: str) -> Path:
     from toy_run import toy_reward
 
     from stapo.config import load_config
-    from stapo.provenance import apply_identity
+    from stapo.run.provenance import apply_identity
     from stapo.train import Trainer
 
     config = "configs/tiny_test.yaml"

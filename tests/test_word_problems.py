@@ -1,4 +1,4 @@
-"""Tests for stapo/word_problems.py: the seeded multi-step word problems, their splits, benchmarks, reference
+"""Tests for stapo/tasks/word_problems.py: the seeded multi-step word problems, their splits, benchmarks, reference
 solutions, the ``data.train_set: word`` training set and its config."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from stapo.records import Record
-from stapo.splits import is_heldout
-from stapo.word_problems import (WORD_EXAMPLE, WORD_LEVELS, WORD_SYSTEM_PROMPT, Event, WordProblem,
+from stapo.tasks.records import Record
+from stapo.tasks.splits import is_heldout
+from stapo.tasks.word_problems import (WORD_EXAMPLE, WORD_LEVELS, WORD_SYSTEM_PROMPT, Event, WordProblem,
                                  generate_word_problems, make_word_problem, parse_word_problem, reference_solution)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_parse_round_trip_and_foreign_text():
 
 
 def test_word_benchmarks_are_held_out_and_registered():
-    from stapo.synthetic import GENERATED_BENCHMARKS, generated_benchmark
+    from stapo.tasks.synthetic import GENERATED_BENCHMARKS, generated_benchmark
 
     test, mid, hard = (generated_benchmark(name) for name in ("word_test", "word_mid", "word_hard"))
     assert len(test) == GENERATED_BENCHMARKS["word_test"].num_problems == 300 and len(mid) == len(hard) == 300
@@ -136,7 +136,7 @@ def test_word_benchmarks_are_held_out_and_registered():
 
 def test_training_set_and_config(tmp_path):
     from stapo.config import ConfigError, load_config, validate
-    from stapo.data import load_train_set
+    from stapo.tasks.data import load_train_set
 
     loaded = load_train_set("word", n=12, seed=0, levels=(2, 3), split="train")
     assert loaded.records == generate_word_problems(12, seed=0, levels=(2, 3), split="train")

@@ -30,10 +30,10 @@ def uneven_reward_for(cfg):
 
     With data.train_batch_size=4, actor.ppo_mini_batch_size=2 and 2 ranks, global prompt 1 is rank 1's half of
     the first mini-batch, so that mini-batch's S2T candidates all sit on rank 0. The global index of a response's
-    prompt is recovered from this rank's share (:func:`stapo.distributed.shard_prompt_indices`).
+    prompt is recovered from this rank's share (:func:`stapo.model.distributed.shard_prompt_indices`).
     """
-    from stapo.distributed import shard_prompt_indices
-    from stapo.dp_mask import dist_world
+    from stapo.model.distributed import shard_prompt_indices
+    from stapo.core.minibatch import dist_world
 
     G = cfg.rollout.n
 
@@ -71,7 +71,7 @@ def record_weight_dtypes(trainer: Trainer) -> list[str]:
 if __name__ == "__main__":
     import json
 
-    from stapo.distributed import barrier, teardown
+    from stapo.model.distributed import barrier, teardown
 
     args = sys.argv[2:]
     uneven = "--uneven-reward" in args

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import stapo.rollout.vllm_backend as vb  # noqa: E402
-from stapo import distributed as dist  # noqa: E402
+from stapo.model import distributed as dist  # noqa: E402
 from toy_run import make_trainer  # noqa: E402
 
 RENAMED = "model.layers.1.mlp.up_proj.weight"

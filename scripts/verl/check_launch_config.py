@@ -13,7 +13,7 @@ machine, in ``.venv-verl`` (``bash scripts/verl/setup_check_env.sh``). It
 3. instantiates ``actor_rollout_ref.actor`` through ``verl.utils.config.omega_conf_to_dataclass`` — the hydra
    ``_target_`` path the workers take (``StapoPolicyLossConfig``);
 4. runs verl's own driver-side ``validate_config``;
-5. prints the objective verl's actor will optimise in :mod:`stapo.objectives` terms
+5. prints the objective verl's actor will optimise in :mod:`stapo.core.objectives` terms
    (:func:`stapo.integrations.verl.objective_of_verl_actor`) and the registered objective it equals
    (``stapo``, ``entropy20``, ``justrl``, ``grpo``, the S2T ablations ``stapo_high_entropy``, ``stapo_random``,
    ``justrl_fullmask``), the reference model, the attention implementation and the
@@ -94,7 +94,7 @@ def main(overrides: list[str]) -> int:
     if objective is not None:
         name = plugin.registered_objective_name(objective)
         print(f"objective: {objective}")
-        print("equals stapo.objectives " + (repr(name) if name else "(no registered objective: custom settings)"))
+        print("equals stapo.core.objectives " + (repr(name) if name else "(no registered objective: custom settings)"))
     if use_ref:
         print(f"reference model: on (KL loss β = {actor.kl_loss_coef}, {actor.kl_loss_type})")
     else:

@@ -4,7 +4,7 @@
 verl's RLHFDataset reads the chat messages of column ``prompt`` and applies the tokenizer's chat template
 (base models too, as JustRL's verl pipeline does). JustRL appends its instruction inside its own fork of
 verl's dataset (``use_boxed_suffix_prompt``); stock verl has no such option, so the suffix is written into the
-user message here with :func:`stapo.prompts.user_content` (``problem + "\\n\\n" + BOXED_SUFFIX``).
+user message here with :func:`stapo.tasks.prompts.user_content` (``problem + "\\n\\n" + BOXED_SUFFIX``).
 
 Output rows (the verl format)::
 
@@ -31,8 +31,8 @@ from typing import Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, load_train_set, resolve_data_root  # noqa: E402
-from stapo.prompts import user_content  # noqa: E402
+from stapo.tasks.data import BENCHMARKS, DataError, Record, load_benchmark, load_train_set, resolve_data_root  # noqa: E402
+from stapo.tasks.prompts import user_content  # noqa: E402
 
 DEFAULT_VAL = ("aime24", "aime25", "amc23")  # JustRL validates on these three during training
 

@@ -26,7 +26,7 @@
 #       -> lets hydra accept the S2T parameters τ_p, q, the quantile scope and the random ablation's seed below.
 #   reward.custom_reward_function.path=pkg://stapo.integrations.verl_reward -> JustRL's strict-box ±1 reward.
 #
-# Methods (LOSS_MODE), each equal to the objective of the same row in stapo/objectives.py (the dry run says so):
+# Methods (LOSS_MODE), each equal to the objective of the same row in stapo/core/objectives.py (the dry run says so):
 #   stapo      JustRL + the S2T mask (plugin loss)            entropy20  JustRL + top-20 % entropy mask (plugin)
 #   the paper's S2T ablations (plugin losses, JustRL settings, same candidates Â > 0 and p < τ_p):
 #   stapo_high_entropy  silence the HIGH-entropy candidates   stapo_random  random candidates at S2T's count (MASK_SEED)
@@ -60,7 +60,7 @@ TAU_P=${TAU_P:-0.002}
 Q=${Q:-0.75}
 SCOPE=${SCOPE:-candidates}
 TOP_ENTROPY_RATIO=${TOP_ENTROPY_RATIO:-0.2}   # entropy20 only
-MASK_SEED=${MASK_SEED:-0}                      # stapo_random only: seed of the draw (stapo.masks.s2t_random_mask)
+MASK_SEED=${MASK_SEED:-0}                      # stapo_random only: seed of the draw (stapo.core.masks.s2t_random_mask)
 KL_COEF=${KL_COEF:-0.04}                 # grpo only: β of the k3 KL to the reference model
 REWARD=${REWARD:-dapo_strict_box}        # or math_verify
 ATTN_IMPL=${ATTN_IMPL:-auto}             # auto | flash_attention_2 | sdpa

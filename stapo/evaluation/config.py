@@ -10,7 +10,7 @@ and AMC23 and N = 4 for MATH500, Minerva and OlympiadBench, the two decoding set
 (:class:`stapo.config.ConfigError`).
 
 Benchmark names accept aliases and any case (``AIME24``, ``minerva``, ``olympiad``, ``MATH-500``); they are
-stored canonically (:data:`stapo.data.BENCHMARKS`).
+stored canonically (:data:`stapo.tasks.data.BENCHMARKS`).
 
 ``import_modules`` (top level) lists Python modules imported before the values are checked, as train.py's
 ``trainer.import_modules``: a module that registers a rollout backend makes its name valid in ``engine.backend``.
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
 from stapo.config import ConfigError, LoggingConfig, merge_config
-from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
-from stapo.synthetic import GENERATED_BENCHMARKS
+from stapo.tasks.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
+from stapo.tasks.synthetic import GENERATED_BENCHMARKS
 from stapo.evaluation.errors import EvalError
 
 __all__ = [
@@ -54,10 +54,10 @@ __all__ = [
     "checkpoint_selection",
 ]
 
-#: Samples per problem N (docs/method.md#evaluation-protocol), from :data:`stapo.data.BENCHMARK_REGISTRY`.
+#: Samples per problem N (docs/method.md#evaluation-protocol), from :data:`stapo.tasks.data.BENCHMARK_REGISTRY`.
 PAPER_SAMPLES: dict[str, int] = {b.name: b.samples for b in BENCHMARK_REGISTRY}
 
-#: Other spellings of the benchmark names (lower case), from :data:`stapo.data.BENCHMARK_REGISTRY`.
+#: Other spellings of the benchmark names (lower case), from :data:`stapo.tasks.data.BENCHMARK_REGISTRY`.
 BENCHMARK_ALIASES: dict[str, str] = {alias: b.name for b in BENCHMARK_REGISTRY for alias in b.aliases}
 
 
@@ -81,7 +81,7 @@ class EvalModelConfig:
     path: str = "embedded:smollm2"
     label: Optional[str] = None  # row name in tables; default derived from the path
     # "auto": bfloat16 where the device computes it natively (AVX512-BF16 / AMX CPUs, bf16 GPUs), else float32 — the
-    # rule of the training configs' model.compute_dtype (stapo.precision.resolve_compute_dtype); resolved at load
+    # rule of the training configs' model.compute_dtype (stapo.model.precision.resolve_compute_dtype); resolved at load
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     cache_dir: Optional[str] = None  # where the embedded model is converted to
@@ -94,7 +94,7 @@ class EvalModelConfig:
 
 @dataclass
 class EvalPromptConfig:
-    # The boxed prompt of training (stapo.prompts). Resolution, later wins: "auto" and no system prompt →
+    # The boxed prompt of training (stapo.tasks.prompts). Resolution, later wins: "auto" and no system prompt →
     # from_train_config → the run config of a train.py checkpoint (from_checkpoint) → style / system_prompt.
     style: Optional[Literal["auto", "chat", "plain"]] = None
     system_prompt: Optional[str] = None  # "" forces no system prompt
@@ -105,7 +105,7 @@ class EvalPromptConfig:
 @dataclass
 class CustomBenchmarkConfig(FileSetConfig):
     """A benchmark from the user's own file (``data.custom_benchmarks.<name>``): the file and its field mapping
-    (:class:`stapo.data.FileSetConfig`) plus its samples per problem N (``data.samples.<name>`` wins when set).
+    (:class:`stapo.tasks.data.FileSetConfig`) plus its samples per problem N (``data.samples.<name>`` wins when set).
     It is evaluated when ``<name>`` is listed in ``data.benchmarks``."""
 
     samples: int = 4
@@ -119,7 +119,7 @@ class EvalDataConfig:
     samples: dict[str, int] = field(default_factory=lambda: dict(PAPER_SAMPLES))  # N per benchmark
     max_prompt_tokens: Optional[int] = None  # longer prompts are skipped (and counted); null keeps all
     # a benchmark file whose gold answers math-verify (the grader's parser) cannot parse is reported in one line
-    # (file, count, first rows; stapo/golds.py; their responses graded 'error', never 'incorrect') and refused above
+    # (file, count, first rows; stapo/tasks/golds.py; their responses graded 'error', never 'incorrect') and refused above
     # this fraction of its rows (0 refuses any, 1 accepts all). The shipped files: at most 2.2 % (Minerva).
     max_unparsable_gold_fraction: float = 0.05
     # {name: CustomBenchmarkConfig}: benchmarks from your own files (docs/extending.md); list them in benchmarks
@@ -152,7 +152,7 @@ class EvalGraderConfig:
     num_workers: int = 2
     timeout_s: float = 5.0
     # an answer math-verify finds equivalent but still an unevaluated expression ("9 + 5" for 14) is incorrect
-    # (stapo.grader.is_unevaluated_expression; the math_verify_value training reward); for the synthetic benchmarks
+    # (stapo.tasks.grader.is_unevaluated_expression; the math_verify_value training reward); for the synthetic benchmarks
     require_value: bool = False
 
 
@@ -207,7 +207,7 @@ class EvalConfig:
 
 # --- benchmark names ----------------------------------------------------------------------------------
 def canonical_benchmark(name: str, custom: Iterable[str] = ()) -> str:
-    """The canonical name of a benchmark (:data:`stapo.data.BENCHMARKS`) from any case or alias, or ``name``
+    """The canonical name of a benchmark (:data:`stapo.tasks.data.BENCHMARKS`) from any case or alias, or ``name``
     itself when it is one of the ``custom`` benchmark names (``data.custom_benchmarks``; exact spelling).
 
     Raises:
@@ -301,7 +301,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     if cfg.model.dtype == "auto":  # the training rule: bf16 where native (results/benchmarks/train_step.md)
         import torch
 
-        from stapo.precision import resolve_compute_dtype
+        from stapo.model.precision import resolve_compute_dtype
 
         cuda = cfg.engine.device != "cpu" and torch.cuda.is_available()
         cfg.model.dtype = resolve_compute_dtype("auto", "cuda" if cuda else "cpu")

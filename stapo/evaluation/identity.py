@@ -1,9 +1,9 @@
 """What an evaluation was made from, by content: its fingerprint, the content key of each problem, and the checks
 that reuse (a rerun into the same output) and paired comparisons (``scripts/paired_eval_diff.py``) make with them.
 
-An evaluation folder records (``fingerprint.json``, :mod:`stapo.fingerprint`; rewritten by every launch)::
+An evaluation folder records (``fingerprint.json``, :mod:`stapo.common.fingerprint`; rewritten by every launch)::
 
-    {"model": <stapo.fingerprint.model_digest of the resolved local folder, or "id:<spec>">,
+    {"model": <stapo.common.fingerprint.model_digest of the resolved local folder, or "id:<spec>">,
      "data:<benchmark>": <SHA-256 of its file, or "generated:<name>:<digest of its problems>">, ...,
      "protocol": <json_digest of protocol(): decoding settings, N, max new tokens, prompt, grader, verifier,
                   seed, samples per call, backend>,
@@ -45,14 +45,14 @@ def content_key(problem: str, gold: str) -> str:
 
 def model_part(source: Any) -> str:
     """The ``model`` part of a resolved ``--model`` (:class:`~stapo.evaluation.model_source.ModelSource`): the
-    :func:`stapo.fingerprint.model_digest` of a local folder (an HF folder or a train.py checkpoint: weights and
+    :func:`stapo.common.fingerprint.model_digest` of a local folder (an HF folder or a train.py checkpoint: weights and
     config / tokenizer files, cached per file), else ``"id:<spec>"`` (the embedded model, ``tiny``, a hub id: not
     content, compared by name).
 
     Raises:
         OSError: a file of the folder cannot be read (the caller names ``model.path``).
     """
-    from stapo.fingerprint import model_digest
+    from stapo.common.fingerprint import model_digest
 
     if source.kind in ("hf_folder", "checkpoint"):
         return model_digest(source.path)
@@ -66,7 +66,7 @@ def data_part(path: str | Path | None, name: str, problems: Sequence[Any] = ()) 
     Raises:
         OSError: the file cannot be read.
     """
-    from stapo.fingerprint import file_sha256
+    from stapo.common.fingerprint import file_sha256
 
     if path is not None:
         return file_sha256(path)
@@ -86,7 +86,7 @@ def protocol(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 def eval_fingerprint(manifest: Mapping[str, Any], machine: str) -> dict[str, Any]:
     """The evaluation's ``fingerprint.json`` parts (module docstring) from its manifest and the machine kind."""
-    from stapo.fingerprint import json_digest
+    from stapo.common.fingerprint import json_digest
 
     out: dict[str, Any] = {"model": manifest.get("model_digest"), "protocol": json_digest(protocol(manifest)),
                            "machine": machine, "compute_dtype": manifest.get("dtype")}

@@ -27,8 +27,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from stapo.boxed import strip_answer_decorations
-from stapo.metric_names import val_key, val_source
+from stapo.tasks.boxed import strip_answer_decorations
+from stapo.core.metric_names import val_key, val_source
 
 __all__ = [
     "GRADER_STATUSES",
@@ -46,7 +46,7 @@ __all__ = [
     "validation_metrics",
 ]
 
-#: Verdicts of :class:`stapo.grader.MathGrader` (``GradeStatus`` values), in table order.
+#: Verdicts of :class:`stapo.tasks.grader.MathGrader` (``GradeStatus`` values), in table order.
 GRADER_STATUSES = ("correct", "incorrect", "no_answer", "timeout", "error")
 
 _LATEX_SPACING = re.compile(r"\\[,;:! ]|\\q?quad|\\left|\\right")
@@ -127,7 +127,7 @@ def avg_at_n(correct: Sequence[Sequence[bool]]) -> float:
 
 def answer_key(answer: str | None) -> str | None:
     """The voting key of an extracted answer: decorations stripped (surrounding ``$``, a trailing period, see
-    :func:`stapo.boxed.strip_answer_decorations`), LaTeX spacing commands (``\\,`` ``\\;`` ``\\!`` ``\\quad``) and
+    :func:`stapo.tasks.boxed.strip_answer_decorations`), LaTeX spacing commands (``\\,`` ``\\;`` ``\\!`` ``\\quad``) and
     ``\\left`` / ``\\right`` removed, all whitespace removed, ``\\dfrac`` / ``\\tfrac`` written ``\\frac``.
 
     Returns:
@@ -353,7 +353,7 @@ def paired_difference(acc_a: Mapping[str, float], acc_b: Mapping[str, float], z:
 
 def validation_metrics(metrics: Mapping[str, Any], dropped: Mapping[str, int] | None = None, *,
                        prefix: str = "val") -> dict[str, float]:
-    """The validation keys (verl's layout, shared with the verl plugin's runs: stapo/metric_names.py,
+    """The validation keys (verl's layout, shared with the verl plugin's runs: stapo/core/metric_names.py,
     docs/metrics.md) of an evaluation's ``metrics`` — in-training validation and ``evaluate.py`` log the same names
     through this function.
 

@@ -2,7 +2,7 @@
 
 Accepted forms (:func:`resolve_model_source`):
 
-* ``embedded:smollm2`` (and the other :data:`stapo.models.EMBEDDED_ALIASES`) — the embedded SmolLM2-135M-Instruct;
+* ``embedded:smollm2`` (and the other :data:`stapo.model.models.EMBEDDED_ALIASES`) — the embedded SmolLM2-135M-Instruct;
 * ``tiny`` — a randomly initialised tiny Qwen3 model (tests only, like ``model.path: tiny`` in train configs);
 * a local HF folder (``config.json`` plus ``*.safetensors`` / ``pytorch_model*.bin`` weights);
 * a train.py checkpoint ``runs/<name>/checkpoints/step_XXXXXX`` (an HF folder with ``trainer_state.pt``; the
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stapo.checkpoint_files import (_STEP_DIR, complete_checkpoints, has_hf_weights, step_folders,
+from stapo.common.checkpoint_files import (_STEP_DIR, complete_checkpoints, has_hf_weights, step_folders,
                                     verify_checkpoint)
 from stapo.evaluation.errors import EvalError
 
 __all__ = ["EMBEDDED_NAMES", "ModelSource", "resolve_model_source"]
 
-#: Same names as :data:`stapo.models.EMBEDDED_ALIASES` (kept here to avoid importing torch; a test checks).
+#: Same names as :data:`stapo.model.models.EMBEDDED_ALIASES` (kept here to avoid importing torch; a test checks).
 EMBEDDED_NAMES = ("embedded:smollm2", "embedded", "smollm2", "embedded:smollm2-135m-instruct")
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ModelSource:
     Attributes:
         spec: the string as given.
         kind: ``"embedded"``, ``"tiny"``, ``"hf_folder"``, ``"checkpoint"`` or ``"hub"``.
-        path: what to load (:func:`stapo.models.load_policy` argument; an absolute folder for local kinds).
+        path: what to load (:func:`stapo.model.models.load_policy` argument; an absolute folder for local kinds).
         label: default row name in tables (``smollm2-135m-instruct``, ``<run>@step_000020``, folder name, ...).
         step: the training step of a train.py checkpoint, else ``None``.
         run_dir: the train.py run folder of a checkpoint (holding ``config.json``), else ``None``.
@@ -136,7 +136,7 @@ def _folder_source(spec: str, folder: Path) -> ModelSource:
         # in a checkpoints/ folder every step_N folder is a checkpoint, damaged or not (each one named below);
         # elsewhere (a folder holding checkpoints directly, or something else) only the complete ones count
         ckpts = step_folders(root) if root.name == "checkpoints" else complete_checkpoints(root)
-        for ckpt in reversed(ckpts):  # the newest intact one (the rule a resume uses: stapo/checkpoint_files.py);
+        for ckpt in reversed(ckpts):  # the newest intact one (the rule a resume uses: stapo/common/checkpoint_files.py);
             damaged = verify_checkpoint(ckpt)  # each damaged newer one is named, one line each
             if damaged is None:
                 return _folder_source(spec, ckpt)

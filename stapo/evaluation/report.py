@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from stapo.data import BENCHMARK_REGISTRY, BENCHMARKS
+from stapo.tasks.data import BENCHMARK_REGISTRY, BENCHMARKS
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES
 
@@ -111,7 +111,7 @@ def table_settings(results: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def table_columns(results: Sequence[dict[str, Any]]) -> list[str]:
-    """Benchmarks present in any result, in the canonical order (:data:`stapo.data.BENCHMARKS`), then custom
+    """Benchmarks present in any result, in the canonical order (:data:`stapo.tasks.data.BENCHMARKS`), then custom
     benchmarks (``data.custom_benchmarks``) in the order first seen."""
     present = [b for res in results for m in res["metrics"].values() for b in m["benchmarks"]]
     extra = [b for b in dict.fromkeys(present) if b not in BENCHMARKS]
@@ -321,7 +321,7 @@ def _atomic(path: Path) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except OSError as e:
-        from stapo.preflight import write_error
+        from stapo.run.preflight import write_error
 
         raise write_error(e, path) from None
     finally:
@@ -463,7 +463,7 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
               group: str | None = None, tags: Sequence[str] | None = None, job_type: str | None = None,
               notes: str | None = None, name: str | None = None, tensorboard: bool = False) -> None:
     """Log one result, or the results of several checkpoints of one training run (a sweep), as ONE W&B run
-    (through :class:`stapo.tracking.Tracker`, offline by default: no API key needed).
+    (through :class:`stapo.run.tracking.Tracker`, offline by default: no API key needed).
 
     Each result is logged at its training step (:func:`result_step`) under the step metric :data:`STEP_METRIC`, so
     checkpoints form a curve on the training-step axis, in any order: scalars ``eval/<setting>/<benchmark>/<metric>``
@@ -483,7 +483,7 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
     this runs, so a W&B that cannot start never fails it: one line on stderr, the JSONL files are written without
     W&B, and nothing is recorded as logged.
     """
-    from stapo.tracking import Tracker, TrackerError
+    from stapo.run.tracking import Tracker, TrackerError
 
     many = sorted([results] if isinstance(results, dict) else list(results), key=result_step)
     if not many:
@@ -563,7 +563,7 @@ def write_train_summary(results: dict[str, Any] | Sequence[dict[str, Any]], *, m
     :data:`TRAIN_SUMMARY` in the run folder (``{"step", "values"}``, atomically) and, unless ``mode`` is
     ``disabled`` or the run has no W&B run (no ``wandb_run_id``), the W&B run's summary — W&B's documented way to
     add to a finished run: ``wandb.init(id=<its id>, resume="allow")`` then ``run.summary.update`` (through
-    :class:`stapo.tracking.Tracker`, with the run's project, entity, name, group and tags). Offline this writes one
+    :class:`stapo.run.tracking.Tracker`, with the run's project, entity, name, group and tags). Offline this writes one
     more ``offline-run-*`` folder of the same id under ``<run>/wandb``; ``wandb sync <run>/wandb/offline-run-*``
     uploads it into the same run, so the runs table can sort training runs by a benchmark.
 
@@ -574,8 +574,8 @@ def write_train_summary(results: dict[str, Any] | Sequence[dict[str, Any]], *, m
     Returns:
         The values written, or None when nothing was.
     """
-    from stapo.runlock import RunLock, RunLockError
-    from stapo.tracking import Tracker, TrackerError
+    from stapo.run.runlock import RunLock, RunLockError
+    from stapo.run.tracking import Tracker, TrackerError
 
     found = train_summary_values(results)
     if found is None:

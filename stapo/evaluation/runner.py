@@ -5,11 +5,11 @@ in-training validation hook (:mod:`stapo.evaluation.validation`) shares.
 
 Run directory (``output.dir``, default ``runs/eval/<label>``)::
 
-    run.lock                              held while a process evaluates into it (stapo.runlock; one writer)
+    run.lock                              held while a process evaluates into it (stapo.run.runlock; one writer)
     eval_manifest.json                    what the generations were made with (checked on every rerun)
     generations/<benchmark>__<setting>.jsonl   one line per sample (fields below)
     results.json  results.md  results.csv  results.png   metrics and reports (stapo.evaluation.report)
-    metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.tracking.Tracker; offline by default), at the
+    metrics.jsonl  tables.jsonl  wandb/   the W&B summary (stapo.run.tracking.Tracker; offline by default), at the
                                           checkpoint's training step in its training run's group (report.log_wandb)
     wandb_run_id  wandb_logged.json       its W&B run id, and the points logged to it (a rerun logs only new ones)
 
@@ -31,7 +31,7 @@ prompt, the backend, the dtype, ``max_new_tokens``, ``seed``, ``samples_per_call
 temperature / top-p for an existing run directory is refused (:class:`~stapo.evaluation.errors.EvalError`);
 adding benchmarks, settings or raising ``--limit`` extends it.
 
-One writer. :func:`run_evaluation` holds the run directory's lock (``run.lock``, :mod:`stapo.runlock`) from the
+One writer. :func:`run_evaluation` holds the run directory's lock (``run.lock``, :mod:`stapo.run.runlock`) from the
 manifest check to the last report, so a second process on the same directory is refused with one line naming the
 holder (:class:`~stapo.evaluation.errors.EvalError`) — with other generation settings (the manifest check would
 otherwise race) and with the same ones (it would duplicate the work) alike. A lock left by a dead process is
@@ -54,17 +54,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from stapo.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_set, resolve_data_root
-from stapo.synthetic import GENERATED_BENCHMARKS, generated_benchmark
+from stapo.tasks.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_set, resolve_data_root
+from stapo.tasks.synthetic import GENERATED_BENCHMARKS, generated_benchmark
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.identity import content_key, data_part, eval_fingerprint, model_part
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
 from stapo.evaluation.store import GenerationStore
-from stapo.fingerprint import write_fingerprint
-from stapo.preflight import check_chat_template, check_device, check_tokenizer, os_reason
-from stapo.runlock import LOCK_NAME, RunLock, RunLockError
+from stapo.common.fingerprint import write_fingerprint
+from stapo.run.preflight import check_chat_template, check_device, check_tokenizer, os_reason
+from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
 
 __all__ = [
     "PromptSpec",
@@ -92,7 +92,7 @@ GENERATIONS_DIR = "generations"
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """How prompts are built (:func:`stapo.prompts.encode_prompt`).
+    """How prompts are built (:func:`stapo.tasks.prompts.encode_prompt`).
 
     Attributes:
         style: ``"auto"`` / ``"chat"`` / ``"plain"`` (``use_chat_template``).
@@ -109,7 +109,7 @@ class PromptSpec:
 class Problem:
     """One problem to sample: its benchmark, position in the benchmark file, record and prompt token ids.
 
-    ``gold_parses``: math-verify parses its gold (:func:`stapo.golds.check_golds`); False: its responses are graded
+    ``gold_parses``: math-verify parses its gold (:func:`stapo.tasks.golds.check_golds`); False: its responses are graded
     ``error`` (GoldUnparseable) unless they repeat the gold as text, and results.json counts it."""
 
     benchmark: str
@@ -186,11 +186,11 @@ def benchmark_file(root: str | os.PathLike, name: str, custom: Mapping[str, Any]
     if name in GENERATED_BENCHMARKS:
         return None
     if name in custom:
-        from stapo.data import file_set_sources
+        from stapo.tasks.data import file_set_sources
 
         sources = file_set_sources(custom[name], key=f"data.custom_benchmarks.{name}")
         return None if isinstance(sources, str) else sources[0]
-    from stapo.data import benchmark_path
+    from stapo.tasks.data import benchmark_path
 
     return benchmark_path(resolve_data_root(root), name)
 
@@ -201,14 +201,14 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
                   report: Callable[[str], None] | None = None) -> dict[str, list[Problem]]:
     """The first ``limit`` problems (all when ``None``) of each benchmark, without prompts yet.
 
-    ``custom`` maps the names of user benchmarks to their :class:`stapo.data.FileSetConfig` (``data.custom_benchmarks``);
+    ``custom`` maps the names of user benchmarks to their :class:`stapo.tasks.data.FileSetConfig` (``data.custom_benchmarks``);
     they are read from their own files (bad rows raise, as for the built-in benchmarks). The generated benchmarks
-    (:data:`stapo.synthetic.GENERATED_BENCHMARKS`: ``arith_test``, ``arith_hard``) need no data root.
+    (:data:`stapo.tasks.synthetic.GENERATED_BENCHMARKS`: ``arith_test``, ``arith_hard``) need no data root.
 
     The golds of each file (all its rows, whatever ``limit``) are checked with math-verify
-    (:func:`stapo.golds.check_golds`): a file with unparsable golds is reported in one line (file, count, first
+    (:func:`stapo.tasks.golds.check_golds`): a file with unparsable golds is reported in one line (file, count, first
     rows; to ``report``, default stderr), its problems marked (``Problem.gold_parses``), and refused above
-    ``max_unparsable_gold`` (``data.max_unparsable_gold_fraction``; default :data:`stapo.golds.DEFAULT_MAX_FRACTION`).
+    ``max_unparsable_gold`` (``data.max_unparsable_gold_fraction``; default :data:`stapo.tasks.golds.DEFAULT_MAX_FRACTION`).
 
     Returns:
         ``{benchmark: [Problem]}`` in the order of ``benchmarks``.
@@ -217,7 +217,7 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
         EvalError: unknown benchmark name, missing data root or file, a bad row, or too many unparsable golds (the
             message names the file and the row or key).
     """
-    from stapo.golds import DEFAULT_MAX_FRACTION, check_golds
+    from stapo.tasks.golds import DEFAULT_MAX_FRACTION, check_golds
 
     custom = dict(custom or {})
     data_root = None
@@ -226,7 +226,7 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
         if name not in BENCHMARKS and name not in custom and name not in GENERATED_BENCHMARKS:
             raise EvalError(f"unknown benchmark {name!r}; known: {', '.join([*BENCHMARKS, *GENERATED_BENCHMARKS, *custom])}")
         try:
-            if name in GENERATED_BENCHMARKS:  # the synthetic task's held-out split, generated (stapo/synthetic.py)
+            if name in GENERATED_BENCHMARKS:  # the synthetic task's held-out split, generated (stapo/tasks/synthetic.py)
                 records, bad = generated_benchmark(name), set()
             else:
                 if name in custom:
@@ -257,7 +257,7 @@ def encode_problems(problems: Mapping[str, list[Problem]], tokenizer: Any, promp
     Raises:
         EvalError: the prompt cannot be built (e.g. a system prompt with plain-text prompts).
     """
-    from stapo.prompts import encode_prompt
+    from stapo.tasks.prompts import encode_prompt
 
     dropped: dict[str, int] = {}
     for name, plist in problems.items():
@@ -448,7 +448,7 @@ def evaluate_problems(
 
     Args:
         engine: a rollout engine (``generate(prompt_ids, N, SamplingParams) -> [Response]``).
-        grader: a :class:`stapo.grader.MathGrader` (``grade(responses, golds)``).
+        grader: a :class:`stapo.tasks.grader.MathGrader` (``grade(responses, golds)``).
         problems: ``{benchmark: problems with prompt_ids}``.
         samples: N per benchmark.
         settings: decoding settings.
@@ -460,7 +460,7 @@ def evaluate_problems(
         verifier_apply_to: rule verdicts sent to the verifier.
         progress: show a tqdm bar over the missing samples (rank 0).
         on_block: called after each block is stored with ``{"setting", "block", "written", "generated"}`` (rank 0).
-        ctx: a :class:`stapo.distributed.DistContext` with W > 1 ranks (collective: every rank calls this with the
+        ctx: a :class:`stapo.model.distributed.DistContext` with W > 1 ranks (collective: every rank calls this with the
             same arguments, each with its own engine and grader): each block's engine call is split over the ranks
             (:func:`shard_positions`), each rank generates and grades its share, rank 0 gathers the records and
             writes the block (the one writer of ``out_dir``) and every rank returns rank 0's result. A problem is
@@ -558,7 +558,7 @@ def _evaluate_sharded(engine: Any, grader: Any, problems: Mapping[str, Sequence[
     that worked (a second small gather). A crash therefore leaves the stores as one process would: whole blocks,
     or a torn last line that the next run cuts off.
     """
-    from stapo.distributed import gather_objects
+    from stapo.model.distributed import gather_objects
 
     main = ctx.is_main
     out = Path(out_dir)
@@ -807,7 +807,7 @@ def _close_quietly(obj: Any) -> None:
 
 
 def _preflight(check: Callable[..., None], *args: Any) -> None:
-    """Run a :mod:`stapo.preflight` check; its ConfigError becomes this module's one-line EvalError."""
+    """Run a :mod:`stapo.run.preflight` check; its ConfigError becomes this module's one-line EvalError."""
     from stapo.config import ConfigError
 
     try:
@@ -818,7 +818,7 @@ def _preflight(check: Callable[..., None], *args: Any) -> None:
 
 @contextlib.contextmanager
 def _holding_lock(run_dir: Path, key: str, take: bool = True) -> Iterator[None]:
-    """Hold ``<run_dir>/run.lock`` (:mod:`stapo.runlock`; the folder is created, and removed again when the run
+    """Hold ``<run_dir>/run.lock`` (:mod:`stapo.run.runlock`; the folder is created, and removed again when the run
     stops before writing anything) for the block. ``take=False`` (a dry run): only check, creating nothing, that
     the folder can be written and that no live process holds it.
 
@@ -827,7 +827,7 @@ def _holding_lock(run_dir: Path, key: str, take: bool = True) -> Iterator[None]:
             folder cannot be written (naming ``key``, the config key it comes from).
     """
     if not take:
-        from stapo.preflight import check_writable
+        from stapo.run.preflight import check_writable
 
         _preflight(check_writable, run_dir, key)
         try:
@@ -860,7 +860,7 @@ def _git_commit() -> str | None:
 
 
 def _load_tokenizer(source: ModelSource, cfg: EvalConfig):
-    from stapo.models import load_tokenizer
+    from stapo.model.models import load_tokenizer
 
     try:
         return load_tokenizer("embedded:smollm2" if source.kind == "tiny" else source.path,
@@ -887,7 +887,7 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
 
 def _bars(cfg: EvalConfig) -> bool:
     """Whether to draw progress bars: ``logging.progress_bar`` (true / false; ``auto``: stdout and stderr are
-    terminals, the rule of :func:`stapo.console.use_progress_bars`, which this layer cannot import: console ->
+    terminals, the rule of :func:`stapo.run.console.use_progress_bars`, which this layer cannot import: console ->
     train.summary -> evaluation)."""
     setting = cfg.logging.progress_bar
     if isinstance(setting, bool):
@@ -899,7 +899,7 @@ def _bars(cfg: EvalConfig) -> bool:
 
 
 def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
-    from stapo.models import build_tiny_model, load_policy
+    from stapo.model.models import build_tiny_model, load_policy
 
     try:
         with _hf_progress_bars(_bars(cfg)):
@@ -964,8 +964,8 @@ def _content_digests(cfg: EvalConfig, source: ModelSource,
         raise EvalError(f"model.path: cannot read {source.path} to fingerprint it: {os_reason(e)}") from None
     data = {}
     for name, plist in problems.items():
-        if name in cfg.data.custom_benchmarks:  # a file, a list of files or a hub dataset (stapo.data.FileSetConfig)
-            from stapo.data import file_set_digest
+        if name in cfg.data.custom_benchmarks:  # a file, a list of files or a hub dataset (stapo.tasks.data.FileSetConfig)
+            from stapo.tasks.data import file_set_digest
 
             spec = cfg.data.custom_benchmarks[name]
             try:
@@ -1051,10 +1051,10 @@ def run_evaluation(
     Args:
         cfg: :class:`~stapo.evaluation.config.EvalConfig` (validated again here).
         model, tokenizer: an already loaded policy to use instead of loading ``cfg.model.path`` (tests).
-        grader: a :class:`~stapo.grader.MathGrader` to share (not closed here); default: one is created and closed.
+        grader: a :class:`~stapo.tasks.grader.MathGrader` to share (not closed here); default: one is created and closed.
         on_block: progress callback (see :func:`evaluate_problems`).
         write_reports: write results.json / .md / .csv / .png and the W&B summary into the run directory.
-        dry_run: ``evaluate.py --dry-run`` (:func:`stapo.estimate.eval_dry_run`): run every check that needs no
+        dry_run: ``evaluate.py --dry-run`` (:func:`stapo.tools.estimate.eval_dry_run`): run every check that needs no
             model (the lock only checked, not taken), write nothing, and return the plan instead of results:
             ``{"dry_run": True, "label", "run_dir", "source"`` (:class:`ModelSource`), ``"prompt"``
             (:class:`PromptSpec`), ``"problems"`` (``{benchmark: [Problem]}`` with prompt ids), ``"totals"``
@@ -1076,7 +1076,7 @@ def run_evaluation(
             that cannot be loaded).
     """
     validate_eval_config(cfg)
-    _preflight(check_device, cfg.engine.device, "engine.device")  # before anything loads (stapo/preflight.py)
+    _preflight(check_device, cfg.engine.device, "engine.device")  # before anything loads (stapo/run/preflight.py)
     source = resolve_model_source(cfg.model.path)
     held_out = [b for b in cfg.data.benchmarks if b in GENERATED_BENCHMARKS]
     if held_out and source.synthetic_split() == "all":  # not an error: the user may mean it, but it is not held out
@@ -1130,13 +1130,13 @@ def run_evaluation(
                     model = _load_model(source, cfg, tokenizer)
                 context = _model_context(model, cfg)
                 _check_context(problems, context, cfg.generation.max_new_tokens)
-                from stapo.fingerprint import machine_kind
+                from stapo.common.fingerprint import machine_kind
 
                 manifest = _add_machine(run_dir, manifest, machine_kind(), context)
                 longest = max((len(p.prompt_ids) for plist in problems.values() for p in plist), default=1)
                 engine, engine_info = _build_engine(model, tokenizer, cfg, longest)
                 if grader is None:
-                    from stapo.grader import MathGrader
+                    from stapo.tasks.grader import MathGrader
 
                     grader = owned_grader = MathGrader(num_workers=cfg.grader.num_workers, timeout_s=cfg.grader.timeout_s,
                                                        require_value=cfg.grader.require_value)

@@ -7,7 +7,7 @@ present, so a rerun never duplicates a generation.
 Crash safety: a block of samples is written with one ``write`` of whole lines, then flushed and fsync'ed. A
 process killed during that write can leave a last line without its newline; opening the store cuts such a
 torn tail off (counted in :attr:`GenerationStore.torn_bytes`, one line on stderr) before anything is appended
-— the rule of the training run's ``metrics.jsonl`` / ``tables.jsonl`` (:mod:`stapo.tracking`); the cut samples
+— the rule of the training run's ``metrics.jsonl`` / ``tables.jsonl`` (:mod:`stapo.run.tracking`); the cut samples
 are generated again. A *complete* line
 that is not valid JSON is never dropped silently: it raises :class:`~stapo.evaluation.errors.EvalError`
 naming the file and line.
@@ -98,7 +98,7 @@ class GenerationStore:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         except OSError as e:
-            from stapo.preflight import write_error
+            from stapo.run.preflight import write_error
 
             raise write_error(e, aside) from None
         print(f"{self.path}: {len(stale_lines)} samples of {len(problems)} problems whose text or gold changed since "
@@ -116,7 +116,7 @@ class GenerationStore:
                     f.truncate(cut)
                     f.flush()
                     os.fsync(f.fileno())
-                # one line on stderr, as stapo.tracking.Tracker.truncate_after says it for metrics.jsonl / tables.jsonl
+                # one line on stderr, as stapo.run.tracking.Tracker.truncate_after says it for metrics.jsonl / tables.jsonl
                 print(f"{self.path}: cut {self.torn_bytes} bytes of a torn last line (an interrupted write)",
                       file=sys.stderr, flush=True)
         kept_lines: list[str] = []
@@ -197,7 +197,7 @@ class GenerationStore:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:  # full disk, quota: name the file (a torn last line is cut when the store reopens)
-            from stapo.preflight import write_error
+            from stapo.run.preflight import write_error
 
             raise write_error(e, self.path) from None
         return len(lines)

@@ -10,7 +10,7 @@ run's folder)::
     eval_manifest.json          {"kind": "checkpoint_sweep", "run_dir": ...}: marks the folder (train.py refuses
                                 it and any folder inside it, a single evaluation refuses it) and pins it to one
                                 training run
-    run.lock                    held while a process sweeps into it (stapo.runlock; one writer)
+    run.lock                    held while a process sweeps into it (stapo.run.runlock; one writer)
     step_XXXXXX/                one evaluation run directory per checkpoint (stapo.evaluation.runner)
     sweep.csv  sweep.md  sweep.png   accuracy against the training step (stapo.evaluation.report)
     metrics.jsonl  tables.jsonl  wandb/   ONE W&B run, every checkpoint at its training step
@@ -19,12 +19,12 @@ run's folder)::
 Resumption. A checkpoint whose folder holds a ``results.json`` made with the same generation-relevant settings
 (model, prompt, data, generation, engine backend, verifier) is skipped and its results reused (one line says so);
 any other is passed to :func:`stapo.evaluation.runner.run_evaluation`, whose store resumes an interrupted one
-where it stopped. A damaged checkpoint (:func:`stapo.checkpoint_files.verify_checkpoint`) is skipped with one
+where it stopped. A damaged checkpoint (:func:`stapo.common.checkpoint_files.verify_checkpoint`) is skipped with one
 line naming it. The reports are rebuilt at the end from every checkpoint evaluated in the folder with the same
 settings — those selected now and those of earlier sweeps (a checkpoint since deleted by ``trainer.keep_last``
 stays on the curve); the W&B run gets the points it does not hold yet (:func:`stapo.evaluation.report.log_wandb`).
 ``evaluate.py --dry-run`` follows the same plan (:func:`check_sweep`, :func:`sweep_jobs`, :func:`earlier_results`;
-:func:`stapo.estimate.eval_sweep_dry_run`).
+:func:`stapo.tools.estimate.eval_sweep_dry_run`).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stapo.checkpoint_files import _STEP_DIR, resumable_checkpoints
+from stapo.common.checkpoint_files import _STEP_DIR, resumable_checkpoints
 from stapo.evaluation.config import EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
 
@@ -208,7 +208,7 @@ def check_sweep(cfg: EvalConfig) -> tuple[SweepPlan, Path]:
     """Every check of a sweep that needs neither a model nor the sweep folder's lock, writing nothing: the config,
     the checkpoint selection (:func:`plan_sweep`), and the sweep folder (not inside the training run; not a
     training run's, a single evaluation's or another run's sweep folder). :func:`run_sweep` and ``evaluate.py
-    --dry-run`` (:func:`stapo.estimate.eval_dry_run`) both start here, so a dry run refuses what a sweep refuses.
+    --dry-run`` (:func:`stapo.tools.estimate.eval_dry_run`) both start here, so a dry run refuses what a sweep refuses.
 
     Returns:
         ``(plan, sweep folder)``.
@@ -265,7 +265,7 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
         cfg: the evaluation config (validated again here); ``model.checkpoints`` must be set.
         model_factory: ``fn(checkpoint folder) -> model`` instead of loading each checkpoint (tests).
         tokenizer: a tokenizer to share (tests); default: each checkpoint's own.
-        grader: a :class:`~stapo.grader.MathGrader` to share (not closed here); default one for the whole sweep.
+        grader: a :class:`~stapo.tasks.grader.MathGrader` to share (not closed here); default one for the whole sweep.
 
     Returns:
         ``{"run_dir": sweep folder, "train_run_dir", "results": [results dict per checkpoint on the curve, by
@@ -299,7 +299,7 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
                     out["skipped"].append(step)
                     continue
                 if grader is None:
-                    from stapo.grader import MathGrader
+                    from stapo.tasks.grader import MathGrader
 
                     grader = owned = MathGrader(num_workers=cfg.grader.num_workers, timeout_s=cfg.grader.timeout_s,
                                                 require_value=cfg.grader.require_value)

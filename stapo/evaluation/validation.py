@@ -164,7 +164,7 @@ class ValidationHook:
         try:  # W > 1: an error here on one rank is told to every rank below (none may wait forever)
             problems = self._load(trainer)
             if self._grader is None:
-                from stapo.grader import MathGrader
+                from stapo.tasks.grader import MathGrader
 
                 self._grader = MathGrader(num_workers=self.grader_workers, timeout_s=self.grader_timeout_s,
                                           require_value=self.grader_require_value)
@@ -175,7 +175,7 @@ class ValidationHook:
                 raise
             error = e
         if sharded:
-            from stapo.distributed import gather_objects
+            from stapo.model.distributed import gather_objects
 
             _raise_any(gather_objects(None if error is None else _error_line(error), ctx), error, "validation")
         wake = getattr(trainer, "wake_engine", None)  # the engine awake (a no-op after a step's weight sync)
@@ -206,7 +206,7 @@ class ValidationHook:
                     raise
                 error = e
         if sharded:
-            from stapo.distributed import gather_objects
+            from stapo.model.distributed import gather_objects
 
             _raise_any(gather_objects(None if error is None else _error_line(error), ctx), error, "validation")
         return self._flatten(res["metrics"])

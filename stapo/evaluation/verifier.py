@@ -98,7 +98,7 @@ class LLMVerifier:
         self.calls = 0
 
     def _encode(self, question: str, gold: str, response: str) -> list[int]:
-        from stapo.prompts import uses_chat_template
+        from stapo.tasks.prompts import uses_chat_template
 
         text = self.template.format(question=question, gold_answer=gold, response=response[-self.max_response_chars:])
         if uses_chat_template(self.tokenizer, self.use_chat_template):
@@ -139,7 +139,7 @@ def build_verifier(cfg: Any, device: str = "cpu") -> LLMVerifier:
     Raises:
         OSError / ValueError: the model cannot be loaded (from transformers).
     """
-    from stapo.models import build_tiny_model, load_policy
+    from stapo.model.models import build_tiny_model, load_policy
     from stapo.rollout import build_rollout_engine
 
     if cfg.model == "tiny":

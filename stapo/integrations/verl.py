@@ -2,11 +2,11 @@
 
 Importing this module
 
-1. registers every objective of :data:`stapo.objectives.OBJECTIVES` that has a token mask, token-mean aggregation
+1. registers every objective of :data:`stapo.core.objectives.OBJECTIVES` that has a token mask, token-mean aggregation
    and no KL as a verl loss mode of the same name (:data:`PLUGIN_LOSSES`, :func:`register_plugin_loss`):
    ``stapo`` (S2T mask, docs/method.md#s2t-mask), ``entropy20`` (top-20 %-entropy mask,
    docs/method.md#20-entropy) and the paper's ablations ``stapo_high_entropy``, ``stapo_random`` and
-   ``justrl_fullmask`` (masks ``s2t_high_entropy``, ``s2t_random``, ``full_low_prob`` of :mod:`stapo.masks`) — an
+   ``justrl_fullmask`` (masks ``s2t_high_entropy``, ``s2t_random``, ``full_low_prob`` of :mod:`stapo.core.masks`) — an
    objective you register before importing this module is one too. They go into
    verl's own policy-loss registry, ``verl.trainer.ppo.core_algos.register_policy_loss`` (core_algos.py:53;
    the registry dict ``POLICY_LOSS_REGISTRY`` is at :50 and ``get_policy_loss_fn`` at :70). All use the
@@ -16,9 +16,9 @@ Importing this module
        fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
           rollout_is_weights=None) -> (pg_loss: 0-dim tensor, pg_metrics: dict[str, float])
 
-   The loss itself is ours: :func:`stapo.objectives.policy_loss` (JustRL clipped surrogate, dual clip,
-   token-mean) over the keep-mask of :func:`stapo.objectives.compute_token_mask` (which calls
-   the objective's registered mask, e.g. :func:`stapo.masks.s2t_mask`). Nothing is re-implemented here.
+   The loss itself is ours: :func:`stapo.core.objectives.policy_loss` (JustRL clipped surrogate, dual clip,
+   token-mean) over the keep-mask of :func:`stapo.core.objectives.compute_token_mask` (which calls
+   the objective's registered mask, e.g. :func:`stapo.core.masks.s2t_mask`). Nothing is re-implemented here.
 2. installs a small hook on verl's actor worker, ``verl.workers.engine_workers.TrainingWorker.train_batch``
    (engine_workers.py:343, called once per optimizer mini-batch by ``train_mini_batch``, :243), that computes
    the mask over the WHOLE mini-batch before its micro-batch loop. The hook does nothing unless the worker's
@@ -49,7 +49,7 @@ So, per optimizer mini-batch, on every data-parallel rank, the hook (:func:`_sta
 2. all-gathers (log p, H, Â) of the response tokens of all ranks of the data-parallel group
    (``engine.get_data_parallel_group()``; 12 bytes per token, ≈ 25–95 MB per mini-batch for the paper's
    512 responses × 4k–15k tokens) and applies OUR mask function once to the concatenation
-   (:func:`stapo.dp_mask.minibatch_token_mask`) — every rank computes the same global mask: the
+   (:func:`stapo.core.minibatch.minibatch_token_mask`) — every rank computes the same global mask: the
    same τ_h over the global candidate set, the same top-k with the same tie-break (rank-major, then row-major
    order); a rank with no candidates is fine;
 3. gets N = the number of kept tokens of the whole mini-batch from that global mask (no extra all-reduce);
@@ -95,7 +95,7 @@ Configuration (hydra overrides of ``python -m verl.trainer.main_ppo``)
   ``actor_rollout_ref.actor.policy_loss._target_=stapo.integrations.verl.StapoPolicyLossConfig`` (a subclass
   with the extra fields of :class:`StapoPolicyLossConfig`) and then e.g.
   ``+actor_rollout_ref.actor.policy_loss.s2t_prob_threshold=0.002``. Without it the paper defaults of
-  :data:`stapo.objectives.OBJECTIVES` are used (τ_p = 0.002, q = 0.75 over the candidates; ratio 0.2; seed 0).
+  :data:`stapo.core.objectives.OBJECTIVES` are used (τ_p = 0.002, q = 0.75 over the candidates; ratio 0.2; seed 0).
 - Clip ε_low, ε_high and the dual-clip c come from verl's actor config (``clip_ratio_low``,
   ``clip_ratio_high``, ``clip_ratio_c``) like for every verl loss; set them to the paper's 0.2 / 0.28 / 10
   (verl's defaults are 0.2 / 0.2 / 3 — a warning is emitted once when they differ from the paper's).
@@ -103,7 +103,7 @@ Configuration (hydra overrides of ``python -m verl.trainer.main_ppo``)
   importance weights (``algorithm.rollout_correction``) are not supported (``NotImplementedError``).
 
 Metrics: the native trainer's keys (docs/metrics.md#one-vocabulary-native-trainer-and-verl-plugin,
-:mod:`stapo.metric_names`) — ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
+:mod:`stapo.core.metric_names`) — ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
 ``actor/num_kept_tokens`` and the mask statistics ``actor/<mask prefix>/<stat>`` (``actor/s2t/masked_frac``...);
 verl's driver prefixes the worker's metrics with ``actor/`` only where they lack it, so they reach W&B unchanged.
 
@@ -126,7 +126,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from stapo.objectives import (
+from stapo.core.objectives import (
     LOSS_AGG_MODES,
     OBJECTIVES,
     Objective,
@@ -136,10 +136,10 @@ from stapo.objectives import (
     loss_denominator,
     policy_loss,
 )
-from stapo.dp_mask import minibatch_token_mask
-from stapo.masks import TokenMask, get_mask_spec
-from stapo.metric_names import NUM_KEPT_TOKENS
-from stapo.tensor_utils import as_bool_mask
+from stapo.core.minibatch import minibatch_token_mask
+from stapo.core.masks import TokenMask, get_mask_spec
+from stapo.core.metric_names import NUM_KEPT_TOKENS
+from stapo.core.tensor_utils import as_bool_mask
 
 try:  # verl is optional for `import stapo`, required for this module
     from verl.trainer.ppo import core_algos as _core_algos
@@ -174,7 +174,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: verl ``policy_loss.loss_mode`` name → our objective name (stapo.objectives.OBJECTIVES): every registered objective
+#: verl ``policy_loss.loss_mode`` name → our objective name (stapo.core.objectives.OBJECTIVES): every registered objective
 #: with a token mask, token-mean aggregation and no KL (:func:`plugin_loss_problem`), under its own name — ``stapo``,
 #: ``entropy20`` and the ablations ``stapo_high_entropy``, ``stapo_random``, ``justrl_fullmask`` — filled at import
 #: and by :func:`register_plugin_loss`.
@@ -202,7 +202,7 @@ class StapoPolicyLossConfig(_PolicyLossConfig):
         s2t_entropy_quantile: q of the entropy quantile τ_h (0.75); also of ``stapo_high_entropy`` / ``stapo_random``.
         s2t_quantile_scope: ``"candidates"`` (v4) or ``"all"`` (v1 text, used with q = 0.80).
         top_entropy_ratio: fraction of response tokens kept by ``entropy20`` (0.2).
-        s2t_random_seed: seed of ``stapo_random``'s draw (0; :func:`stapo.masks.s2t_random_mask`).
+        s2t_random_seed: seed of ``stapo_random``'s draw (0; :func:`stapo.core.masks.s2t_random_mask`).
     """
 
     _target_: str = "stapo.integrations.verl.StapoPolicyLossConfig"
@@ -232,7 +232,7 @@ _WARNED_CLIP: set[tuple] = set()
 
 
 def verl_param_key(config_key: str) -> str:
-    """The ``policy_loss`` field of a mask parameter, from its train-config key (:attr:`stapo.masks.MaskSpec.config_keys`).
+    """The ``policy_loss`` field of a mask parameter, from its train-config key (:attr:`stapo.core.masks.MaskSpec.config_keys`).
 
     Example: ``"algorithm.s2t.prob_threshold"`` → ``"s2t_prob_threshold"``, ``"algorithm.top_entropy_ratio"`` →
     ``"top_entropy_ratio"``, ``"algorithm.masks.s2t_random.seed"`` → ``"s2t_random_seed"``.
@@ -244,7 +244,7 @@ def verl_param_key(config_key: str) -> str:
 
 
 def objective_from_verl_config(loss_mode: str, config: Any) -> Objective:
-    """Our :class:`~stapo.objectives.Objective` for a verl ``loss_mode`` and actor config.
+    """Our :class:`~stapo.core.objectives.Objective` for a verl ``loss_mode`` and actor config.
 
     Clip parameters come from verl's actor config (``clip_ratio_low``/``clip_ratio_high``, falling back to
     ``clip_ratio``; ``clip_ratio_c``), mask parameters from ``config.policy_loss`` (the fields of
@@ -271,7 +271,7 @@ def objective_from_verl_config(loss_mode: str, config: Any) -> Objective:
     c = _cfg_get(config, "clip_ratio_c", base.clip_ratio_c)
     c = None if c is None else float(c)
     pl = _cfg_get(config, "policy_loss", None)
-    # the trainer's mapping (stapo.objectives.build_objective); a mask parameter's verl key is its train-config key
+    # the trainer's mapping (stapo.core.objectives.build_objective); a mask parameter's verl key is its train-config key
     # without "algorithm." / "masks." and with "_" for "." (algorithm.s2t.prob_threshold → s2t_prob_threshold)
     obj = build_objective(PLUGIN_LOSSES[loss_mode],
                           {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": c},
@@ -293,7 +293,7 @@ VERL_MAX_RATIO: float = math.exp(20.0)
 
 
 def objective_of_verl_actor(config: Any) -> Objective:
-    """The objective verl's actor optimises with this actor config, as a :class:`~stapo.objectives.Objective`.
+    """The objective verl's actor optimises with this actor config, as a :class:`~stapo.core.objectives.Objective`.
 
     ``policy_loss.loss_mode`` a plugin loss (:data:`PLUGIN_LOSSES`) → :func:`objective_from_verl_config`; ``vanilla`` (verl's
     clipped surrogate, core_algos.compute_policy_loss_vanilla) → aggregation ``loss_agg_mode``, clip
@@ -309,7 +309,7 @@ def objective_of_verl_actor(config: Any) -> Objective:
         A validated :class:`Objective`.
 
     Raises:
-        ValueError: settings with no counterpart in :mod:`stapo.objectives` (another loss_mode, loss_agg_mode or
+        ValueError: settings with no counterpart in :mod:`stapo.core.objectives` (another loss_mode, loss_agg_mode or
             KL type, an entropy bonus; with a plugin loss a KL term or an aggregation other than token-mean).
     """
     pl = _cfg_get(config, "policy_loss", None)
@@ -328,11 +328,11 @@ def objective_of_verl_actor(config: Any) -> Objective:
                              f"over the kept tokens), got {agg!r}")
         return obj.replace(name=f"verl:{loss_mode}")
     if loss_mode != "vanilla":
-        raise ValueError(f"verl policy_loss.loss_mode={loss_mode!r} has no stapo.objectives counterpart "
+        raise ValueError(f"verl policy_loss.loss_mode={loss_mode!r} has no stapo.core.objectives counterpart "
                          f"(supported: vanilla, {', '.join(sorted(PLUGIN_LOSSES))})")
     agg = _cfg_get(config, "loss_agg_mode", "token-mean")
     if agg not in LOSS_AGG_MODES:
-        raise ValueError(f"actor.loss_agg_mode={agg!r} has no stapo.objectives counterpart; valid: {LOSS_AGG_MODES}")
+        raise ValueError(f"actor.loss_agg_mode={agg!r} has no stapo.core.objectives counterpart; valid: {LOSS_AGG_MODES}")
     clip = _cfg_get(config, "clip_ratio", 0.2)
     low, high = _cfg_get(config, "clip_ratio_low", None), _cfg_get(config, "clip_ratio_high", None)
     c = float(_cfg_get(config, "clip_ratio_c", 3.0))  # verl's default dual clip is 3
@@ -350,7 +350,7 @@ def objective_of_verl_actor(config: Any) -> Objective:
 
 
 def registered_objective_name(objective: Objective) -> str | None:
-    """The name of the registered objective (:data:`stapo.objectives.OBJECTIVES`) equal to ``objective`` in every
+    """The name of the registered objective (:data:`stapo.core.objectives.OBJECTIVES`) equal to ``objective`` in every
     field but the name, or None (e.g. ``objective_of_verl_actor(cfg)`` of the launch script's ``grpo`` → ``"grpo"``).
     """
     for name, reg in OBJECTIVES.items():
@@ -472,7 +472,7 @@ def _plugin_policy_loss(
         denominator = loss_denominator(keep, obj.loss_agg_mode)
     loss, metrics = policy_loss(obj, log_prob, old_log_prob, advantages, keep, denominator)
     metrics.pop("actor/pg_loss", None)  # ppo_loss reports pg_loss itself (losses.py)
-    # the shared vocabulary (stapo/metric_names.py): N of the whole mini-batch, not of this micro-batch; the mask
+    # the shared vocabulary (stapo/core/metric_names.py): N of the whole mini-batch, not of this micro-batch; the mask
     # statistics already carry their keys actor/<mask prefix>/<stat> (compute_token_mask)
     metrics[NUM_KEPT_TOKENS] = float(num_kept)
     for k, v in stats.items():
@@ -481,7 +481,7 @@ def _plugin_policy_loss(
     return loss, metrics
 
 
-_LOSS_DOC = """verl policy loss ``{name}``: the registered objective ``{name}`` of :mod:`stapo.objectives` (token mask
+_LOSS_DOC = """verl policy loss ``{name}``: the registered objective ``{name}`` of :mod:`stapo.core.objectives` (token mask
 ``{mask}``, per-token loss ``{formula}``), token-mean renormalised over the kept tokens of the whole mini-batch
 (docs/method.md#objective-registry; for ``stapo`` docs/method.md#stapo-objective, arXiv 2602.15620 Alg. 1).
 Made by :func:`register_plugin_loss`.
@@ -548,10 +548,10 @@ def plugin_loss_problem(objective: Objective) -> str | None:
 
 
 def register_plugin_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """Register the registered objective ``name`` (:data:`stapo.objectives.OBJECTIVES`) as verl loss mode ``name``.
+    """Register the registered objective ``name`` (:data:`stapo.core.objectives.OBJECTIVES`) as verl loss mode ``name``.
 
     Done at import for every registered objective that :func:`plugin_loss_problem` accepts, whose token mask reads
-    p / H (:attr:`stapo.masks.MaskSpec.needs_stats`) and whose name is not one of verl's own losses; call it for an objective registered after importing this module (its mask parameters are
+    p / H (:attr:`stapo.core.masks.MaskSpec.needs_stats`) and whose name is not one of verl's own losses; call it for an objective registered after importing this module (its mask parameters are
     read from ``policy_loss.<verl_param_key>``: add the fields to a subclass of :class:`StapoPolicyLossConfig`).
     Idempotent.
 

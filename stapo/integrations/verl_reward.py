@@ -12,7 +12,7 @@ calls it once per response from its reward loop
 
 A returned dict must contain ``"score"``; its other keys become ``reward_extra_info`` columns (naive.py:89–95).
 The default reward is JustRL's "DAPO strict box" (docs/method.md#training-reward,
-:func:`stapo.rewards.strict_box_reward`);
+:func:`stapo.tasks.rewards.strict_box_reward`);
 ``+reward.custom_reward_function.reward_kwargs.reward=math_verify`` selects the math-verify grader instead.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from stapo.rewards import REWARD_CORRECT, make_reward_fn
+from stapo.tasks.rewards import REWARD_CORRECT, make_reward_fn
 
 __all__ = ["compute_score", "close"]
 
@@ -46,7 +46,7 @@ def compute_score(
     reward: str = "dapo_strict_box",
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """Score one response with our grader (:func:`stapo.rewards.make_reward_fn`), in verl's signature.
+    """Score one response with our grader (:func:`stapo.tasks.rewards.make_reward_fn`), in verl's signature.
 
     Args:
         data_source: the dataset name of the row (unused: the same reward for every source, as in JustRL).

@@ -13,7 +13,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from stapo.registry import add_entry
+from stapo.common.registry import add_entry
 from stapo.rollout.base import Response, RolloutEngine, SamplingParams
 
 __all__ = ["Response", "RolloutEngine", "SamplingParams", "EngineOptions", "Backend", "BACKENDS", "register_backend", "get_backend",

@@ -4,11 +4,11 @@ A rollout engine samples ``G`` responses for each prompt from the *current* poli
 them with :meth:`RolloutEngine.sync_weights` before each rollout step). What it returns per response is a
 :class:`Response`. The engine's own log-probs (``Response.engine_logprobs``) are kept only to measure the
 train/inference mismatch; the loss and the S2T mask always use the trainer's recomputation from logits / T in
-fp32 (:func:`stapo.policy.policy_token_stats`).
+fp32 (:func:`stapo.train.policy.policy_token_stats`).
 
 Token ids the tokenizer does not know (rows of a padded embedding matrix, as in Qwen) are never sampled by
 either backend: the HF backend masks logits ``>= vocab_size`` to −inf, the vLLM backend passes
-``allowed_token_ids`` (see :func:`stapo.models.token_vocab_size`).
+``allowed_token_ids`` (see :func:`stapo.model.models.token_vocab_size`).
 """
 from __future__ import annotations
 

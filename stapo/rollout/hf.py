@@ -122,7 +122,7 @@ class HFRolloutEngine:
         vocab_size: number of real token ids; default ``len(tokenizer)``. Logits of ids ``>= vocab_size`` are
             masked when the model's output embedding has more rows.
         compute_dtype: dtype the forward passes compute in; when it differs from the parameters' dtype (fp32
-            master weights, bf16 compute: :class:`stapo.precision.PrecisionPolicy`) ``generate`` runs under
+            master weights, bf16 compute: :class:`stapo.model.precision.PrecisionPolicy`) ``generate`` runs under
             ``torch.autocast``. Default: the parameters' dtype (no autocast).
     """
 
@@ -142,7 +142,7 @@ class HFRolloutEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
         self.vocab_rows = int(model.get_output_embeddings().weight.shape[0])
-        from stapo.precision import PrecisionPolicy
+        from stapo.model.precision import PrecisionPolicy
 
         param_dtype = next(model.parameters()).dtype
         self.precision = PrecisionPolicy(param_dtype, compute_dtype or param_dtype)

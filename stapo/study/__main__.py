@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stapo.cli import ArgumentParser, sigterm_as_interrupt
+    from stapo.run.cli import ArgumentParser, sigterm_as_interrupt
 
     p = ArgumentParser(prog="stapo.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="study YAML (configs/study/)")
@@ -41,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     sigterm_as_interrupt()
     try:  # the imports (torch) take seconds: Ctrl-C / SIGTERM then is one line, not an import traceback
         from stapo.config import ConfigError
-        from stapo.runlock import RunLock, RunLockError
+        from stapo.run.runlock import RunLock, RunLockError
         from stapo.study.config import load_study_config, run_specs
         from stapo.study.report import write_report
         from stapo.study.runner import RunIdentityError, describe_plan, run_grid
-        from stapo.tracking import CorruptJsonlError
+        from stapo.run.tracking import CorruptJsonlError
 
         cfg = load_study_config(args.config, args.overrides)
         specs = run_specs(cfg)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.export:
-        from stapo.preflight import check_writable
+        from stapo.run.preflight import check_writable
         from stapo.study.runner import export_study
 
         dest, src = Path(args.export).resolve(), Path(cfg.output_dir).resolve()
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             report = write_report(cfg, specs)
         else:
-            from stapo.preflight import check_writable
+            from stapo.run.preflight import check_writable
 
             check_writable(cfg.output_dir, "output_dir")  # a read-only study folder: one line, before the lock
             with RunLock(cfg.output_dir, "stapo.study"):

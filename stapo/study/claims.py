@@ -332,7 +332,7 @@ def evaluate_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = 
     Raises:
         ClaimsError: no run of the study has logged a step, ``benchmark`` is not among the final evaluations', or a
             role's runs train another objective than the role's (not in ``allow_objective``).
-        stapo.tracking.CorruptJsonlError: a damaged metrics line or results.json (one line naming the file).
+        stapo.run.tracking.CorruptJsonlError: a damaged metrics line or results.json (one line naming the file).
     """
     roles = dict(ROLES if roles is None else roles)
     role_table(cfg, specs, roles, allow_objective)  # refuses a role whose runs train another objective
@@ -560,7 +560,7 @@ def c3_testability(subclaims: list[SubClaim]) -> str:
 def _c2_notes(done: list[RunSpec], rows: dict[str, list], window: int) -> list[str]:
     """Why two of C2's sub-claims follow from the formulas (docs/method.md#token-analysis), with the runs' numbers.
 
-    ΔH of a token = −p (ln p + H) Â (stapo.analysis.entropy_change_estimate) is > 0 for Â > 0 exactly when
+    ΔH of a token = −p (ln p + H) Â (stapo.core.analysis.entropy_change_estimate) is > 0 for Â > 0 exactly when
     H < −ln p; a low-p token has −ln p > −ln τ_p (6.21 nats at τ_p = 0.002), and a low_p_low_h token's H is below
     its step's median cut (``s2t/quadrant/entropy_threshold``): when that cut stays below −ln τ_p, every such token
     raises entropy by construction. The logit-gradient norm per unit Â, ‖e_y − π‖, lies in [1 − p, √2 (1 − p)]
@@ -605,7 +605,7 @@ def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "ar
     Raises:
         stapo.config.ConfigError: the output folder cannot be written (checked first; one line naming it).
         OSError: a write failed all the same (the message names the file).
-        ClaimsError, stapo.tracking.CorruptJsonlError: as :func:`evaluate_claims`.
+        ClaimsError, stapo.run.tracking.CorruptJsonlError: as :func:`evaluate_claims`.
     """
     out = Path(cfg.output_dir)
     check_output_writable(out, "the claims")
@@ -698,10 +698,10 @@ def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "ar
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stapo.cli import ArgumentParser
+    from stapo.run.cli import ArgumentParser
     from stapo.config import ConfigError
     from stapo.study.config import load_study_config, run_specs
-    from stapo.tracking import CorruptJsonlError
+    from stapo.run.tracking import CorruptJsonlError
 
     p = ArgumentParser(prog="stapo.study.claims", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,7 +13,7 @@ Run ``<method>_seed<k>`` is::
              trainer.seed=<k> trainer.output_dir=<output_dir>/runs trainer.run_name=<method>_seed<k>
              logging.study=<name> logging.method=<method>
 
-so its W&B group is ``<name>-<method>`` (:func:`stapo.provenance.default_group`: the seeds of a method share a
+so its W&B group is ``<name>-<method>`` (:func:`stapo.run.provenance.default_group`: the seeds of a method share a
 group, each method has its own) and it carries the tags ``study:<name>`` and ``family:<config family>``.
 """
 from __future__ import annotations

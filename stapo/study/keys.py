@@ -1,5 +1,5 @@
 """Every metrics.jsonl key a study report reads (:mod:`stapo.study.report`), in one place: the keys of the one
-metric vocabulary (docs/metrics.md, :mod:`stapo.metric_names`). The study config checks ``report.metrics``
+metric vocabulary (docs/metrics.md, :mod:`stapo.core.metric_names`). The study config checks ``report.metrics``
 against :data:`METRICS`."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ LABELS: dict[str, str] = {
 #: The cost line's keys: response tokens per step and wall seconds per step.
 COST_KEYS: dict[str, str] = {"response_tokens": "response_length/total_tokens", "step_time": "timing_s/step"}
 
-#: The token taxonomy's quadrants and statistics (stapo.analysis.quadrant_summary, logged by every objective as
+#: The token taxonomy's quadrants and statistics (stapo.core.analysis.quadrant_summary, logged by every objective as
 #: ``s2t/quadrant/<quadrant>/<stat>``; docs/metrics.md): the report's quadrant table.
 QUADRANTS: tuple[str, ...] = ("high_p_high_h", "high_p_low_h", "low_p_high_h", "low_p_low_h")
 QUADRANT_STATS: tuple[str, ...] = ("share", "grad_norm", "entropy_change")

@@ -14,7 +14,7 @@ one-step counterfactual δ), and the cumulative effect (:func:`e3`: paired forks
 the checkpoint before the rise), or, when the gate fails, a STAPO run from step 0 paired with the trunk, described
 as exploratory (:func:`from_start`).
 
-Everything here is a pure function of lists of per-step metric dicts (:func:`stapo.tracking.read_metrics` rows of a
+Everything here is a pure function of lists of per-step metric dicts (:func:`stapo.run.tracking.read_metrics` rows of a
 run folder's ``metrics.jsonl``) and of the run folders' provenance (:func:`read_run`); nothing is written but the
 two output files. Runs are paired only when they ran on one machine kind and one compute dtype
 (:func:`check_pairable`): a pair across kinds, or with a side whose own launches differ, is refused in one line.
@@ -63,7 +63,7 @@ FIRST_K_SMOOTH = 5
 RISE_FACTOR = 1.2
 RISE_STEPS = 20
 
-#: The token groups of the attribution (stapo/mechanism.py::token_groups), in this order.
+#: The token groups of the attribution (stapo/train/probes.py::token_groups), in this order.
 GROUPS = ("silenced", "kept_candidates", "pos_high_p", "neg")
 DH_KEY = "mechanism/dH_probe/{}"
 NUM_KEY = "mechanism/num_tokens/{}"
@@ -107,11 +107,11 @@ class RunInfo:
     """A run folder as the analysis reads it.
 
     Attributes:
-        path: the folder; rows: its metrics (:func:`stapo.tracking.read_metrics`), one per step, sorted by step.
+        path: the folder; rows: its metrics (:func:`stapo.run.tracking.read_metrics`), one per step, sorted by step.
         objective: ``algorithm.objective`` of its ``config.json`` (None without one).
         total_steps: ``trainer.total_steps`` of its ``config.json`` (None without one).
         launches: one dict per launch, oldest first: ``start_step``, ``machine`` (the launch's
-            :func:`stapo.perf.machine_line`, ``run_info.json``) and ``kind`` (:func:`kind_from_machine_line`).
+            :func:`stapo.common.perf.machine_line`, ``run_info.json``) and ``kind`` (:func:`kind_from_machine_line`).
         kinds: the machine kinds the run ran on (sorted): the launches' kinds, plus the fingerprint's ``machine``
             and the ``fingerprint.machine`` rows of ``config_changes.jsonl``; a GPU fingerprint (``cuda:``) decides
             alone (the launches' lines name the host CPU, not the device).
@@ -149,8 +149,8 @@ _LEVELS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
 
 def kind_from_machine_line(line: str) -> str:
-    """The machine kind (:func:`stapo.fingerprint.machine_kind`'s form ``cpu:<CPU model>:<SIMD level>``) of a
-    :func:`stapo.perf.machine_line`: the model is the text before ``, <N> cores,``, the level the fastest of
+    """The machine kind (:func:`stapo.common.fingerprint.machine_kind`'s form ``cpu:<CPU model>:<SIMD level>``) of a
+    :func:`stapo.common.perf.machine_line`: the model is the text before ``, <N> cores,``, the level the fastest of
     ``amx_bf16``, ``avx512_bf16``, ``avx512f``, ``avx2`` among its ``flags`` (``base`` when none), or the
     ``ATEN_CPU_CAPABILITY`` the line says kernels were capped at. Core and thread counts and torch's version are not
     part of the kind.
@@ -181,8 +181,8 @@ def read_run(path: str | Path) -> RunInfo:
     Raises:
         MechanismClaimsError: no folder, or no ``metrics.jsonl`` in it, or a damaged one (one line naming it).
     """
-    from stapo.provenance import read_launches
-    from stapo.tracking import read_metrics
+    from stapo.run.provenance import read_launches
+    from stapo.run.tracking import read_metrics
 
     folder = Path(path)
     metrics = folder / "metrics.jsonl"
@@ -655,7 +655,7 @@ def from_start(trunk_rows: Sequence[Mapping[str, Any]], stapo_rows: Sequence[Map
 # ---------------------------------------------------------------- the whole analysis
 
 def _checkpoint_steps(run_dir: Path) -> list[int]:
-    from stapo.checkpoint_files import complete_checkpoints
+    from stapo.common.checkpoint_files import complete_checkpoints
 
     return [int(p.name.split("_")[1]) for p in complete_checkpoints(run_dir / "checkpoints")]
 

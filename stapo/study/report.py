@@ -28,13 +28,13 @@ from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 
-from stapo.checkpoint_files import latest_checkpoint
-from stapo.plotting import draw_seed_curves, physical_range
+from stapo.common.checkpoint_files import latest_checkpoint
+from stapo.common.plotting import draw_seed_curves, physical_range
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.study.runner import default_threads, evaluated_step
 from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
-from stapo.tracking import CorruptJsonlError, decode_value, read_jsonl_rows
+from stapo.run.tracking import CorruptJsonlError, decode_value, read_jsonl_rows
 
 __all__ = ["METRICS", "LABELS", "COST_KEYS", "CHECKED_KEYS", "INF_CHECKED_KEYS", "Series", "as_number", "collect",
            "read_runs", "run_exclusions", "identity_problems", "check_output_writable", "writing", "eval_se_rows",
@@ -98,8 +98,8 @@ def _read_rows(run_dir: Path, say: Callable[[str], None]) -> list[dict[str, Any]
 
 def _load_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The rows of a run's ``metrics.jsonl`` and the bytes of its torn last line, in file order (the one place the
-    study reads that file): :func:`stapo.tracking.read_jsonl_rows`, every value but ``step`` decoded as
-    :func:`stapo.tracking.read_metrics` does (:func:`stapo.tracking.decode_value`: ``"nan"``, ``"inf"``,
+    study reads that file): :func:`stapo.run.tracking.read_jsonl_rows`, every value but ``step`` decoded as
+    :func:`stapo.run.tracking.read_metrics` does (:func:`stapo.run.tracking.decode_value`: ``"nan"``, ``"inf"``,
     ``"-inf"`` and the older ``null`` / ``±1e308`` → ``math.nan`` / ``±math.inf``)."""
     rows, torn = read_jsonl_rows(path)
     return [{k: (v if k == "step" else decode_value(v)) for k, v in r.items()} for r in rows], torn
@@ -255,7 +255,7 @@ def read_runs(specs: list[RunSpec], say: Callable[[str], None] | None = None) ->
     stderr).
 
     Raises:
-        stapo.tracking.CorruptJsonlError: as :func:`_read_rows`.
+        stapo.run.tracking.CorruptJsonlError: as :func:`_read_rows`.
     """
     say = say or (lambda line: print(f"stapo.study: {line}", file=sys.stderr, flush=True))
     return {s.name: _read_rows(s.run_dir, say) for s in specs}
@@ -296,7 +296,7 @@ def final_results(spec: RunSpec) -> dict[str, Any] | None:
     steps were raised since; the runner evaluates the final checkpoint again).
 
     Raises:
-        stapo.tracking.CorruptJsonlError: results.json is not JSON (a damaged file: one line naming it), never
+        stapo.run.tracking.CorruptJsonlError: results.json is not JSON (a damaged file: one line naming it), never
             dropped silently (its run would vanish from the final table and the claims).
     """
     path = spec.run_dir / "final_eval" / "results.json"
@@ -318,7 +318,7 @@ def _final_eval(spec: RunSpec) -> dict[str, float]:
     benchmarks also ``setting/benchmark → avg@N`` of each. Empty when there is none (or it is of another step).
 
     Raises:
-        stapo.tracking.CorruptJsonlError: results.json is damaged (:func:`final_results`).
+        stapo.run.tracking.CorruptJsonlError: results.json is damaged (:func:`final_results`).
     """
     res = final_results(spec)
     out: dict[str, float] = {}
@@ -349,7 +349,7 @@ def eval_se_rows(specs: list[RunSpec], confidence: float = 0.95) -> list[dict[st
         ``se_median``, ``se_max`` and ``resolvable`` (fractions of 1; NaN without an SE).
 
     Raises:
-        stapo.tracking.CorruptJsonlError: a results.json is damaged (:func:`final_results`).
+        stapo.run.tracking.CorruptJsonlError: a results.json is damaged (:func:`final_results`).
     """
     from statistics import NormalDist
 
@@ -393,7 +393,7 @@ def collect(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], None] |
         matches sorted, then ``final_eval[...]``); ``rows[run name]`` the run's metrics rows (one per step).
 
     Raises:
-        stapo.tracking.CorruptJsonlError: a run's metrics.jsonl has a damaged line that is not a torn last line.
+        stapo.run.tracking.CorruptJsonlError: a run's metrics.jsonl has a damaged line that is not a torn last line.
     """
     rows = read_runs(specs, say) if rows is None else rows
     t_max = max([s.total_steps for s in specs] + [r[-1]["step"] for r in rows.values() if r])
@@ -718,26 +718,26 @@ def _tmp(path: Path) -> Path:
 
 @contextlib.contextmanager
 def writing(path: Path) -> Iterator[None]:
-    """Re-raise an OSError of the block as one naming ``path`` (:func:`stapo.preflight.write_error`: same type and
+    """Re-raise an OSError of the block as one naming ``path`` (:func:`stapo.run.preflight.write_error`: same type and
     errno), e.g. ``[Errno 28] cannot write runs/study/x/final.csv: No space left on device``."""
     try:
         yield
     except OSError as e:
-        from stapo.preflight import write_error
+        from stapo.run.preflight import write_error
 
         raise write_error(e, path) from None
 
 
 def check_output_writable(out: Path, what: str) -> None:
     """Whether ``what`` (``"the report"``, ``"the claims"``) can be written into the study folder ``out``
-    (:func:`stapo.preflight.check_writable`: a probe file written and removed; nothing is created).
+    (:func:`stapo.run.preflight.check_writable`: a probe file written and removed; nothing is created).
 
     Raises:
         stapo.config.ConfigError: it cannot (a read-only folder or file system, permissions, no space): one line
             naming the folder, the operating system's reason and what to do.
     """
     from stapo.config import ConfigError
-    from stapo.preflight import check_writable
+    from stapo.run.preflight import check_writable
 
     try:
         check_writable(out, "output_dir")
@@ -788,7 +788,7 @@ def _plot(path: Path, cfg: StudyConfig, series: dict[str, dict[str, Series]]) ->
                 s = series[name].get(method)
                 if s is None:
                     continue
-                # seeds, mean, min-max band (stapo/plotting.py, shared with scripts/plot_runs.py)
+                # seeds, mean, min-max band (stapo/common/plotting.py, shared with scripts/plot_runs.py)
                 ranges = {physical_range(k) for k in s.keys}  # one range for all the keys read, else none
                 draw_seed_curves(ax, s.steps, _smoothed(cfg, s), color[method], f"{method} ({len(s.seeds)})",
                                  clip=ranges.pop() if len(ranges) == 1 else (None, None))
@@ -859,7 +859,7 @@ def _cost(cfg: StudyConfig, specs: list[RunSpec], rows: dict[str, list],
 
 def _launch_threads(run_dir: Path) -> list[tuple[int, int | None]]:
     """``[(start_step, threads)]`` per launch of the run, from ``run_info.json`` (each launch's machine line ends in
-    "…, N threads", stapo.perf); threads None where the line lacks it; [] when the file is missing or damaged."""
+    "…, N threads", stapo.common.perf); threads None where the line lacks it; [] when the file is missing or damaged."""
     try:
         launches = json.loads((run_dir / "run_info.json").read_text())["launches"]
         out = []
@@ -935,7 +935,7 @@ def write_report(cfg: StudyConfig, specs: list[RunSpec], say: Callable[[str], No
         say: where one-line notes go (:func:`collect`); default stderr.
 
     Raises:
-        stapo.tracking.CorruptJsonlError: a run's metrics.jsonl has a damaged line that is not a torn last line
+        stapo.run.tracking.CorruptJsonlError: a run's metrics.jsonl has a damaged line that is not a torn last line
             (one line naming the file and line; nothing is written).
         stapo.config.ConfigError: the output folder cannot be written (read-only, no space): one line naming it
             (:func:`check_output_writable`; checked before anything is read).

@@ -22,7 +22,7 @@ A run whose final checkpoint exists but whose ``metrics.jsonl`` lacks the rows o
 is finished (``skip``): the training state is complete, and the lost rows cannot be recomputed without retraining,
 so the plan line and the report name them instead of resuming a run that has nothing left to train.
 
-A damaged line of a run's ``metrics.jsonl`` that is not its torn last line (:class:`stapo.tracking.CorruptJsonlError`)
+A damaged line of a run's ``metrics.jsonl`` that is not its torn last line (:class:`stapo.run.tracking.CorruptJsonlError`)
 decides nothing: the runner (and ``--dry-run``) stops before running anything, in one line naming the file and the
 line — the report's policy. Such a run is never restarted (its folder moved aside), resumed or skipped over it.
 
@@ -33,7 +33,7 @@ old one is kept under ``<output_dir>/superseded/`` (:data:`SUPERSEDED`).
 The same for the optional final evaluation (``final_eval``): done when ``<run>/final_eval/results.json`` exists
 (evaluate.py writes it at the end), else ``evaluate.py`` (which resumes its own generations). Every attempt is appended to
 ``<output_dir>/attempts.jsonl`` (run, kind, action, exit code, wall seconds, threads) for the report's cost line.
-The study folder is locked for the runner's lifetime (``<output_dir>/run.lock``, :mod:`stapo.runlock`).
+The study folder is locked for the runner's lifetime (``<output_dir>/run.lock``, :mod:`stapo.run.runlock`).
 
 A child does not outlive the runner: it stays in the runner's process group (Ctrl-C reaches both), and on Linux it
 is started with ``PR_SET_PDEATHSIG`` = SIGTERM, so when the runner dies, even by SIGKILL, the kernel sends the child
@@ -57,11 +57,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
-from stapo.checkpoint_files import latest_checkpoint
-from stapo.provenance import default_group
-from stapo.runlock import LOCK_NAME, Holder, RunLock, RunLockError
+from stapo.common.checkpoint_files import latest_checkpoint
+from stapo.run.provenance import default_group
+from stapo.run.runlock import LOCK_NAME, Holder, RunLock, RunLockError
 from stapo.study.config import RunSpec, StudyConfig
-from stapo.tracking import CorruptJsonlError, read_jsonl_rows
+from stapo.run.tracking import CorruptJsonlError, read_jsonl_rows
 
 __all__ = ["REPO", "RunStatus", "EvalStatus", "run_status", "eval_status", "train_command", "eval_command",
            "describe_plan", "run_grid", "default_threads", "lock_holder", "exit_text", "ATTEMPTS", "FINISHED",
@@ -117,7 +117,7 @@ class EvalStatus:
     output: Path
 
 
-_MOVE_AWAY = "delete that line (or move the file away) and rerun"  # stapo.tracking.CorruptJsonlError's advice
+_MOVE_AWAY = "delete that line (or move the file away) and rerun"  # stapo.run.tracking.CorruptJsonlError's advice
 _KEEP_FILE = ("delete or repair that line and rerun (keep the file: a run without its metrics.jsonl and checkpoints "
               "would start afresh)")
 
@@ -158,7 +158,7 @@ def _mark_finished(spec: RunSpec) -> None:
 
 
 def lock_holder(folder: Path) -> Holder | None:
-    """Who holds ``folder``'s run lock (:mod:`stapo.runlock`; a live process other than this one), else None.
+    """Who holds ``folder``'s run lock (:mod:`stapo.run.runlock`; a live process other than this one), else None.
     Nothing is created or taken. A holder that has not written its identity yet reads as pid 0, program ``?``."""
     try:
         RunLock(folder).check_free()
@@ -192,7 +192,7 @@ def _read_bytes(path: Path) -> bytes | None:
 def _names_itself(run_dir: Path) -> bool:
     """Whether the run's config.json names the folder it sits in (``trainer.run_name``): a copy placed elsewhere
     keeps the name of the run it was copied from."""
-    from stapo.run_identity import recorded_config
+    from stapo.run.run_identity import recorded_config
 
     cfg = recorded_config(run_dir) or {}
     return isinstance(cfg.get("trainer"), dict) and cfg["trainer"].get("run_name") == run_dir.name
@@ -201,7 +201,7 @@ def _names_itself(run_dir: Path) -> bool:
 def _same_run(a: Path, b: Path) -> str | None:
     """Why run folders ``a`` and ``b`` hold one run (None: they do not): identical fingerprints (config, model,
     data, seed), or, for runs without fingerprint.json, identical config.json and metrics.jsonl bytes."""
-    from stapo.fingerprint import read_fingerprint
+    from stapo.common.fingerprint import read_fingerprint
 
     fa, fb = read_fingerprint(a), read_fingerprint(b)
     if fa is not None and fb is not None:
@@ -241,8 +241,8 @@ def run_identity_problems(spec_or_run_dir: RunSpec | str | os.PathLike,
         - ``<run>: the run folder <dir> is a symlink to <target>: ...`` — a link to another run is no run of its own;
         - ``<run>: <dir>/config.json is not the config its fingerprint.json records ...`` — edited after the run;
         - ``<run>: its recorded config differs from the study's plan: actor.lr: 0.001 → 0.002; ...`` —
-          :func:`stapo.run_identity.plan_differences` (``trainer.total_steps`` raised is no difference; keys of
-          :data:`stapo.run_identity.HOW_KEYS` are tolerated);
+          :func:`stapo.run.run_identity.plan_differences` (``trainer.total_steps`` raised is no difference; keys of
+          :data:`stapo.run.run_identity.HOW_KEYS` are tolerated);
         - ``<run>: the model of model.path (...) is not the one it was trained from ...`` / ``... the training data
           of data.train_file.path (...) changed ...`` — the fingerprint's content parts;
         - ``<run>: the same run as <other> (identical ...): a copy counts once, not as an independent seed`` —
@@ -251,8 +251,8 @@ def run_identity_problems(spec_or_run_dir: RunSpec | str | os.PathLike,
           config.json does not name its own folder); when that cannot be told, both are.
     """
     from stapo.config import to_dict
-    from stapo.fingerprint import read_fingerprint
-    from stapo.run_identity import (config_matches_fingerprint, data_part, model_part, plan_differences,
+    from stapo.common.fingerprint import read_fingerprint
+    from stapo.run.run_identity import (config_matches_fingerprint, data_part, model_part, plan_differences,
                                     recorded_config)
 
     run_dir, name, spec = _run_name(spec_or_run_dir)
@@ -306,7 +306,7 @@ def _tolerated(spec: RunSpec) -> str:
     """``; recorded with <key: old → new>, ... (how it is computed, not what: reused)`` for the HOW_KEYS the run's
     config.json differs from the plan in, else ""."""
     from stapo.config import to_dict
-    from stapo.run_identity import plan_differences, recorded_config
+    from stapo.run.run_identity import plan_differences, recorded_config
 
     recorded = recorded_config(spec.run_dir)
     how = plan_differences(recorded, to_dict(spec.train))[1] if recorded is not None else []

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from stapo.token_stats import TokenStats
+from stapo.core.token_stats import TokenStats
 
 __all__ = ["Rollout", "StepBatch"]
 
@@ -22,7 +22,7 @@ class Rollout:
     """One step's responses, scored.
 
     Attributes:
-        batch: :class:`stapo.policy.RolloutBatch` — input_ids / attention_mask [B, P+R], response_ids /
+        batch: :class:`stapo.train.policy.RolloutBatch` — input_ids / attention_mask [B, P+R], response_ids /
             response_mask [B, R].
         responses: list[:class:`stapo.rollout.Response`], length B (text, finish reason, engine log-probs).
         rewards: [B] fp32.

@@ -3,14 +3,14 @@ docs/metrics.md#mechanism-measurements-mechanism-probe.
 
 :class:`MechanismHook` runs inside :meth:`stapo.train.trainer.Trainer.train_step` between the old-policy pass and the
 update, at θ_t (the weights the step's rollouts came from) with the optimizer state before the step, and returns
-metrics; the formulas are in :mod:`stapo.mechanism`. Per measured step:
+metrics; the formulas are in :mod:`stapo.train.probes`. Per measured step:
 
 * ``probe/entropy`` (every ``mechanism.probe_every`` steps): H_probe(θ_t), one no-grad pass over the probe set.
 * attribution (every ``mechanism.attribution_every``): ∇_θ H_probe(θ_t) (one forward + backward of the probe set),
   then per mini-batch of the step's plan — the run's token mask and loss denominator from the old-policy statistics,
-  S2T's groups (:func:`stapo.mechanism.token_groups`), one forward of its rows with grad and one backward per token
-  group present in each micro-batch (:func:`stapo.mechanism.weighted_token_gradients`), AdamW linearised from the
-  pre-step state with that mini-batch's whole gradient (:class:`stapo.mechanism.AdamWLinearisation`). Each
+  S2T's groups (:func:`stapo.train.probes.token_groups`), one forward of its rows with grad and one backward per token
+  group present in each micro-batch (:func:`stapo.train.probes.weighted_token_gradients`), AdamW linearised from the
+  pre-step state with that mini-batch's whole gradient (:class:`stapo.train.probes.AdamWLinearisation`). Each
   mini-batch is linearised as if it were the step's first optimizer step (exact for one mini-batch per step; for
   more, the interactions between the step's optimizer steps — ρ ≠ 1, clipping, momentum carried over — are second
   order in the learning rate and are what the counterfactual measures in full). The parts are summed over the
@@ -39,12 +39,12 @@ import numpy as np
 import torch
 
 from stapo.config import ConfigError
-from stapo.mechanism import (GROUPS, AdamWLinearisation, ProbeSetError, probe_batch, probe_digest, probe_entropy,
+from stapo.train.probes import (GROUPS, AdamWLinearisation, ProbeSetError, probe_batch, probe_digest, probe_entropy,
                              read_probe_set, shares, token_groups, token_weights, weighted_token_gradients,
                              write_probe_set)
-from stapo.masks import get_mask_spec
-from stapo.objectives import compute_token_mask, get_policy_loss, kl_k3, loss_denominator
-from stapo.token_stats import TokenStats
+from stapo.core.masks import get_mask_spec
+from stapo.core.objectives import compute_token_mask, get_policy_loss, kl_k3, loss_denominator
+from stapo.core.token_stats import TokenStats
 
 __all__ = ["MechanismHook", "PROBE_COPY"]
 
@@ -187,7 +187,7 @@ class MechanismHook:
     def _stats(self, model: torch.nn.Module, batch: Any, idx: torch.Tensor, entropy_grad: bool) -> TokenStats:
         """Rows ``idx`` of ``batch`` through ``model`` as the update's forwards run (precision, temperature, LM head,
         layout) → :class:`TokenStats` [b, r] fp32; the entropy differentiable with ``entropy_grad``."""
-        from stapo.policy import policy_token_stats
+        from stapo.train.policy import policy_token_stats
 
         up = self.trainer.updater
         with up.precision.autocast(up.device):

@@ -13,7 +13,7 @@ progress bar is sized by :attr:`UpdatePlan.num_forwards`. One plan serves both u
 * **fused** (``actor.fused_forward``): the mask reads the update's own forwards (``stats="own_forward"``) —
   always for the first mini-batch (whose old-policy pass is skipped: π_θ = π_old, so those forwards also give
   its old-policy statistics), and for later ones when the mask wants the current policy. Rows the mask may
-  touch (:func:`stapo.masks.maskable_rows`) keep their graphs (``deferred``) until the mask of the whole
+  touch (:func:`stapo.core.masks.maskable_rows`) keep their graphs (``deferred``) until the mask of the whole
   mini-batch is known; the others are backwarded at once.
 
 Example (2 prompts × G = 4 = rows 0–7, one prompt per mini-batch, micro-batches of 2 rows, no length sorting,
@@ -36,7 +36,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from stapo.masks import get_mask_spec, maskable_rows
+from stapo.core.masks import get_mask_spec, maskable_rows
 
 __all__ = ["MicroStep", "MiniBatchPlan", "UpdatePlan", "build_plan", "micro_batches", "micro_batch_tokens",
            "token_budget_micro_batches", "max_over_ranks"]
@@ -60,7 +60,7 @@ def micro_batches(lengths: torch.Tensor, rows: torch.Tensor, size: int, sort_by_
 def micro_batch_tokens(lengths: torch.Tensor, rows: torch.Tensor, layout: str = "padded",
                        prompt_lengths: torch.Tensor | None = None) -> int:
     """Tokens of one forward's input tensor over ``rows`` ([b] batch rows; ``lengths`` [B] prompt + response
-    tokens) in ``layout`` (:data:`stapo.policy.LAYOUTS`): ``packed`` Σ lengths; ``trailing`` b × the longest
+    tokens) in ``layout`` (:data:`stapo.train.policy.LAYOUTS`): ``packed`` Σ lengths; ``trailing`` b × the longest
     row; ``padded`` b × (the longest prompt + the longest response) (the trimmed left-padded width; with
     ``prompt_lengths`` None: b × the longest row). 0 for no rows."""
     if rows.numel() == 0:
@@ -172,9 +172,9 @@ def token_budget_micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget
 
 def max_over_ranks(ctx) -> Callable[[list[int]], list[int]]:
     """A ``sync_counts`` for :func:`build_plan`: each pass's micro-batch count, the maximum over the ranks of
-    ``ctx`` (a :class:`stapo.distributed.DistContext`; one all-reduce per plan, collective; verl's
+    ``ctx`` (a :class:`stapo.model.distributed.DistContext`; one all-reduce per plan, collective; verl's
     ``same_micro_num_in_dp``). Identity for W = 1."""
-    from stapo import distributed as dist
+    from stapo.model import distributed as dist
 
     def sync(counts: list[int]) -> list[int]:
         top = dist.all_reduce({f"{i:06d}": float(c) for i, c in enumerate(counts)}, ctx, op="max")
@@ -261,7 +261,7 @@ def build_plan(lengths: torch.Tensor, advantages: torch.Tensor, *, mini_batch_ro
             fused forward is deferred.
         token_budget: ``actor.ppo_max_token_len_per_gpu`` when ``actor.use_dynamic_bsz`` (tokens per forward,
             :func:`token_budget_micro_batches`), else None (``micro_batch_size`` rows per forward).
-        layout: the forwards' layout (:func:`stapo.policy.forward_layout`), which the budget counts in.
+        layout: the forwards' layout (:func:`stapo.train.policy.forward_layout`), which the budget counts in.
         prompt_lengths: [B] prompt tokens per row (the ``padded`` layout's budget); None: counted as ``trailing``.
         sync_counts: with ``token_budget``, maps this rank's micro-batch count of every pass (a list in plan
             order, the same length on every rank) to the counts to use — the maximum over the ranks under FSDP2

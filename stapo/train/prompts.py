@@ -21,17 +21,17 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
     Returns:
         (list of (prompt ids, gold, record id), ``{"data/num_prompts", "data/num_dropped_too_long",
         "data/num_skipped_rows", "data/num_unparsable_gold"}`` as floats). ``data/num_unparsable_gold``: golds of a
-        training file that math-verify cannot parse (:func:`stapo.golds.check_golds`: one line on stderr; their
+        training file that math-verify cannot parse (:func:`stapo.tasks.golds.check_golds`: one line on stderr; their
         prompts are kept, the ``math_verify`` rewards grade them as grader errors); 0 for a generated set.
 
     Raises:
-        stapo.data.DataError: unreadable or empty file, missing column (naming the file and the key); more than
+        stapo.tasks.data.DataError: unreadable or empty file, missing column (naming the file and the key); more than
             ``data.max_unparsable_gold_fraction`` of the file's golds unparsable (file, count, first rows); or no prompt
             left (every row skipped or longer than ``data.max_prompt_length``): one line naming the source, the rows
             read / skipped / too long and the key to change.
     """
-    from stapo.data import file_set_name, load_file_set, load_train_set
-    from stapo.prompts import encode_prompt
+    from stapo.tasks.data import file_set_name, load_file_set, load_train_set
+    from stapo.tasks.prompts import encode_prompt
 
     dc = cfg.data
     if dc.train_set in ("synthetic", "word"):  # generated: the arithmetic or the word-problem task
@@ -45,7 +45,7 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
     unparsable = 0
     if records.stats.path:  # a file (not a generated set): golds the grader cannot parse, one line (rank 0), refused
         # above data.max_unparsable_gold_fraction
-        from stapo.golds import check_golds
+        from stapo.tasks.golds import check_golds
 
         unparsable = check_golds([r.answer for r in records], where=records.stats.path or dc.train_set,
                                  key="data.max_unparsable_gold_fraction",
@@ -84,10 +84,10 @@ def _rank0_report(line: str) -> None:
 
 
 def _no_prompts_error(dc: Any, stats: Any, too_long: int) -> Exception:
-    """The one-line :class:`stapo.data.DataError` for a training set that left no prompt: the source (the file of
+    """The one-line :class:`stapo.tasks.data.DataError` for a training set that left no prompt: the source (the file of
     ``data.train_file.path`` or the set's name), rows read / skipped (with the reasons) / too long, and the key to
     change (``data.max_prompt_length`` for too-long prompts, the field mapping for skipped rows)."""
-    from stapo.data import DataError
+    from stapo.tasks.data import DataError
 
     if dc.train_set == "file":
         source = f"data.train_file.path={stats.path}"

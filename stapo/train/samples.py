@@ -12,7 +12,7 @@ the step (JSON-ready: non-finite floats become ``None``):
     entropy [n] (H, nats), silenced [n] (1 = the token received no gradient under the step's mask).
 
 p and H are the trainer's old-policy statistics of the step (:class:`~stapo.train.batch.StepBatch` ``old``: the
-rollout policy recomputed in fp32 at the rollout temperature, :mod:`stapo.token_stats`), the values the mask
+rollout policy recomputed in fp32 at the rollout temperature, :mod:`stapo.core.token_stats`), the values the mask
 reads for the step's first mini-batch (later mini-batches with ``algorithm.mask_stats_source=current`` read the
 then-current policy's). ``silenced`` is ``response_mask & ~keep``: for S2T exactly the tokens counted by
 ``actor/s2t/num_masked``; for a mask that keeps a subset (``top_entropy``) every token it dropped; none for ``none``.
@@ -141,7 +141,7 @@ def completions_table(step: int, records: Sequence[dict[str, Any]], max_rows: in
     the whole groups of the first prompts that fit in ``max_rows`` (at least one group).
 
     Returns:
-        ``(table name "completions", columns, rows)`` for :meth:`stapo.tracking.Tracker.log_table` (logged with
+        ``(table name "completions", columns, rows)`` for :meth:`stapo.run.tracking.Tracker.log_table` (logged with
         ``incremental=True``: one W&B table under one key that grows by each logged step's rows).
     """
     sizes: dict[Any, int] = {}  # prompt_index → responses, in record order
@@ -173,7 +173,7 @@ def write_rollouts(run_dir: str | os.PathLike, step: int, records: Sequence[dict
             temporary file is removed and an existing file of the step is left as it was.
         ValueError: a record holds a non-finite float (records from :func:`response_records` never do).
     """
-    from stapo.preflight import write_error
+    from stapo.run.preflight import write_error
 
     path = rollouts_path(run_dir, step)
     tmp = path.with_name(path.name + ".tmp")

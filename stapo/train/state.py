@@ -1,11 +1,11 @@
-"""The run's resumable state: writing a step's checkpoint and resuming from the latest one (:mod:`stapo.checkpoint`).
+"""The run's resumable state: writing a step's checkpoint and resuming from the latest one (:mod:`stapo.model.checkpoint`).
 
 A checkpoint holds the policy and AdamW state (``dcp/``, sharded, re-shardable to another rank count or strategy),
 an HF export in the compute dtype (for evaluation), ``trainer_state.pt``: the scheduler, the prompt loader's
 position, every rank's RNG state, the step and the config — and ``COMPLETE.json`` (sizes and checksums, last).
 
 Before anything is loaded (:func:`plan_resume`, called by the trainer before it builds the model): the newest
-*intact* checkpoint is chosen (:func:`stapo.checkpoint.resumable_checkpoints`; each newer damaged one is reported
+*intact* checkpoint is chosen (:func:`stapo.model.checkpoint.resumable_checkpoints`; each newer damaged one is reported
 in one line and skipped), and its stored config is compared with the new one
 (:func:`stapo.config.resume_key_changes`): a change of a key that cannot change mid-run is refused, the others
 (:data:`stapo.config.RESUME_MUTABLE_KEYS`) are applied and recorded in ``<run_dir>/config_changes.jsonl``.
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stapo import distributed as dist
-from stapo.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
+from stapo.model import distributed as dist
+from stapo.model.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
                               resumable_checkpoints, rng_state, save_checkpoint, set_rng_state, verify_checkpoint)
 from stapo.config import ConfigError, fork_key_changes, resume_key_changes, to_dict
 
@@ -41,7 +41,7 @@ CHANGES_FILE = "config_changes.jsonl"
 @dataclass
 class ForkSource:
     """Where a fork starts (:func:`plan_fork`): the checkpoint folder as given (``trainer.init_from``), its step,
-    its content digest (:func:`stapo.checkpoint_files.checkpoint_digest`), the source run's ``trainer.seed`` and
+    its content digest (:func:`stapo.common.checkpoint_files.checkpoint_digest`), the source run's ``trainer.seed`` and
     the keys in which the fork's config differs from the checkpoint's (``"key: old → new"``)."""
 
     path: str
@@ -88,7 +88,7 @@ def plan_resume(root: Path, cfg: Any, *, required: bool, ctx: dist.DistContext |
                 report: bool = True) -> ResumePlan | None:
     """Choose the checkpoint to resume from and check the new config against its config, loading no weights.
 
-    The newest ``step_N`` folder under ``root`` that :func:`stapo.checkpoint.verify_checkpoint` finds intact and
+    The newest ``step_N`` folder under ``root`` that :func:`stapo.model.checkpoint.verify_checkpoint` finds intact and
     whose ``trainer_state.pt`` loads; for each newer one a line ``resuming from step_N: <path> is damaged:
     <reason>`` (stderr, rank 0; the damaged folder is kept until its step is saved again).
 
@@ -105,7 +105,7 @@ def plan_resume(root: Path, cfg: Any, *, required: bool, ctx: dist.DistContext |
     Raises:
         FileNotFoundError: ``required`` and no ``step_N`` folder: names the run folder and the runs of
             ``trainer.output_dir`` (those with a ``step_N`` checkpoint folder).
-        stapo.checkpoint.CheckpointError: folders exist but none is intact (each one's reason).
+        stapo.model.checkpoint.CheckpointError: folders exist but none is intact (each one's reason).
         stapo.config.ConfigError: keys that cannot change mid-run differ, as ``key: old → new`` in one line.
     """
     run_dir = root.parent
@@ -160,7 +160,7 @@ def plan_fork(path: str, cfg: Any) -> ResumePlan:
             stores no config), the keys that differ beyond :data:`stapo.config.FORK_MUTABLE_KEYS` (``key: old →
             new``), or ``trainer.total_steps`` (not above the checkpoint's step).
     """
-    from stapo.checkpoint_files import checkpoint_digest, latest_checkpoint as latest
+    from stapo.common.checkpoint_files import checkpoint_digest, latest_checkpoint as latest
 
     folder = Path(path).expanduser()
 
@@ -223,7 +223,7 @@ class RunState:
         return latest_checkpoint(self.root)
 
     def save(self, step: int) -> Path:
-        """Write step ``step``'s checkpoint (:func:`stapo.checkpoint.save_checkpoint`; collective under torchrun:
+        """Write step ``step``'s checkpoint (:func:`stapo.model.checkpoint.save_checkpoint`; collective under torchrun:
         every rank writes its model/optimizer shards, rank 0 the HF export and the trainer state). Every rank
         returns the folder once it is complete; older ones beyond ``trainer.keep_last`` are removed."""
         rngs = dist.gather_objects(rng_state(), self.ctx)
@@ -246,7 +246,7 @@ class RunState:
         the source's when the seeds agree, else seeded with this run's ``trainer.seed`` as a fresh run's are.
 
         Raises:
-            stapo.checkpoint.CheckpointError: a torn, damaged or foreign checkpoint (naming the folder).
+            stapo.model.checkpoint.CheckpointError: a torn, damaged or foreign checkpoint (naming the folder).
             stapo.config.ConfigError: (no ``plan``) a refused config change.
         """
         if plan is None:
@@ -314,7 +314,7 @@ class RunState:
 
     def _load_full_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> None:
         """Previous checkpoint format: weights from the HF files, ``state["optimizer"]`` the full optimizer state."""
-        from stapo.models import load_policy
+        from stapo.model.models import load_policy
 
         model_sd: dict[str, torch.Tensor] = {}
         if self.ctx.is_main or self.ctx.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from stapo.core.metric_names import masked_fraction_key
+
 __all__ = ["Change", "REPORT_KEYS", "TRAINING_KEY", "training_rows", "window_size", "start_end", "step_span",
            "masked_fraction_key", "markdown_report", "end_of_run_text", "end_of_run_summary", "eval_config_for",
            "missing_benchmarks", "evaluate_suggestion", "Commands", "commands_here"]
@@ -90,18 +92,6 @@ def _mean(rows: Sequence[dict[str, Any]], key: str) -> float:
     ±inf), never silently left out (docs/metrics.md#non-finite-values)."""
     vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
     return statistics.fmean(vals) if vals else float("nan")
-
-
-def masked_fraction_key(rows: Sequence[dict[str, Any]]) -> str | None:
-    """The run's masked-fraction metric: ``actor/s2t/masked_frac`` (STAPO), else the first
-    ``actor/<mask>/masked_frac`` of the first row that has one (the S2T ablations' masks; not the step-0
-    validation-only row), else None (GRPO, JustRL, 20-Entropy mask no token). Keys as in docs/metrics.md
-    (:mod:`stapo.metric_names`)."""
-    for row in rows:
-        keys = [k for k in row if k.startswith("actor/") and k.endswith("/masked_frac") and k.count("/") == 2]
-        if keys:
-            return "actor/s2t/masked_frac" if "actor/s2t/masked_frac" in keys else keys[0]
-    return None
 
 
 def start_end(rows: Sequence[dict[str, Any]], keys: Sequence[str], window: int = 5) -> tuple[int, list[Change]]:
@@ -196,12 +186,12 @@ class Commands:
 def commands_here(cwd: str | os.PathLike | None = None) -> Commands:
     """The :class:`Commands` that work from ``cwd`` (default: the current directory): the checkout's files when
     ``cwd`` holds ``evaluate.py`` and ``scripts/`` (the README's commands), else the console scripts with the
-    installed package's configs (:func:`stapo.entry_points.configs_dir`; ``stapo-eval --config
+    installed package's configs (:func:`stapo.config.configs_dir`; ``stapo-eval --config
     configs/eval/X.yaml`` resolves there)."""
     here = Path(cwd) if cwd is not None else Path(".")
     if (here / "evaluate.py").is_file() and (here / "scripts" / "summarize_run.py").is_file():
         return Commands(eval_dir=here / "configs" / "eval") if cwd is not None else Commands()
-    from stapo.entry_points import configs_dir
+    from stapo.config import configs_dir
 
     shipped = configs_dir()
     return Commands(evaluate="stapo-eval", summarize="stapo-summarize", compare="stapo-compare",
@@ -354,8 +344,8 @@ def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disable
     """:func:`end_of_run_text` of a run directory: reads ``metrics.jsonl`` (a torn last line is left out), finds
     the latest checkpoint and the W&B run folders (``<run_dir>/wandb/*-<id of wandb_run_id>``), and suggests an
     evaluation from the config family (:func:`evaluate_suggestion`; paths relative to the current directory)."""
-    from stapo.checkpoint import latest_checkpoint
-    from stapo.tracking import read_metrics
+    from stapo.model.checkpoint import latest_checkpoint
+    from stapo.run.tracking import read_metrics
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []

@@ -8,11 +8,11 @@ One training step, top to bottom in :meth:`Trainer.train_step`:
     denominator → micro-batch forward/backward → clip → AdamW step) → sync the weights into the rollout engine
     → metrics (:mod:`stapo.train.metrics`) → [validation hook, checkpoint in :meth:`Trainer.train`].
 
-Under ``torchrun`` with W > 1 ranks (:mod:`stapo.distributed`) each rank does this for its share of the prompts;
+Under ``torchrun`` with W > 1 ranks (:mod:`stapo.model.distributed`) each rank does this for its share of the prompts;
 the mask, the denominator and the metrics are mini-batch / step-global, only rank 0 logs; every rank writes its
-shards of a checkpoint (``torch.distributed.checkpoint``) and rank 0 the HF export (:mod:`stapo.checkpoint`).
+shards of a checkpoint (``torch.distributed.checkpoint``) and rank 0 the HF export (:mod:`stapo.model.checkpoint`).
 
-Precision (:mod:`stapo.precision`): parameters, gradients and AdamW state in ``model.param_dtype`` (fp32 master
+Precision (:mod:`stapo.model.precision`): parameters, gradients and AdamW state in ``model.param_dtype`` (fp32 master
 weights), every policy forward under ``model.compute_dtype`` (bf16 autocast; FSDP2 ``MixedPrecisionPolicy``).
 """
 from __future__ import annotations
@@ -34,21 +34,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from stapo import distributed as dist
-from stapo.advantages import grpo_advantages
-from stapo.checkpoint import latest_checkpoint
-from stapo.console import start_lines, step_line, use_progress_bars
-from stapo.cli import raise_terminated, signal_name, survive_closed_terminal
+from stapo.model import distributed as dist
+from stapo.core.advantages import grpo_advantages
+from stapo.model.checkpoint import latest_checkpoint
+from stapo.run.console import start_lines, step_line, use_progress_bars
+from stapo.run.cli import raise_terminated, signal_name, survive_closed_terminal
 from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
-from stapo.memory_plan import check_memory_plan
-from stapo.policy import forward_layout
-from stapo.precision import PrecisionPolicy, resolve_compute_dtype
-from stapo.preflight import check_chat_template, check_device, check_tokenizer, check_writable
-from stapo.provenance import TRAIN_STEP_METRIC, apply_identity, launch_record, record_launch
+from stapo.run.memory_plan import check_memory_plan
+from stapo.train.policy import forward_layout
+from stapo.model.precision import PrecisionPolicy, resolve_compute_dtype
+from stapo.run.preflight import check_chat_template, check_device, check_tokenizer, check_writable
+from stapo.run.provenance import TRAIN_STEP_METRIC, apply_identity, launch_record, record_launch
 from stapo.rollout.phases import EnginePhases
-from stapo.runlock import LOCK_NAME, RunLock, RunLockError
-from stapo.token_stats import TokenStats
-from stapo.tracking import Tracker, read_jsonl_rows
+from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
+from stapo.core.token_stats import TokenStats
+from stapo.run.tracking import Tracker, read_jsonl_rows
 from stapo.train.batch import Rollout, StepBatch
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
 from stapo.train.plan import UpdatePlan, build_plan, max_over_ranks
@@ -201,11 +201,11 @@ def _timed(timing: dict[str, float], stage: str) -> Iterator[None]:
 
 
 def _holding_run_lock(train: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap :meth:`Trainer.train`: hold the run directory's lock (:mod:`stapo.runlock`; rank 0 alone under
+    """Wrap :meth:`Trainer.train`: hold the run directory's lock (:mod:`stapo.run.runlock`; rank 0 alone under
     torchrun, which tells the other ranks) for the whole run, so one process at a time writes a run folder.
 
     Raises:
-        stapo.runlock.RunLockError: another live process holds the run directory, or its lock file cannot be
+        stapo.run.runlock.RunLockError: another live process holds the run directory, or its lock file cannot be
             created (on every rank).
     """
     @functools.wraps(train)
@@ -238,32 +238,32 @@ class Trainer:
             (the evaluation harness provides one), on every rank under torchrun (the evaluation harness's hook
             splits the work over the ranks' engines; rank 0 logs what rank 0's call returns).
         reward_fn: optional ``fn(responses, golds) -> obj`` with ``obj.rewards`` (one float per response)
-            replacing ``algorithm.reward`` (tests use a toy reward; see :func:`stapo.rewards.make_reward_fn`).
+            replacing ``algorithm.reward`` (tests use a toy reward; see :func:`stapo.tasks.rewards.make_reward_fn`).
         preflight_only: stop after the start-up checks that need no model (train.py ``--dry-run``,
-            :func:`stapo.estimate.train_dry_run`): the config resolved, the run folder checked (not created), the
+            :func:`stapo.tools.estimate.train_dry_run`): the config resolved, the run folder checked (not created), the
             resume chosen (:attr:`resume_plan`), the tokenizer and the training prompts (:attr:`prompts`) loaded;
             no model, engine or optimizer — such a trainer cannot train.
         argv: the command line recorded in ``<run_dir>/run_info.json`` and the W&B config (default ``sys.argv``;
-            :mod:`stapo.provenance`).
+            :mod:`stapo.run.provenance`).
 
     Raises:
         FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is ``never``.
         FileNotFoundError: ``trainer.resume=required`` (train.py ``--resume``) and the run folder holds no checkpoint.
-        stapo.checkpoint.CheckpointError: resuming, and no checkpoint of the run folder is intact.
+        stapo.model.checkpoint.CheckpointError: resuming, and no checkpoint of the run folder is intact.
         stapo.config.ConfigError: a data-parallel or precision setting that cannot work (naming the key); a fork
             whose ``trainer.init_from`` is not a checkpoint or whose recipe, model or data differ from it
             (:func:`stapo.train.state.plan_fork`; ``trainer.total_steps`` not above its step); resuming
             with a changed key that cannot change mid-run (:func:`stapo.train.state.plan_resume`), or with a model or
-            training data whose content changed under the same key (:mod:`stapo.run_identity`); before any model
-            loads (:mod:`stapo.preflight`): ``trainer.device`` not available, the run folder not writable,
+            training data whose content changed under the same key (:mod:`stapo.run.run_identity`); before any model
+            loads (:mod:`stapo.run.preflight`): ``trainer.device`` not available, the run folder not writable,
             ``model.path`` not a model (a folder without weights, an unreachable hub id), ``data.prompt_style=chat``
             with a tokenizer that has no chat template.
-        stapo.data.DataError: an unreadable training file, or no training prompts left (naming the file and key).
-        stapo.runlock.RunLockError: another live process holds the run folder's lock (every rank).
+        stapo.tasks.data.DataError: an unreadable training file, or no training prompts left (naming the file and key).
+        stapo.run.runlock.RunLockError: another live process holds the run folder's lock (every rank).
 
-    :meth:`train` raises :class:`stapo.checkpoint.CheckpointError` for a damaged checkpoint,
-    :class:`stapo.registry.ExtensionError` when a registered mask or loss formula breaks its contract and
-    :class:`stapo.runlock.RunLockError` when another process holds the run directory.
+    :meth:`train` raises :class:`stapo.model.checkpoint.CheckpointError` for a damaged checkpoint,
+    :class:`stapo.common.registry.ExtensionError` when a registered mask or loss formula breaks its contract and
+    :class:`stapo.run.runlock.RunLockError` when another process holds the run directory.
     """
 
     def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
@@ -277,7 +277,7 @@ class Trainer:
         self.validation_hook = validation_hook
         self.argv = list(sys.argv if argv is None else argv)
         tc = cfg.trainer
-        check_device(tc.device, "trainer.device")  # checks that need no model run first (stapo/preflight.py)
+        check_device(tc.device, "trainer.device")  # checks that need no model run first (stapo/run/preflight.py)
         # data parallelism (torchrun, WORLD_SIZE > 1); W = 1: nothing is initialised and nothing below changes
         self.dist = dist.init_distributed(tc.device, tc.data_parallel)
         dist.check_dp_config(cfg, self.dist)  # ConfigError naming the key (train.py: exit 2)
@@ -286,7 +286,7 @@ class Trainer:
         # model.compute_dtype=auto → bfloat16 where the device has native bf16, else float32; recorded resolved in the
         # run's config (and compared resolved on resume)
         cfg.model.compute_dtype = resolve_compute_dtype(cfg.model.compute_dtype, self.device)
-        # the GPU memory of each phase of a step (stapo/memory_plan.py): a phase over the device is refused here,
+        # the GPU memory of each phase of a step (stapo/run/memory_plan.py): a phase over the device is refused here,
         # before anything loads (trainer.gpu_memory_gib; a CPU run is planned for an assumed GPU, not checked)
         self.memory_plan = check_memory_plan(cfg, self.dist.world, self.device, self.dist.strategy)
         self._mini_rows = cfg.actor.ppo_mini_batch_size // self.dist.world * cfg.rollout.n  # this rank's rows
@@ -312,7 +312,7 @@ class Trainer:
         check_tokenizer(self.tokenizer, "model.path", cfg.model.path)
         check_chat_template(self.tokenizer, cfg.data.prompt_style, "data.prompt_style", cfg.model.path)
         prompts, self.prompt_stats = load_prompts(cfg, self.tokenizer)  # data/num_prompts, ... (logged each step)
-        # what the run is made from, by content (stapo/run_identity.py): a resume whose model or training data
+        # what the run is made from, by content (stapo/run/run_identity.py): a resume whose model or training data
         # changed under the same path is refused here, before any model loads
         self.fingerprint, self._identity_notes = self._check_identity()
         if preflight_only:  # train.py --dry-run: every check above passed; nothing loaded or written beyond this
@@ -320,7 +320,7 @@ class Trainer:
             return
 
         # --- policy, reference, optimizer -------------------------------------------------------------
-        # Precision policy (stapo/precision.py): parameters, gradients and AdamW state in param_dtype (fp32 master
+        # Precision policy (stapo/model/precision.py): parameters, gradients and AdamW state in param_dtype (fp32 master
         # weights), forward/backward in compute_dtype (autocast; FSDP2's MixedPrecisionPolicy).
         self.precision = PrecisionPolicy.from_config(cfg.model)
         self.compute_dtype = self.precision.compute_dtype
@@ -344,7 +344,7 @@ class Trainer:
             self.ref_model = self._place_model(ref, reference=True)
         self._check_param_dtype()
         if cfg.actor.lm_head == "fused":  # the fused head needs logits = hidden @ Wᵀ: say so now, not at step 1
-            from stapo.policy import check_fused_head, policy_decoder
+            from stapo.train.policy import check_fused_head, policy_decoder
 
             try:
                 check_fused_head(self.model)
@@ -360,7 +360,7 @@ class Trainer:
 
         # --- data order, reward, rollout engine -------------------------------------------------------
         self.loader = PromptLoader(prompts, cfg.data.train_batch_size, tc.seed, cfg.data.shuffle)
-        from stapo.rewards import make_reward_fn
+        from stapo.tasks.rewards import make_reward_fn
 
         self.reward_fn = reward_fn if reward_fn is not None else make_reward_fn(cfg.algorithm.reward)
         self.engine = build_rollout_engine(
@@ -416,10 +416,10 @@ class Trainer:
 
         Raises:
             stapo.config.ConfigError: the folder or a folder above it holds an evaluation (its manifest).
-            stapo.tracking.CorruptJsonlError: a damaged line that is not a torn last one (naming file and line).
+            stapo.run.tracking.CorruptJsonlError: a damaged line that is not a torn last one (naming file and line).
         """
         from stapo.evaluation.runner import MANIFEST
-        from stapo.tracking import read_jsonl_rows
+        from stapo.run.tracking import read_jsonl_rows
 
         for folder in (self.run_dir, *Path(self.run_dir).absolute().parents):
             if (folder / MANIFEST).is_file():
@@ -433,15 +433,15 @@ class Trainer:
                     read_jsonl_rows(self.run_dir / name)
 
     def _check_identity(self) -> tuple[dict[str, Any] | None, list[str]]:
-        """Rank 0: this launch's fingerprint (:func:`stapo.run_identity.run_fingerprint`) and, when resuming, its
-        comparison with the recorded ``fingerprint.json`` (:func:`stapo.run_identity.resume_identity_check`; its
+        """Rank 0: this launch's fingerprint (:func:`stapo.run.run_identity.run_fingerprint`) and, when resuming, its
+        comparison with the recorded ``fingerprint.json`` (:func:`stapo.run.run_identity.resume_identity_check`; its
         lines are printed here). Returns ``(fingerprint, lines)`` (``(None, [])`` on the other ranks).
 
         Raises:
             stapo.config.ConfigError: (every rank) the model or the training data changed since the run started
                 (naming the key and the file), or they cannot be read.
         """
-        from stapo.run_identity import resume_identity_check, run_fingerprint
+        from stapo.run.run_identity import resume_identity_check, run_fingerprint
 
         fp, notes, refused = None, [], None
         fork = self.resume_plan.fork if self.resume_plan is not None else None
@@ -472,8 +472,8 @@ class Trainer:
         Raises:
             stapo.config.ConfigError: the ``model`` or ``data`` part differs, naming ``trainer.init_from``.
         """
-        from stapo.fingerprint import read_fingerprint
-        from stapo.run_identity import data_part
+        from stapo.common.fingerprint import read_fingerprint
+        from stapo.run.run_identity import data_part
 
         source = read_fingerprint(Path(init_from).expanduser().parent.parent) or {}
         for part in ("model", "data"):
@@ -488,8 +488,8 @@ class Trainer:
         """Rank 0, at start-up: write ``<run_dir>/fingerprint.json`` (its ``config`` part of the config just written
         to config.json) and, after a resume on another machine kind, a ``fingerprint.machine`` row of
         ``config_changes.jsonl`` (once per step and change)."""
-        from stapo.fingerprint import read_fingerprint, write_fingerprint
-        from stapo.run_identity import MACHINE_CHANGE_KEY, config_digest
+        from stapo.common.fingerprint import read_fingerprint, write_fingerprint
+        from stapo.run.run_identity import MACHINE_CHANGE_KEY, config_digest
         from stapo.train.state import CHANGES_FILE
 
         if self.fingerprint is None:
@@ -507,11 +507,11 @@ class Trainer:
         write_fingerprint(self.run_dir, fp)
 
     def _check_run_lock_free(self) -> None:
-        """Rank 0 looks whether another live process holds the run folder (:meth:`stapo.runlock.RunLock.check_free`)
+        """Rank 0 looks whether another live process holds the run folder (:meth:`stapo.run.runlock.RunLock.check_free`)
         and tells every rank (a collective), so all of them stop with the same error before loading a model.
 
         Raises:
-            stapo.runlock.RunLockError: (every rank) the folder is in use; the message names the holder.
+            stapo.run.runlock.RunLockError: (every rank) the folder is in use; the message names the holder.
         """
         refused = None
         if self.dist.is_main:
@@ -530,7 +530,7 @@ class Trainer:
             stapo.config.ConfigError: ``model.path`` is not a model folder with weights, an embedded alias or a
                 reachable hub id, or its tokenizer cannot be loaded (one line naming the key).
         """
-        from stapo.models import EMBEDDED_ALIASES, ModelCacheError, load_tokenizer
+        from stapo.model.models import EMBEDDED_ALIASES, ModelCacheError, load_tokenizer
 
         mc = self.cfg.model
         try:
@@ -545,7 +545,7 @@ class Trainer:
         """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU,
         with :attr:`tokenizer`. Called for the policy (param dtype) and for the reference model (compute dtype).
         Under torchrun with ``model.meta_init`` only rank 0 reads it; the other ranks get the same architecture on
-        the meta device (:func:`stapo.distributed.build_on_rank0`), filled by :meth:`_place_model`. Collective then.
+        the meta device (:func:`stapo.model.distributed.build_on_rank0`), filled by :meth:`_place_model`. Collective then.
 
         Raises:
             stapo.config.ConfigError: the weights cannot be loaded (a damaged or truncated file, named) — on every
@@ -557,10 +557,10 @@ class Trainer:
 
     def _place_model(self, model: torch.nn.Module, mp_policy: Any = None, reference: bool = False) -> torch.nn.Module:
         """``model`` (from :meth:`_load_initial_model`) on this rank's device, prepared for data parallelism: FSDP2
-        sharded (:func:`stapo.distributed.wrap_policy`, ``mp_policy`` for the policy), replicate broadcast from rank
+        sharded (:func:`stapo.model.distributed.wrap_policy`, ``mp_policy`` for the policy), replicate broadcast from rank
         0 (the frozen ``reference`` is not: every rank loaded the same weights), W = 1 moved to the device. With
         ``model.meta_init`` the ranks ≠ 0 materialise their meta-device model and receive rank 0's weights
-        (:func:`stapo.distributed.wrap_from_rank0`). Collective under torchrun."""
+        (:func:`stapo.model.distributed.wrap_from_rank0`). Collective under torchrun."""
         if self._meta_init:
             return dist.wrap_from_rank0(model, self.dist, mp_policy=mp_policy)
         if self.dist.strategy != "fsdp2":
@@ -575,7 +575,7 @@ class Trainer:
         Raises:
             stapo.config.ConfigError: the weights cannot be loaded (a damaged or truncated file, named).
         """
-        from stapo.models import build_tiny_model, load_policy
+        from stapo.model.models import build_tiny_model, load_policy
 
         mc = self.cfg.model
         if mc.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model (the same for every call)
@@ -610,16 +610,16 @@ class Trainer:
     @_holding_run_lock
     def train(self) -> list[dict[str, float]]:
         """Run (or resume) training to ``trainer.total_steps``, holding the run directory's lock
-        (``<run_dir>/run.lock``, :mod:`stapo.runlock`). Returns each step's metrics.
+        (``<run_dir>/run.lock``, :mod:`stapo.run.runlock`). Returns each step's metrics.
 
         Raises:
             Interrupted: (a KeyboardInterrupt) Ctrl-C or SIGTERM stopped the run early: the first signal lets the
                 step in progress finish and checkpoints it (``trainer.save_on_interrupt``, or a checkpoint is due),
                 a second abandons the step at once; the checkpoints already written are kept either way.
-            stapo.tracking.TrackerError: ``logging.wandb_mode=online`` cannot start and
+            stapo.run.tracking.TrackerError: ``logging.wandb_mode=online`` cannot start and
                 ``logging.wandb_fallback=error``.
-            stapo.runlock.RunLockError: another live process is writing the run directory.
-            stapo.tracking.CorruptJsonlError: ``metrics.jsonl`` / ``tables.jsonl`` hold a damaged line that is not a
+            stapo.run.runlock.RunLockError: another live process is writing the run directory.
+            stapo.run.tracking.CorruptJsonlError: ``metrics.jsonl`` / ``tables.jsonl`` hold a damaged line that is not a
                 torn last line (the message names the file and line).
             CannotLearn: the run cannot learn (``trainer.stop_after_nonfinite_steps`` optimizer steps in a row with
                 a non-finite loss or gradient, ``trainer.stop_after_silent_steps`` steps in a row without a kept
@@ -640,8 +640,8 @@ class Trainer:
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
-            self._record_identity()  # fingerprint.json: what the run is made from (stapo/run_identity.py)
-            # provenance (stapo/provenance.py): this launch appended to run_info.json, and in the W&B config
+            self._record_identity()  # fingerprint.json: what the run is made from (stapo/run/run_identity.py)
+            # provenance (stapo/run/provenance.py): this launch appended to run_info.json, and in the W&B config
             launch = launch_record(self.argv, start_step=self.step, world_size=self.dist.world)
             if fork is not None:  # the fork's first launch: where it started from (path, step, digest)
                 launch["init_from"] = fork.record()
@@ -667,7 +667,7 @@ class Trainer:
                 val = self.validation_hook(self, 0)
                 if self.tracker is not None:
                     self.tracker.log(0, val)
-        if main:  # where this run writes, before its first step (stapo/console.py)
+        if main:  # where this run writes, before its first step (stapo/run/console.py)
             self._print_start()
         history: list[dict[str, float]] = []
         bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (self._bars and main),
@@ -727,8 +727,8 @@ class Trainer:
                         close()
             finally:
                 guard.uninstall()  # until here a further Ctrl-C exits at once
-        if main and history:  # this machine's measured step time, for train.py --dry-run (stapo/estimate.py)
-            from stapo.estimate import record_train_throughput
+        if main and history:  # this machine's measured step time, for train.py --dry-run (stapo/run/throughput.py)
+            from stapo.run.throughput import record_train_throughput
 
             record_train_throughput(self.cfg, self.device, history, self.run_dir)
         if stop and self.step < tc.total_steps:
@@ -817,7 +817,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release the rollout engine (vLLM: its workers and, under torchrun, its process groups — before
-        :func:`stapo.distributed.teardown`). The trainer cannot generate afterwards."""
+        :func:`stapo.model.distributed.teardown`). The trainer cannot generate afterwards."""
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()
@@ -930,7 +930,7 @@ class Trainer:
 
     def _score(self, prompts: list, responses: list) -> Rollout:
         """Rewards (the response text only, never the prompt), GRPO advantages and the collated batch."""
-        from stapo.policy import collate_responses
+        from stapo.train.policy import collate_responses
 
         alg = self.cfg.algorithm
         reward_out = self.reward_fn([r.text for r in responses], [prompts[r.group][1] for r in responses])
@@ -1007,12 +1007,12 @@ class Trainer:
         return metrics
 
     def _utilisation(self, sb: StepBatch, timing: dict[str, float]) -> dict[str, float]:
-        """Rank 0's ``perf/max_memory_allocated_gb`` (:func:`stapo.perf.max_memory_gb`: the CUDA allocator's peak,
+        """Rank 0's ``perf/max_memory_allocated_gb`` (:func:`stapo.common.perf.max_memory_gb`: the CUDA allocator's peak,
         else the process's peak RSS; GiB) and, when the device's peak FLOP/s is known (``trainer.peak_flops`` or
-        :data:`stapo.perf.PEAK_FLOPS`), ``perf/mfu/actor``: this rank's update FLOPs at its rows' real lengths
-        (:func:`stapo.perf.update_flops`) over ``timing_s/update`` × the peak (docs/metrics.md#timing-and-throughput).
+        :data:`stapo.common.perf.PEAK_FLOPS`), ``perf/mfu/actor``: this rank's update FLOPs at its rows' real lengths
+        (:func:`stapo.common.perf.update_flops`) over ``timing_s/update`` × the peak (docs/metrics.md#timing-and-throughput).
         """
-        from stapo.perf import ModelShape, max_memory_gb, mfu, peak_flops, update_flops
+        from stapo.common.perf import ModelShape, max_memory_gb, mfu, peak_flops, update_flops
 
         out = {"perf/max_memory_allocated_gb": max_memory_gb(self.device)}
         if not hasattr(self, "_peak_flops"):  # once: the device's peak and the model's shape (None: unknown)
@@ -1053,7 +1053,7 @@ class Trainer:
             write_rollouts(self.run_dir, step, records)
         if table_due and self.tracker is not None:
             s2t = self.cfg.algorithm.s2t
-            # one incremental W&B table per name that grows by each logged step's rows (stapo/tracking.py)
+            # one incremental W&B table per name that grows by each logged step's rows (stapo/run/tracking.py)
             self.tracker.log_table(step, *silenced_examples(sb, self.tokenizer, self.objective.token_mask, s2t),
                                    incremental=True)
             self.tracker.log_table(step, *completions_table(step, records), incremental=True)

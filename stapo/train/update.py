@@ -11,7 +11,7 @@ optimizer step. An optimizer step whose loss or gradient norm is not finite is s
 moments stay as they were), counted in ``actor/nonfinite_grad_steps`` and in :attr:`PolicyUpdate.nonfinite_in_a_row`
 (the trainer stops a run that cannot learn: ``trainer.stop_after_nonfinite_steps``). With the fused path
 (``stats="own_forward"``) the micro-batch losses are sums (denominator 1) and the gradient is divided by N once
-the mask is known — the same gradient by linearity. Data-parallel pieces are the ``stapo.distributed`` helpers;
+the mask is known — the same gradient by linearity. Data-parallel pieces are the ``stapo.model.distributed`` helpers;
 each is the one-process computation when W = 1.
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Any, Callable
 
 import torch
 
-from stapo import distributed as dist
-from stapo.masks import TokenMask, check_mask_result
-from stapo.objectives import Objective, policy_loss
-from stapo.precision import PrecisionPolicy
-from stapo.token_stats import TokenStats
+from stapo.model import distributed as dist
+from stapo.core.masks import TokenMask, check_mask_result
+from stapo.core.objectives import Objective, policy_loss
+from stapo.model.precision import PrecisionPolicy
+from stapo.core.token_stats import TokenStats
 from stapo.train.batch import Rollout
 from stapo.train.metrics import MetricAccumulator
 from stapo.train.plan import MiniBatchPlan, UpdatePlan
@@ -67,7 +67,7 @@ class PolicyUpdate:
 
     Args:
         model, optimizer, scheduler: the policy (possibly FSDP2-wrapped), its AdamW and the warm-up scheduler.
-        objective: the resolved :class:`~stapo.objectives.Objective` (mask, loss formula, aggregation, β).
+        objective: the resolved :class:`~stapo.core.objectives.Objective` (mask, loss formula, aggregation, β).
         precision: autocast for every policy forward (token statistics stay fp32).
         device: where forwards run.
         ctx: the data-parallel context (W = 1: no communication).
@@ -75,9 +75,9 @@ class PolicyUpdate:
         share_prompt: ``actor.share_prompt``.
         grad_clip: ``actor.grad_clip`` (max total grad norm).
         max_response_length: L of ``seq-mean-token-sum-norm``.
-        lm_head: ``actor.lm_head`` (``logits`` | ``fused``: :func:`stapo.policy.policy_token_stats`).
+        lm_head: ``actor.lm_head`` (``logits`` | ``fused``: :func:`stapo.train.policy.policy_token_stats`).
         deferred_graphs: ``actor.deferred_graphs`` (``keep`` | ``recompute``: :meth:`_MiniBatch.backward_own_forward`).
-        layout: the forwards' row layout (``padded`` | ``trailing`` | ``packed``: :func:`stapo.policy.forward_layout`).
+        layout: the forwards' row layout (``padded`` | ``trailing`` | ``packed``: :func:`stapo.train.policy.forward_layout`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -100,7 +100,7 @@ class PolicyUpdate:
     def forward(self, batch, idx: torch.Tensor, model: torch.nn.Module | None = None) -> TokenStats:
         """Rows ``idx`` ([b]) of ``batch`` through ``model`` (default: the policy; grad if enabled) →
         :class:`TokenStats`, each [b, r] fp32 (r ≤ R: the micro-batch is trimmed)."""
-        from stapo.policy import policy_token_stats
+        from stapo.train.policy import policy_token_stats
 
         with self.precision.autocast(self.device):  # bf16 matmuls when mixed; token statistics stay fp32
             return policy_token_stats(self.model if model is None else model, batch.select(idx).trim().to(self.device),
@@ -126,7 +126,7 @@ class PolicyUpdate:
     def token_mask(self, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
                    response_mask: torch.Tensor) -> TokenMask:
         """The objective's mask of the whole mini-batch ([n, R] this rank's rows; [n] Â) — mini-batch-global
-        under torchrun (:func:`stapo.distributed.minibatch_mask`)."""
+        under torchrun (:func:`stapo.model.distributed.minibatch_mask`)."""
         return dist.minibatch_mask(self.objective, logprobs, entropy, advantages, response_mask, self.ctx)
 
     # --- the update ------------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ class PolicyUpdate:
             progress: called after every forward.
 
         Raises:
-            stapo.registry.ExtensionError: the mask broke its contract (:func:`stapo.masks.check_mask_result`),
+            stapo.common.registry.ExtensionError: the mask broke its contract (:func:`stapo.core.masks.check_mask_result`),
                 or the loss formula returned the wrong output.
         """
         old = TokenStats(old.logprobs.clone(), old.entropy.clone(), old.collision.clone())  # [B, R] each
