@@ -94,9 +94,7 @@ def test_record_has_one_home_and_no_import_cycle():
     import subprocess
     import sys
 
-    from stapo.tasks import data
-from stapo.tasks import records
-from stapo.tasks import synthetic
+    from stapo.tasks import data, records, synthetic
 
     assert data.Record is records.Record is synthetic.Record
     code = "import sys, stapo.tasks.synthetic; print('stapo.tasks.data' in sys.modules)"
