@@ -22,10 +22,10 @@ def test_paper_configs_follow_the_recipe_and_differ_only_by_method():
     stapo = load_config(REPO_ROOT / "configs/paper/qwen3_8b_stapo.yaml")
     grpo = load_config(REPO_ROOT / "configs/paper/qwen3_8b_grpo.yaml")
     assert stapo.model.path == "Qwen/Qwen3-8B-Base"
-    assert (stapo.tasks.data.train_batch_size, stapo.rollout.n, stapo.actor.ppo_mini_batch_size) == (256, 8, 64)
+    assert (stapo.data.train_batch_size, stapo.rollout.n, stapo.actor.ppo_mini_batch_size) == (256, 8, 64)
     assert (stapo.actor.lr, stapo.actor.warmup_steps, stapo.actor.weight_decay, stapo.actor.grad_clip) == \
         (1e-6, 10, 0.1, 1.0)
-    assert (stapo.rollout.response_length, stapo.tasks.data.max_prompt_length) == (15360, 1024)
+    assert (stapo.rollout.response_length, stapo.data.max_prompt_length) == (15360, 1024)
     assert (stapo.algorithm.s2t.prob_threshold, stapo.algorithm.s2t.entropy_quantile) == (0.002, 0.75)
     assert stapo.algorithm.objective == "stapo" and grpo.algorithm.objective == "grpo"
     grpo.algorithm.objective = "stapo"
