@@ -29,6 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from stapo.common.errors import ConfigError  # noqa: F401 - re-exported: stapo.config.ConfigError
+from stapo.core.masks import TOP_ENTROPY_RATIO, S2TParams
 
 from stapo.tasks.data import FileSetConfig
 
@@ -39,7 +40,6 @@ __all__ = [
     "DataConfig",
     "SyntheticConfig",
     "RolloutConfig",
-    "S2TConfig",
     "AlgorithmConfig",
     "ActorConfig",
     "TrainerConfig",
@@ -150,13 +150,6 @@ class RolloutConfig:
 
 
 @dataclass
-class S2TConfig:
-    prob_threshold: float = 0.002  # τ_p
-    entropy_quantile: float = 0.75  # q
-    quantile_scope: Literal["candidates", "all"] = "candidates"
-
-
-@dataclass
 class AlgorithmConfig:
     # A registered objective (stapo.core.objectives.OBJECTIVES: stapo, justrl, grpo, entropy20 and the ablations);
     # checked by validate(), an unknown name fails with the closest registered one.
@@ -176,8 +169,8 @@ class AlgorithmConfig:
     # Parameters of the registered token masks (stapo.core.masks.MaskSpec.config_keys): S2T's in algorithm.s2t (also read
     # by the S2T ablations), 20-Entropy's ratio in algorithm.top_entropy_ratio, any other mask's under
     # algorithm.masks.<mask name>.<parameter> (e.g. algorithm.masks.s2t_random.seed=1).
-    s2t: S2TConfig = field(default_factory=S2TConfig)
-    top_entropy_ratio: float = 0.2
+    s2t: S2TParams = field(default_factory=S2TParams)  # the mask's own parameter dataclass (stapo.core.masks)
+    top_entropy_ratio: float = TOP_ENTROPY_RATIO
     masks: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Where a mask takes p and H from for the 2nd, 3rd... mini-batch of a step (the first one's are π_old's either
     # way): "current" = a forward of the current π_θ (the paper's Algorithm 1), "old" = the old-policy pass of the

@@ -107,7 +107,7 @@ def test_evaluate_cli_writes_all_outputs(shared_data_root, tmp_path):
     assert len(gens) == 20
 
     res = json.loads((out / "results.json").read_text())
-    assert res["label"] == "tiny" and res["complete"] is False
+    assert res["label"] == "tiny" and res["complete"] is False and res["paper_protocol"] is False  # data.limit
     assert res["protocol"]["samples"] == {"aime24": 3, "math500": 2}
     assert [s["name"] for s in res["protocol"]["settings"]] == ["t1.0_p1.0", "t0.7_p0.9"]
     for setting in ("t1.0_p1.0", "t0.7_p0.9"):
@@ -687,3 +687,15 @@ def test_progress_bar_true_false_or_auto(shared_data_root, tmp_path, monkeypatch
     assert _bars(tiny_cfg(shared_data_root, tmp_path, "logging.progress_bar=false")) is False  # forced off
     with pytest.raises(EvalError, match="logging.progress_bar.*true, false or auto"):
         validate_eval_config(tiny_cfg(shared_data_root, tmp_path, "logging.progress_bar=sometimes"))
+
+
+def test_completeness_is_about_the_benchmarks_asked_for():
+    from stapo.evaluation.runner import completeness
+    from stapo.tasks.data import BENCHMARKS
+
+    none = {b: 0 for b in BENCHMARKS}
+    assert completeness(["aime24"], ["aime24"], None, {"aime24": 0}) == (True, False)  # complete, not the paper's
+    assert completeness(list(BENCHMARKS), list(BENCHMARKS), None, none) == (True, True)
+    assert completeness(list(BENCHMARKS), list(BENCHMARKS), 5, none) == (False, False)  # --limit
+    assert completeness(list(BENCHMARKS), list(BENCHMARKS), None, {**none, "amc23": 1}) == (False, False)  # dropped
+    assert completeness(["aime24"], ["aime24", "my_bench"], None, {"aime24": 0}) == (False, False)  # one missing

@@ -130,3 +130,22 @@ def test_the_package_map_names_every_module():
         if not any(word.strip(",():;") == stem for word in doc.split()):
             missing.append(str(f.relative_to(REPO)))
     assert missing == []
+
+
+def test_the_readme_layout_names_every_sub_package_and_module():
+    """README.md's Layout section has a row per sub-package of stapo/ and names each of its modules."""
+    text = (REPO / "README.md").read_text()
+    layout = text[text.index("## Layout\n"):text.index("\n## ", text.index("## Layout\n") + 1)]
+    missing = []
+    for f in sorted((REPO / "stapo").rglob("*.py")):
+        rel = f.relative_to(REPO)
+        if f.stem.startswith("_") or "configs" in rel.parts:
+            continue
+        if len(rel.parts) == 2:  # stapo/config.py
+            ok = f"`{rel}`" in layout
+        else:
+            row = next((line for line in layout.splitlines() if line.startswith(f"| `stapo/{rel.parts[1]}/` |")), "")
+            ok = f"`{f.stem}`" in row
+        if not ok:
+            missing.append(str(rel))
+    assert missing == []

@@ -322,3 +322,31 @@ def test_ablation_masks_touch_only_positive_advantage_rows():
     adv = torch.tensor([0.5, 0.0, -0.5])
     for name in ("s2t_high_entropy", "s2t_random", "full_low_prob"):
         assert maskable_rows(name, adv).tolist() == [True, False, False], name
+
+
+def test_the_paper_values_are_written_once():
+    """τ_p = 0.002 and q = 0.75 appear as numbers in one place of the package, stapo/core/masks.py's constants; the
+    mask functions, S2TParams (= the config section algorithm.s2t), the objectives, the config schema and the verl
+    plugin read them. A second literal 0.002 / 0.75 anywhere in stapo/ code fails here (docstrings do not count)."""
+    import ast
+    from pathlib import Path
+
+    from stapo.config import TrainConfig
+    from stapo.core import masks
+    from stapo.core.objectives import OBJECTIVES
+    from stapo.integrations.verl import StapoPolicyLossConfig
+
+    root = Path(masks.__file__).resolve().parents[1]
+    found = sorted((str(f.relative_to(root.parent)), n.value) for f in root.rglob("*.py")
+                   for n in ast.walk(ast.parse(f.read_text()))
+                   if isinstance(n, ast.Constant) and type(n.value) is float and n.value in (0.002, 0.75))
+    assert found == [("stapo/core/masks.py", 0.002), ("stapo/core/masks.py", 0.75)]
+    assert (masks.PROB_THRESHOLD, masks.ENTROPY_QUANTILE, masks.TOP_ENTROPY_RATIO) == (0.002, 0.75, 0.2)
+    cfg = TrainConfig()
+    assert type(cfg.algorithm.s2t) is masks.S2TParams  # the config section is the mask's own dataclass
+    assert (cfg.algorithm.s2t.prob_threshold, cfg.algorithm.s2t.entropy_quantile) == (0.002, 0.75)
+    assert OBJECTIVES["stapo"].mask_params == {"prob_threshold": 0.002, "entropy_quantile": 0.75,
+                                               "quantile_scope": "candidates"}
+    assert OBJECTIVES["entropy20"].mask_params == {"ratio": 0.2} and cfg.algorithm.top_entropy_ratio == 0.2
+    verl = StapoPolicyLossConfig()
+    assert (verl.s2t_prob_threshold, verl.s2t_entropy_quantile, verl.top_entropy_ratio) == (0.002, 0.75, 0.2)

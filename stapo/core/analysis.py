@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from stapo.core.masks import PROB_THRESHOLD
 from stapo.core.tensor_utils import as_bool_mask, check_same_shape, quantile
 
 __all__ = [
@@ -146,7 +147,7 @@ def quadrant_summary(
     *,
     grad_norm: torch.Tensor | None = None,
     entropy_change: torch.Tensor | None = None,
-    prob_threshold: float = 0.002,
+    prob_threshold: float = PROB_THRESHOLD,
     entropy_threshold: float | None = None,
     entropy_quantile: float = 0.5,
 ) -> dict[str, float]:

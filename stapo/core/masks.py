@@ -42,9 +42,20 @@ __all__ = [
     "get_token_mask",
     "maskable_rows",
     "check_mask_result",
+    "PROB_THRESHOLD",
+    "ENTROPY_QUANTILE",
+    "QUANTILE_SCOPE",
+    "TOP_ENTROPY_RATIO",
 ]
 
 QuantileScope = Literal["candidates", "all"]
+
+#: The paper's values, written once (docs/method.md#s2t-mask, docs/method.md#20-entropy): every default below, the
+#: config schema (:class:`S2TParams` is the ``algorithm.s2t`` section), the objectives and the verl plugin read them.
+PROB_THRESHOLD = 0.002  # τ_p: S2T's absolute probability threshold
+ENTROPY_QUANTILE = 0.75  # q: τ_h is the q-quantile of the candidates' entropy (paper v4)
+QUANTILE_SCOPE: QuantileScope = "candidates"  # the pool of that quantile ("all": the v1 text, with q = 0.80)
+TOP_ENTROPY_RATIO = 0.2  # 20-Entropy keeps the top 20 % highest-entropy tokens
 
 
 @dataclass
@@ -111,9 +122,9 @@ def s2t_mask(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    prob_threshold: float = 0.002,
-    entropy_quantile: float = 0.75,
-    quantile_scope: QuantileScope = "candidates",
+    prob_threshold: float = PROB_THRESHOLD,
+    entropy_quantile: float = ENTROPY_QUANTILE,
+    quantile_scope: QuantileScope = QUANTILE_SCOPE,
 ) -> TokenMask:
     """The S2T (Silencing Spurious Tokens) mask of STAPO (docs/method.md#s2t-mask, paper Algorithm 1).
 
@@ -216,7 +227,7 @@ def top_entropy_mask(
     advantages: torch.Tensor | None,
     response_mask: torch.Tensor,
     *,
-    ratio: float = 0.2,
+    ratio: float = TOP_ENTROPY_RATIO,
 ) -> TokenMask:
     """20-Entropy: keep only the top ⌈ratio · n⌉ highest-entropy response tokens of the mini-batch.
 
@@ -431,18 +442,19 @@ def unregister_token_mask(name: str) -> None:
 
 @dataclass
 class S2TParams:
-    """Parameters of :func:`s2t_mask` (docs/method.md#s2t-mask), config section ``algorithm.s2t``."""
+    """Parameters of :func:`s2t_mask` (docs/method.md#s2t-mask): the config section ``algorithm.s2t`` itself
+    (:class:`stapo.config.AlgorithmConfig`), read by the S2T ablations too."""
 
-    prob_threshold: float = 0.002  # τ_p
-    entropy_quantile: float = 0.75  # q
-    quantile_scope: str = "candidates"  # "candidates" (v4) or "all" (v1 text)
+    prob_threshold: float = PROB_THRESHOLD  # τ_p
+    entropy_quantile: float = ENTROPY_QUANTILE  # q
+    quantile_scope: QuantileScope = QUANTILE_SCOPE  # "candidates" (v4) or "all" (v1 text)
 
 
 @dataclass
 class TopEntropyParams:
     """Parameters of :func:`top_entropy_mask` (docs/method.md#20-entropy), config key ``algorithm.top_entropy_ratio``."""
 
-    ratio: float = 0.2
+    ratio: float = TOP_ENTROPY_RATIO
 
 
 _S2T_KEYS = {k: f"algorithm.s2t.{k}" for k in ("prob_threshold", "entropy_quantile", "quantile_scope")}
@@ -455,8 +467,9 @@ register_token_mask("top_entropy", params=TopEntropyParams, maskable_rows="all",
 
 # --- the paper's ablations of S2T (each a registered mask; objectives in stapo.core.objectives) ---------------------
 @register_token_mask("s2t_high_entropy", params=S2TParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS)
-def s2t_high_entropy_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = 0.002,
-                          entropy_quantile: float = 0.75, quantile_scope: QuantileScope = "candidates") -> TokenMask:
+def s2t_high_entropy_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = PROB_THRESHOLD,
+                          entropy_quantile: float = ENTROPY_QUANTILE,
+                          quantile_scope: QuantileScope = QUANTILE_SCOPE) -> TokenMask:
     """Ablation "high-entropy masking": the S2T candidates (Â > 0, p < τ_p) whose entropy is ABOVE the
     (1 − q)-quantile of the pool (S2T silences those BELOW the q-quantile), so about the same number of tokens.
 
@@ -483,8 +496,8 @@ class S2TRandomParams(S2TParams):
 
 
 @register_token_mask("s2t_random", params=S2TRandomParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS)
-def s2t_random_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = 0.002,
-                    entropy_quantile: float = 0.75, quantile_scope: QuantileScope = "candidates",
+def s2t_random_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = PROB_THRESHOLD,
+                    entropy_quantile: float = ENTROPY_QUANTILE, quantile_scope: QuantileScope = QUANTILE_SCOPE,
                     seed: int = 0) -> TokenMask:
     """Ablation "random masking": silence k uniformly chosen S2T candidates, k = what :func:`s2t_mask` would silence.
 
@@ -518,12 +531,13 @@ def s2t_random_mask(logprobs, entropy, advantages, response_mask, *, prob_thresh
 class FullLowProbParams:
     """Parameter of :func:`full_low_prob_mask`: τ_p, read from ``algorithm.s2t.prob_threshold``."""
 
-    prob_threshold: float = 0.002
+    prob_threshold: float = PROB_THRESHOLD
 
 
 @register_token_mask("full_low_prob", params=FullLowProbParams, maskable_rows="positive_advantage",
                      config_keys={"prob_threshold": "algorithm.s2t.prob_threshold"})
-def full_low_prob_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = 0.002) -> TokenMask:
+def full_low_prob_mask(logprobs, entropy, advantages, response_mask, *,
+                       prob_threshold: float = PROB_THRESHOLD) -> TokenMask:
     """Ablation "JustRL-FullMask": silence EVERY low-probability token of the correct responses — all S2T candidates
     (Â > 0 and p < τ_p, strict), with no entropy condition. ``entropy`` only feeds the statistics (it must be finite on
     response tokens, as for S2T); ``entropy_threshold`` is NaN (no entropy threshold is used).

@@ -38,7 +38,8 @@ from typing import Any, Callable, Literal, Mapping, get_args
 
 import torch
 
-from stapo.core.masks import TokenMask, check_mask_result, get_mask_spec, get_token_mask
+from stapo.core.masks import (PROB_THRESHOLD, TOP_ENTROPY_RATIO, S2TParams, TokenMask, check_mask_result, get_mask_spec,
+                              get_token_mask)
 from stapo.core.metric_names import mask_stat_key
 from stapo.common.registry import ExtensionError, add_entry, lookup
 from stapo.core.tensor_utils import as_bool_mask, check_same_shape, masked_mean
@@ -316,10 +317,10 @@ JUSTRL = register_objective(Objective(
 # STAPO (docs/method.md#stapo-objective) = JustRL + the S2T mask; the loss is renormalised over the kept tokens.
 STAPO = register_objective(JUSTRL.replace(
     name="stapo", token_mask="s2t",
-    mask_params={"prob_threshold": 0.002, "entropy_quantile": 0.75, "quantile_scope": "candidates"}))
+    mask_params=dataclasses.asdict(S2TParams())))  # τ_p, q and the quantile pool: stapo.core.masks
 # 20-Entropy (docs/method.md#20-entropy) = JustRL with only the top-20 % entropy tokens receiving gradient.
 ENTROPY20 = register_objective(JUSTRL.replace(
-    name="entropy20", token_mask="top_entropy", mask_params={"ratio": 0.2}))
+    name="entropy20", token_mask="top_entropy", mask_params={"ratio": TOP_ENTROPY_RATIO}))
 # GRPO (DeepSeekMath; docs/method.md#grpo-baseline): per-sequence token mean, symmetric clip, k3 KL with β = 0.04.
 GRPO = register_objective(Objective(
     name="grpo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
@@ -333,7 +334,7 @@ STAPO_RANDOM = register_objective(STAPO.replace(
     name="stapo_random", token_mask="s2t_random", mask_params={**STAPO.mask_params, "seed": 0}))
 # JustRL-FullMask: silence every low-probability token (p < τ_p) of the correct responses (Â > 0)
 JUSTRL_FULLMASK = register_objective(JUSTRL.replace(
-    name="justrl_fullmask", token_mask="full_low_prob", mask_params={"prob_threshold": 0.002}))
+    name="justrl_fullmask", token_mask="full_low_prob", mask_params={"prob_threshold": PROB_THRESHOLD}))
 
 
 

@@ -179,10 +179,11 @@ def markdown_table(results: Sequence[dict[str, Any]], metric: str = "avg@N", tit
         notes = [f"N: {ns}", f"max new tokens {proto.get('max_new_tokens')}"]
         if proto.get("limit") is not None:
             notes.append(f"first {proto['limit']} problems per benchmark (--limit)")
-        if not res.get("complete", False):
+        # results.json before "paper_protocol" existed: "complete" meant the paper's six in full
+        if not res.get("paper_protocol", res.get("complete", False)):
             n_b = len(proto.get("benchmarks", []))
             notes.append(f"Avg over {n_b} benchmark{'s' if n_b != 1 else ''}" +
-                         (" (not the full protocol)" if proto.get("limit") is None else ""))
+                         (" (not the paper's six)" if proto.get("limit") is None else ""))
         lines.append(f"- {res['label']}: " + "; ".join(notes) + ".")
     return "\n".join(lines) + "\n"
 

@@ -798,6 +798,20 @@ def _check_manifest(run_dir: Path, new: dict[str, Any], notes: list[str] | None 
     return merged
 
 
+def completeness(evaluated: Sequence[str], requested: Sequence[str], limit: int | None,
+                 dropped: Mapping[str, int]) -> tuple[bool, bool]:
+    """(complete, paper_protocol) of an evaluation, as results.json records them.
+
+    complete: every benchmark asked for (``data.benchmarks``) was evaluated, in full (no ``data.limit``, no prompt
+    dropped for its length) — whatever else is registered. paper_protocol: complete, over exactly the six benchmarks
+    of the paper's table (:data:`stapo.tasks.data.BENCHMARKS`), so that its "Avg" is the paper's.
+
+    Example: ``completeness(["aime24"], ["aime24"], None, {"aime24": 0})`` → ``(True, False)``.
+    """
+    complete = set(evaluated) == set(requested) and limit is None and not any(dropped.values())
+    return complete, complete and set(evaluated) == set(BENCHMARKS)
+
+
 def _close_quietly(obj: Any) -> None:
     """``obj.close()``; an exception from it (or a missing ``close``) is logged as a warning, not raised."""
     try:
@@ -1162,7 +1176,7 @@ def run_evaluation(
 
         import stapo
 
-        complete = (set(problems) == set(BENCHMARKS) and cfg.data.limit is None and not any(dropped.values()))
+        complete, paper_protocol = completeness(list(problems), list(cfg.data.benchmarks), cfg.data.limit, dropped)
         results = {
             "label": label,
             "run_dir": str(run_dir),
@@ -1187,6 +1201,7 @@ def run_evaluation(
             "metrics": result["metrics"],
             "run": result["run"],
             "complete": complete,
+            "paper_protocol": paper_protocol,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "stapo_version": stapo.__version__,
             "git_commit": _git_commit(),

@@ -137,7 +137,8 @@ from stapo.core.objectives import (
     policy_loss,
 )
 from stapo.core.minibatch import minibatch_token_mask
-from stapo.core.masks import TokenMask, get_mask_spec
+from stapo.core.masks import (ENTROPY_QUANTILE, PROB_THRESHOLD, QUANTILE_SCOPE, TOP_ENTROPY_RATIO, TokenMask,
+                              get_mask_spec)
 from stapo.core.metric_names import NUM_KEPT_TOKENS
 from stapo.core.tensor_utils import as_bool_mask
 
@@ -206,10 +207,10 @@ class StapoPolicyLossConfig(_PolicyLossConfig):
     """
 
     _target_: str = "stapo.integrations.verl.StapoPolicyLossConfig"
-    s2t_prob_threshold: float = 0.002
-    s2t_entropy_quantile: float = 0.75
-    s2t_quantile_scope: str = "candidates"
-    top_entropy_ratio: float = 0.2
+    s2t_prob_threshold: float = PROB_THRESHOLD
+    s2t_entropy_quantile: float = ENTROPY_QUANTILE
+    s2t_quantile_scope: str = QUANTILE_SCOPE
+    top_entropy_ratio: float = TOP_ENTROPY_RATIO
     s2t_random_seed: int = 0
 
 

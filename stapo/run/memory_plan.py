@@ -20,50 +20,8 @@ step runs them (``stapo/train/trainer.py``; the engine's memory per phase follow
 
 With ``rollout.sleep_during_update=false`` the engine never sleeps and holds its whole share in every phase.
 
-Terms (bytes per GPU; ``S`` = ranks the training state is sharded over: W under FSDP2, else 1; ``p`` / ``c`` = the
-item size of ``model.param_dtype`` / ``model.compute_dtype``; ``P`` parameters, ``P_l`` of one decoder layer,
-``P_r`` of the root module: embedding, untied LM head, final norm; ``d`` hidden size, ``I`` MLP width, ``q`` / ``kv``
-query / key-value width, ``V`` embedding rows, ``n_l`` layers; ``T`` tokens of one micro-batch, ``b`` its rows,
-``L`` = ``data.max_prompt_length`` + ``rollout.response_length`` its longest row, ``K`` its LM-head positions):
-
-* resident: parameters ``p·P/S``; AdamW moments ``2p·P/S``; GRPO reference ``c·P/S``; CUDA context 0.5 GiB (+ NCCL
-  1 GiB when W > 1);
-* update only: gradients ``p·P/S``;
-* the compute copy of the weights during a forward/backward: FSDP2 — two decoder layers all-gathered (the current
-  and the prefetched one) ``2c·P_l`` and the root module ``c·P_r`` (FSDP2 keeps the root unsharded through forward
-  and backward); one process — autocast's cached ``c``-copies of every weight ``c·P`` (when ``p`` ≠ ``c``);
-* FSDP2 gradient buffers in the backward: one layer's gradient in ``c`` plus its fp32 reduce-scatter input
-  ``(c+4)·P_l``, the root's ``(c+4)·P_r``;
-* activations, update (gradient checkpointing): each layer's input ``n_l·T·d·a`` (``a`` = ``c`` under FSDP2, ``p``
-  in one process: the residual stream then stays in the parameter dtype) plus one layer recomputed in the
-  backward ``T·(2(4+c)·d + c·(2q+2kv) + 4(q+kv) + 6c·I)`` — two RMSNorms (fp32 upcast + output), q/k/v and the
-  attention output, the fp32 q/k norms, the SwiGLU gate/up/product and the gradients of two of them; without
-  checkpointing every layer's saved tensors ``n_l·T·(2(4+c)·d + c·(2q+2kv) + 4(q+kv) + 4c·I)`` plus ``2c·I·T``;
-* activations, no-grad passes: one layer's working set ``T·(2a·d + 4d + 3c·I)``;
-* attention: padded rows (``actor.use_remove_padding=false``) make transformers build a dense [b, 1, L', L'] boolean
-  mask and SDPA its additive bias: ``b·L'²·(1+c) ≤ T·L·(1+c)`` (the O(L²) term; none with the trailing-padding
-  or packed layouts, which pass no mask); ``model.attn_implementation=eager`` also holds [b, heads, L', L'] scores and
-  probabilities ``≤ 2c·heads·T·L`` per layer;
-* LM head: ``actor.lm_head=logits`` — the [K, V] logits ``c·K·V`` (no grad), plus their gradient in the update
-  ``2c·K·V``; ``fused`` (stapo/model/lm_head.py) — one logits tile ``row_tile·vocab_tile·c`` (no grad), the tile and its
-  gradient ``row_tile·vocab_tile·(c+4)`` and the fp32 gradient accumulators of the hidden states and the output
-  embedding ``4·(K + V)·d`` in the update;
-* the optimizer step (AdamW, foreach): about one ``p``-copy of the shard ``p·P/S`` of temporaries on top of the
-  parameters, moments and gradients (the update phase is the larger of backward and step);
-* engine: awake ``u·M`` (``u`` = ``rollout.gpu_memory_utilization``, ``M`` = device memory; inside it the bf16
-  weights ``c·P`` and the KV cache, activations and CUDA graphs); asleep a residual of 1 GiB (0.25 GiB with
-  ``rollout.enforce_eager``; assumed: CUDA graphs, sampler and input buffers); sync: the weights ``c·P`` + the
-  residual; the sync's own transients: the largest gathered unit (a decoder layer or the embedding) ``c·max(P_l,
-  V·d)`` and vLLM's per-layer reload buffer ``c·P_l``.
-
-Micro-batches (one size for every pass): ``actor.ppo_micro_batch_size`` = ``b`` rows of ``L`` tokens (``T = b·L``;
-``K`` = ``b·(R+1)`` padded: the logits of R + 1 positions, ``b·L`` trailing: the kept columns span at most a row,
-``b·R`` packed), or with ``actor.use_dynamic_bsz`` a token budget ``T`` = ``actor.ppo_max_token_len_per_gpu``
-counted as laid out (stapo/train/plan.py: Σ lengths packed, rows × the longest row otherwise; ≥ L) and ``K ≤ T``.
-
-Not counted: the allocator's fragmentation and cached blocks (the paper configs keep every phase ≤ 90 % of the
-device for it), the first step (no AdamW moments yet: smaller), the no-grad statistics pass of mini-batches 2, 3, …
-(a no-grad forward with the gradients allocated: below the update).
+Every term with its formula (bytes per GPU), the micro-batch sizes and what is not counted: docs/scaling.md,
+"The terms of the memory plan".
 
 Example (tests/test_memory_plan.py works it term by term): a 2-layer shape with d = 64, I = 128, 2 × 32 query and
 1 × 32 key-value heads, V = 1,000 untied, on one GPU with fp32 parameters and bf16 compute, micro-batches of 2

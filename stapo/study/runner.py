@@ -422,7 +422,7 @@ def eval_status(spec: RunSpec) -> EvalStatus:
     if action == "changed":
         return EvalStatus(spec, "wait", out)
     if results.is_file():  # evaluate.py writes it once every generation is graded (its "complete" field means
-        try:                # the full protocol: all six benchmarks, no limit — not that the run finished)
+        try:                # every benchmark asked for, in full, no limit — not that the run finished)
             res = json.loads(results.read_text())
             if "metrics" in res and evaluated_step(res) == spec.total_steps:
                 return EvalStatus(spec, "done", out)

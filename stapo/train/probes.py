@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from stapo.core.masks import s2t_mask
+from stapo.core.masks import ENTROPY_QUANTILE, PROB_THRESHOLD, QUANTILE_SCOPE, s2t_mask
 from stapo.core.tensor_utils import as_bool_mask, check_same_shape
 
 __all__ = [
@@ -353,8 +353,8 @@ def first_k_entropy(entropy: torch.Tensor, response_mask: torch.Tensor, k: int) 
 
 # --- token groups and weights --------------------------------------------------------------------------------
 def token_groups(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-                 *, prob_threshold: float = 0.002, entropy_quantile: float = 0.75,
-                 quantile_scope: str = "candidates") -> dict[str, torch.Tensor]:
+                 *, prob_threshold: float = PROB_THRESHOLD, entropy_quantile: float = ENTROPY_QUANTILE,
+                 quantile_scope: str = QUANTILE_SCOPE) -> dict[str, torch.Tensor]:
     """The response tokens of ONE mini-batch split by S2T's rule (docs/method.md#s2t-mask; :func:`stapo.core.masks.
     s2t_mask` with the same parameters decides ``silenced``, its τ_h is a mini-batch quantity).
 
