@@ -406,3 +406,11 @@ def test_recipe_checks_by_hand():
     # a STAPO run: its own silenced count wins over the would-mask diagnostic
     stapo = [{**r, "actor/s2t/num_masked": 1} for r in rows[1:]]
     assert (recipe_checks(stapo)["silenced_key"], recipe_checks(stapo)["silenced"]) == ("actor/s2t/num_masked", 2.0)
+
+
+def test_e3_after_a_passed_gate_without_forks_is_pending_not_a_verdict():
+    from stapo.study.mechanism_claims import e3
+
+    res = e3([], "pass")
+    assert (res["result"], res["partial"]) == ("pending", True)
+    assert e3([], "fail")["result"] == "not testable"

@@ -614,8 +614,8 @@ def e3(pairs: Sequence[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[
         out.update(result="pending" if gate == "pending" else "not testable",
                    reason=f"Gate B is {gate}: the forks are run only after a rise")
         return out
-    if not pairs:
-        out.update(result="not testable", reason="Gate B passed but no fork pair was given (--fork-pairs)")
+    if not pairs:  # the rules run the forks after a pass: none yet is an unfinished study, not a verdict
+        out.update(result="pending", reason="Gate B passed; no fork pair yet (--fork-pairs)", partial=True)
         return out
     for label, j_rows, s_rows in pairs:
         prim = _window_diff(j_rows, s_rows, PROBE_KEY)
