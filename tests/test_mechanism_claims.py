@@ -384,3 +384,33 @@ def test_gate_a_tie_on_distance_goes_to_more_levels():
     # → admissible: {4}, {5}, {4,5}; {4,5} is 0.35 exactly
     levels[0]["boxed_rate"] = 0.5
     assert mc.gate_a(levels)["mix"] == [4, 5]
+
+
+def test_recipe_checks_by_hand():
+    """Two training steps: pg_clipfrac [0, 0.001] → 1 step clips; |ppo_kl| max 3e-4; S2T would silence [0, 2] of
+    100 + 100 response tokens → 2 tokens, 1 step, share 0.01; kl_to_ref [0.01, 0.02]; probe 0.5 → 0.4 (a step-0
+    validation row without training keys is not a step but its probe value counts as the first)."""
+    from stapo.study.mechanism_claims import recipe_checks
+
+    rows = [{"step": 0, "probe/entropy": 0.5},
+            {"step": 1, "critic/score/mean": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": -3e-4,
+             "response_length/total_tokens": 100, "s2t/would_mask/num_masked": 0, "actor/kl_to_ref": 0.01},
+            {"step": 2, "critic/score/mean": 0.5, "actor/pg_clipfrac": 0.001, "actor/ppo_kl": 1e-4,
+             "response_length/total_tokens": 100, "s2t/would_mask/num_masked": 2, "actor/kl_to_ref": 0.02,
+             "probe/entropy": 0.4}]
+    c = recipe_checks(rows)
+    assert (c["steps"], c["clip_steps"], c["clipfrac_max"], c["ppo_kl_max_abs"]) == (2, 1, 0.001, 3e-4)
+    assert (c["silenced_key"], c["silenced"], c["silenced_steps"], c["silenced_share"]) == (
+        "s2t/would_mask/num_masked", 2.0, 1, 0.01)
+    assert (c["kl_to_ref_last"], c["kl_to_ref_max"], c["probe_first"], c["probe_last"]) == (0.02, 0.02, 0.5, 0.4)
+    # a STAPO run: its own silenced count wins over the would-mask diagnostic
+    stapo = [{**r, "actor/s2t/num_masked": 1} for r in rows[1:]]
+    assert (recipe_checks(stapo)["silenced_key"], recipe_checks(stapo)["silenced"]) == ("actor/s2t/num_masked", 2.0)
+
+
+def test_e3_after_a_passed_gate_without_forks_is_pending_not_a_verdict():
+    from stapo.study.mechanism_claims import e3
+
+    res = e3([], "pass")
+    assert (res["result"], res["partial"]) == ("pending", True)
+    assert e3([], "fail")["result"] == "not testable"

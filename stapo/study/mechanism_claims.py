@@ -37,8 +37,8 @@ import numpy as np
 from stapo.study.stats import block_bootstrap, detectable_effect, moving_average, t_band
 
 __all__ = ["MechanismClaimsError", "RunInfo", "read_run", "kind_from_machine_line", "check_pairable", "gate_a",
-           "series", "rise", "gate_b", "fork_checkpoint", "e2", "e3", "from_start", "evaluate", "render_md",
-           "main", "GROUPS"]
+           "series", "rise", "gate_b", "fork_checkpoint", "e2", "e3", "from_start", "recipe_checks", "evaluate",
+           "render_md", "main", "GROUPS"]
 
 # ---------------------------------------------------------------- the rules' constants (quoted in docs/study.md)
 #: Gate A passes iff some level's accuracy is at least this.
@@ -614,8 +614,8 @@ def e3(pairs: Sequence[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[
         out.update(result="pending" if gate == "pending" else "not testable",
                    reason=f"Gate B is {gate}: the forks are run only after a rise")
         return out
-    if not pairs:
-        out.update(result="not testable", reason="Gate B passed but no fork pair was given (--fork-pairs)")
+    if not pairs:  # the rules run the forks after a pass: none yet is an unfinished study, not a verdict
+        out.update(result="pending", reason="Gate B passed; no fork pair yet (--fork-pairs)", partial=True)
         return out
     for label, j_rows, s_rows in pairs:
         prim = _window_diff(j_rows, s_rows, PROBE_KEY)
@@ -660,6 +660,49 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
     return [int(p.name.split("_")[1]) for p in complete_checkpoints(run_dir / "checkpoints")]
 
 
+def _total(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[float, int, int]:
+    """(sum, steps with a value > 0, steps with a finite value) of ``key`` over ``rows``."""
+    vals = [float(r[key]) for r in rows if _finite(r.get(key))]
+    return float(sum(vals)), sum(v > 0 for v in vals), len(vals)
+
+
+def recipe_checks(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What the recipe did on a run (issue 32, item 3; descriptive, no verdict): does the PPO clip act, how many
+    tokens does S2T silence (or would it, on a JustRL run), how far the policy moved from the cold start.
+
+    Returns (None where the run logs no such key): ``steps`` (training rows), ``clip_steps`` (steps with
+    ``actor/pg_clipfrac`` > 0), ``clipfrac_max`` / ``clipfrac_mean``, ``ppo_kl_max_abs`` (max |``actor/ppo_kl``|),
+    ``response_tokens`` (Σ ``response_length/total_tokens``), ``silenced`` / ``silenced_steps`` (Σ and steps > 0 of
+    ``actor/s2t/num_masked`` when the run masks with S2T, else of ``s2t/would_mask/num_masked``, with ``silenced_key``
+    naming which), ``silenced_share`` (silenced / response tokens), ``kl_to_ref_last`` / ``kl_to_ref_max``
+    (``actor/kl_to_ref``, nats/token), ``probe_first`` / ``probe_last`` (``probe/entropy`` at the first and last
+    logged steps).
+
+    Example: two steps with pg_clipfrac [0, 0.001], would_mask [0, 2], 100 response tokens each → clip_steps 1,
+    silenced 2, silenced_share 0.01.
+    """
+    train = [r for r in rows if "critic/score/mean" in r]
+    out: dict[str, Any] = {"steps": len(train)}
+    clip = [float(r["actor/pg_clipfrac"]) for r in train if _finite(r.get("actor/pg_clipfrac"))]
+    out["clip_steps"] = sum(c > 0 for c in clip) if clip else None
+    out["clipfrac_max"] = max(clip) if clip else None
+    out["clipfrac_mean"] = float(np.mean(clip)) if clip else None
+    kl = [abs(float(r["actor/ppo_kl"])) for r in train if _finite(r.get("actor/ppo_kl"))]
+    out["ppo_kl_max_abs"] = max(kl) if kl else None
+    tokens, _, n_tok = _total(train, "response_length/total_tokens")
+    out["response_tokens"] = tokens if n_tok else None
+    key = "actor/s2t/num_masked" if any("actor/s2t/num_masked" in r for r in train) else "s2t/would_mask/num_masked"
+    silenced, silenced_steps, n_sil = _total(train, key)
+    out.update({"silenced_key": key if n_sil else None, "silenced": silenced if n_sil else None,
+                "silenced_steps": silenced_steps if n_sil else None,
+                "silenced_share": silenced / tokens if n_sil and tokens else None})
+    ref = [float(r["actor/kl_to_ref"]) for r in train if _finite(r.get("actor/kl_to_ref"))]
+    out["kl_to_ref_last"], out["kl_to_ref_max"] = (ref[-1], max(ref)) if ref else (None, None)
+    probe = [(int(r["step"]), float(r[PROBE_KEY])) for r in rows if _finite(r.get(PROBE_KEY))]
+    out["probe_first"], out["probe_last"] = (probe[0][1], probe[-1][1]) if probe else (None, None)
+    return out
+
+
 def evaluate(*, trunk: RunInfo | None, calibration: Sequence[Mapping[str, float]] | None = None,
              fork_pairs: Sequence[tuple[RunInfo, RunInfo]] = (), stapo_from_start: RunInfo | None = None,
              checkpoint_steps: Iterable[int] | None = None) -> dict[str, Any]:
@@ -670,11 +713,12 @@ def evaluate(*, trunk: RunInfo | None, calibration: Sequence[Mapping[str, float]
             objective (the trunk and the forks' first side: justrl; the forks' second side and the from-start run:
             stapo; checked where config.json says)."""
     out: dict[str, Any] = {"budget": budget_note(), "gate_a": gate_a(calibration) if calibration else None,
-                           "trunk": None, "gate_b": None, "e2": None, "e3": None, "from_start": None}
+                           "trunk": None, "gate_b": None, "e2": None, "e3": None, "from_start": None, "recipe": None}
     if trunk is None:
         return out
     _check_objective(trunk, "justrl", "trunk")
     out["trunk"] = _run_summary(trunk)
+    out["recipe"] = {trunk.path.name: recipe_checks(trunk.rows)}
     out["gate_b"] = gate_b(trunk.rows, finished=trunk.finished, checkpoint_steps=checkpoint_steps)
     out["e2"] = e2(trunk.rows)
     pairs = []
@@ -683,6 +727,7 @@ def evaluate(*, trunk: RunInfo | None, calibration: Sequence[Mapping[str, float]
         _check_objective(s, "stapo", "second run of a fork pair")
         check_pairable(j, s)
         pairs.append((f"{j.path.name} : {s.path.name}", j.rows, s.rows))
+        out["recipe"].update({j.path.name: recipe_checks(j.rows), s.path.name: recipe_checks(s.rows)})
     out["e3"] = e3(pairs, out["gate_b"]["result"], all_finished=all(r.finished for p in fork_pairs for r in p))
     out["e3"]["runs"] = [[_run_summary(j), _run_summary(s)] for j, s in fork_pairs]
     if stapo_from_start is not None:
@@ -833,6 +878,18 @@ def render_md(res: Mapping[str, Any]) -> str:
                              f"detectable effect {_f(s['mde'])}" + ("" if name.endswith("(primary)") else
                                                                    " (secondary: no verdict)"))
             lines.append("")
+    if res.get("recipe"):
+        lines += ["## What the recipe did (descriptive)", "",
+                  "| run | steps | steps with pg_clipfrac > 0 | max pg_clipfrac | max \\|ppo_kl\\| | silenced "
+                  "(S2T; JustRL: would be) | steps with one | share of response tokens | kl_to_ref last (max) | "
+                  "probe/entropy first → last |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, c in res["recipe"].items():
+            would = " (would)" if c["silenced_key"] == "s2t/would_mask/num_masked" else ""
+            lines.append(f"| {name} | {c['steps']} | {_f(c['clip_steps'])} | {_f(c['clipfrac_max'])} | "
+                         f"{_f(c['ppo_kl_max_abs'])} | {_f(c['silenced'])}{would} | {_f(c['silenced_steps'])} | "
+                         f"{_f(c['silenced_share'])} | {_f(c['kl_to_ref_last'])} ({_f(c['kl_to_ref_max'])}) | "
+                         f"{_f(c['probe_first'])} → {_f(c['probe_last'])} |")
+        lines.append("")
     fs = res.get("from_start")
     if not fs and gb and gb["result"] == "fail":
         lines += ["No STAPO-from-step-0 run was given (--stapo-from-start): the exploratory pairing is not reported.",
