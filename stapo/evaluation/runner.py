@@ -54,6 +54,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from stapo.run.console import use_progress_bars
 from stapo.tasks.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_set, resolve_data_root
 from stapo.tasks.synthetic import GENERATED_BENCHMARKS, generated_benchmark
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
@@ -900,16 +901,9 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
 
 
 def _bars(cfg: EvalConfig) -> bool:
-    """Whether to draw progress bars: ``logging.progress_bar`` (true / false; ``auto``: stdout and stderr are
-    terminals, the rule of :func:`stapo.run.console.use_progress_bars`, which this layer cannot import: console ->
-    train.summary -> evaluation)."""
-    setting = cfg.logging.progress_bar
-    if isinstance(setting, bool):
-        return setting
-    try:
-        return bool(sys.stdout.isatty() and sys.stderr.isatty())
-    except (AttributeError, ValueError):  # no isatty / a closed stream
-        return False
+    """Whether to draw progress bars: ``logging.progress_bar`` by train.py's rule
+    (:func:`stapo.run.console.use_progress_bars`: true / false, or ``auto``: stdout and stderr are terminals)."""
+    return use_progress_bars(cfg.logging.progress_bar)
 
 
 def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
