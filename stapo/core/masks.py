@@ -297,7 +297,9 @@ class MaskSpec:
         params: a dataclass whose fields are the mask's keyword parameters, with the paper's defaults (or None:
             no parameters). Its fields define the config keys (``config_keys``).
         maskable_rows: ``fn(advantages [B]) -> [B] bool`` — rows whose keep-mask may differ from their response
-            mask whatever p and H turn out to be (used by the trainer's ``actor.fused_forward``).
+            mask whatever p and H turn out to be (used by the trainer's ``actor.fused_forward``). Row-local: row
+            i's answer depends on Â_i alone (the fused path asks it about each rank's rows, and
+            :func:`check_mask_result` about each token's Â where the call has no rows).
         prefix: metric prefix of the mask's statistics (logged as ``actor/<prefix>/num_masked``...).
         config_keys: parameter name → dotted key of :class:`stapo.config.TrainConfig` it is read from. Default
             for a parameter: ``algorithm.masks.<name>.<param>``; the verl plugin reads the same key without
@@ -580,14 +582,26 @@ def maskable_rows(name: str, advantages: torch.Tensor) -> torch.Tensor:
 
 def check_mask_result(name: str, keep: Any, response_mask: torch.Tensor, advantages: torch.Tensor | None = None
                       ) -> None:
-    """The contract of a registered mask's output, checked on every mini-batch.
+    """The contract of a registered mask's output, checked once per mask call (by
+    :func:`stapo.core.objectives.compute_token_mask`, the one caller of a mask function).
 
-    ``keep`` must be a bool tensor of ``response_mask``'s shape [B, T] that keeps no padding; with ``advantages``
-    ([B], this rank's rows), rows outside the mask's ``maskable_rows`` rule must keep every response token (the
-    fused update back-propagates those rows before the mask is known).
+    ``keep`` must be a bool tensor of ``response_mask``'s shape [B, T] that keeps no padding; with ``advantages``,
+    rows outside the mask's ``maskable_rows`` rule must keep every response token (the fused update back-propagates
+    those rows before the mask is known). ``advantages`` [B] are the rows' Â; [B, T] token advantages (a call with
+    token advantages, e.g. the ranks' tokens as one row [1, N]) are judged token by token: the rule is row-local,
+    so a token whose Â its rule leaves untouched must be kept.
+
+    Args:
+        name: a registered mask name.
+        keep: the mask's keep-mask (anything: its type is part of the check).
+        response_mask: [B, T] bool (or 0/1).
+        advantages: [B] or [B, T] float, or None (only the form of ``keep`` is checked).
 
     Raises:
         stapo.common.registry.ExtensionError: one line naming the mask, what is wrong and the fix.
+        ValueError: ``advantages`` fit neither [B] nor [B, T].
+
+    Example: rule ``positive_advantage``, Â = [1, −1]: silencing a token of row 1 raises, of row 0 does not.
     """
     spec = get_mask_spec(name)
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != response_mask.shape:
@@ -600,12 +614,20 @@ def check_mask_result(name: str, keep: Any, response_mask: torch.Tensor, advanta
                              f"keep = response_mask & ... so only response tokens are kept")
     if advantages is None:
         return
-    fixed = ~spec.maskable_rows(advantages)  # [B] rows the rule promises to leave untouched
-    bad = fixed & (keep != mask).any(dim=1)  # [B]
+    if tuple(advantages.shape) not in ((mask.shape[0],), tuple(mask.shape)):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected [B] = ({mask.shape[0]},) or "
+                         f"[B, T] = {tuple(mask.shape)}")
+    if advantages.dim() == 2:  # token advantages: the row-local rule asked about each token's Â
+        broken = ~spec.maskable_rows(advantages.reshape(-1)).view(advantages.shape) & mask & ~keep  # [B, T]
+        bad = broken.any(dim=1)  # [B] rows with a silenced token the rule leaves untouched
+    else:
+        broken = None
+        bad = ~spec.maskable_rows(advantages) & (keep != mask).any(dim=1)  # [B] untouchable rows that were touched
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
+        adv = advantages[row] if broken is None else advantages[row, int(broken[row].nonzero()[0])]
         raise ExtensionError(f"token mask {name!r} silenced tokens of {int(bad.sum())} row(s) its maskable_rows rule "
                              f"{spec.rule_name!r} leaves untouched (e.g. row {row}, advantage "
-                             f"{float(advantages[row]):.4g}); register it with maskable_rows='all' or a rule that "
+                             f"{float(adv):.4g}); register it with maskable_rows='all' or a rule that "
                              f"includes those rows")
 
