@@ -445,13 +445,9 @@ def aggregate_loss(
     """
     keep = as_bool_mask(keep, "keep")
     check_same_shape("loss_mat", loss_mat, keep=keep)
-    _check_denominator(denominator)
-    return _aggregate(loss_mat, keep, loss_agg_mode, denominator)
-
-
-def _check_denominator(denominator: float | torch.Tensor) -> None:
     if float(denominator) <= 0:
         raise ValueError(f"loss denominator must be > 0, got {float(denominator)}")
+    return _aggregate(loss_mat, keep, loss_agg_mode, denominator)
 
 
 def _aggregate(loss_mat: torch.Tensor, keep: torch.Tensor, loss_agg_mode: str,
@@ -543,7 +539,8 @@ def policy_loss(
     _check_policy_loss_output(objective.policy_loss, out, keep)
     pg_mat, flags = out  # [B, T] each
     check_same_shape("logprobs", logprobs, keep=keep)
-    _check_denominator(denominator)
+    if float(denominator) <= 0:
+        raise ValueError(f"loss denominator must be > 0, got {float(denominator)}")
     pg_loss = _aggregate(pg_mat, keep, objective.loss_agg_mode, denominator)
     loss = pg_loss
     metrics: dict[str, float] = {"actor/pg_loss": pg_loss.item()}
