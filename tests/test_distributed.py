@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from stapo.core.minibatch import minibatch_loss_denominator
 from stapo.model import distributed as dist
 from stapo.config import ConfigError, load_config
 
@@ -286,9 +287,9 @@ def _helpers_worker(rank: int, store: str, out_dir: str) -> None:
         # rank 0: 2 rows, 2 kept tokens in row 0; rank 1: 1 row, 1 kept token
         keep = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool) if rank == 0 else torch.tensor([[1, 0, 0]],
                                                                                                      dtype=torch.bool)
-        res["denoms"] = [dist.minibatch_loss_denominator(keep, mode, ctx, max_response_length=10)
+        res["denoms"] = [minibatch_loss_denominator(keep, mode, max_response_length=10)
                          for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")]
-        res["empty"] = dist.minibatch_loss_denominator(torch.zeros(1, 2, dtype=torch.bool), "token-mean", ctx)
+        res["empty"] = minibatch_loss_denominator(torch.zeros(1, 2, dtype=torch.bool), "token-mean")
         res["max"] = dist.all_reduce({"a": float(rank), "b": 5.0 - rank}, ctx, op="max")
         res["sum"] = dist.all_reduce({"a": float(rank + 1)}, ctx)
         # rows: rank 0 has B=2, R=1; rank 1 has B=1, R=2

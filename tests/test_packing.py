@@ -225,11 +225,12 @@ def test_padding_free_token_budget_steps_give_the_padded_masks_denominators_and_
     step) with the default padded, fixed-row micro-batches, with trailing padding + a token budget, and packed + a
     token budget + the fused forward path (its deferred rows) + the fused LM head: the same kept-token denominators
     (computed from the mask alone), the same masks and metrics, and the same weights up to float rounding."""
-    import stapo.model.distributed as dist
+    import stapo.train.update as update
 
     denoms: list[float] = []
-    inner = dist.rank_loss_denominator
-    monkeypatch.setattr(dist, "rank_loss_denominator", lambda *a, **k: denoms.append(inner(*a, **k)) or denoms[-1])
+    inner = update.minibatch_loss_denominator
+    monkeypatch.setattr(update, "minibatch_loss_denominator",
+                        lambda *a, **k: denoms.append(inner(*a, **k)) or denoms[-1])
     budget = ["actor.use_remove_padding=true", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=150"]
     variants = {"padded": [], "trailing": budget,
                 "packed": [*budget, "actor.fused_forward=true", "actor.lm_head=fused"]}

@@ -342,7 +342,8 @@ def test_a_mask_registered_in_a_test_file_trains_from_the_config_path(tmp_path, 
     class FirstKParams:
         k: int = 1
 
-    @register_token_mask("test_first_k", params=FirstKParams, maskable_rows="positive_advantage", prefix="first_k")
+    @register_token_mask("test_first_k", params=FirstKParams, maskable_rows="positive_advantage", reads_rows=True,
+                         prefix="first_k")
     def first_k(logprobs, entropy, advantages, response_mask, *, k=1):
         """Silence the first k response tokens of every Â > 0 response."""
         pos = response_mask.long().cumsum(dim=1)  # [B, T] 1-based position among the response tokens

@@ -15,7 +15,8 @@ Registry ``MASKS`` (name → :class:`MaskSpec`): pure functions with the common 
   ``"s2t_random"`` random candidates at S2T's count, ``"full_low_prob"`` every candidate (JustRL-FullMask).
 
 A mask is registered once, with :func:`register_token_mask`: its function, its parameter dataclass (which defines
-its config keys), its "which rows can it touch" rule and its metric prefix (:class:`MaskSpec`, :data:`MASKS`).
+its config keys), its "which rows can it touch" rule, whether it reads the row structure (the layout rule,
+:attr:`MaskSpec.reads_rows`) and its metric prefix (:class:`MaskSpec`, :data:`MASKS`).
 """
 from __future__ import annotations
 
@@ -308,7 +309,9 @@ class MaskSpec:
         params: a dataclass whose fields are the mask's keyword parameters, with the paper's defaults (or None:
             no parameters). Its fields define the config keys (``config_keys``).
         maskable_rows: ``fn(advantages [B]) -> [B] bool`` — rows whose keep-mask may differ from their response
-            mask whatever p and H turn out to be (used by the trainer's ``actor.fused_forward``).
+            mask whatever p and H turn out to be (used by the trainer's ``actor.fused_forward``). Row-local: row
+            i's answer depends on Â_i alone (the fused path asks it about each rank's rows, and
+            :func:`check_mask_result` about each token's Â where the call has no rows).
         prefix: metric prefix of the mask's statistics (logged as ``actor/<prefix>/num_masked``...).
         config_keys: parameter name → dotted key of :class:`stapo.config.TrainConfig` it is read from. Default
             for a parameter: ``algorithm.masks.<name>.<param>``; the verl plugin reads the same key without
@@ -317,6 +320,14 @@ class MaskSpec:
         needs_stats: the mask reads log p / H (False for ``none``: no statistics pass is needed).
         silences: the mask silences a few tokens (S2T-like) rather than keeping a subset; the trainer's examples
             table then shows the tokens it silenced (else the tokens S2T would silence).
+        reads_rows: the layout rule (docs/extending.md#the-layout-rule). True (the default): the mask may read
+            the row structure (a token's row, its position in it, per-row counts), so it is always called on the
+            mini-batch's rows [rows, T] — under data parallelism the ranks' rows are gathered, padded to a common
+            T, in rank order (:func:`stapo.core.minibatch.minibatch_token_mask`). False: the mask declares that its
+            keep-mask and statistics depend only on the response tokens' statistics in row-major order, not on the
+            rows, the padding or T; under data parallelism it is then called on the ranks' response tokens
+            concatenated into ONE row [1, N] (12 bytes per token instead of 16 per padded position). Every
+            built-in mask declares False; tests/test_dp_mask.py checks each registered mask's declaration.
     """
 
     name: str
@@ -327,6 +338,7 @@ class MaskSpec:
     config_keys: dict[str, str]
     needs_stats: bool = True
     silences: bool = True
+    reads_rows: bool = True
 
     def default_params(self) -> dict[str, Any]:
         """The parameters' defaults as a dict (``{}`` without a params dataclass)."""
@@ -387,8 +399,9 @@ def register_token_mask(
     config_keys: dict[str, str] | None = None,
     needs_stats: bool = True,
     silences: bool = True,
+    reads_rows: bool = True,
 ) -> Callable[[TokenMaskFn], TokenMaskFn]:
-    """Decorator: register a mask function under ``name`` with its parameters, row rule and metric prefix.
+    """Decorator: register a mask function under ``name`` with its parameters, row rule, layout rule and metric prefix.
 
     Args:
         name: registry key; a duplicate raises ``ValueError``.
@@ -397,6 +410,13 @@ def register_token_mask(
         prefix: metric prefix (default ``name``).
         config_keys: parameter → dotted config key, for parameters not under ``algorithm.masks.<name>``.
         needs_stats, silences: see :class:`MaskSpec`.
+        reads_rows: the layout rule (:attr:`MaskSpec.reads_rows`): True (default) — the mask may read the row
+            structure and is always called on the mini-batch's rows; False — its result depends only on the
+            response tokens in row-major order, so data-parallel ranks may hand it their tokens as one row [1, N].
+
+    Raises:
+        ValueError: an unknown ``maskable_rows`` rule, a taken metric prefix, a ``config_keys`` entry that is not a
+            field of ``params``, or (when decorating) a name already registered.
 
     Example::
 
@@ -404,11 +424,11 @@ def register_token_mask(
         class MyParams:
             prob_threshold: float = 0.002
 
-        @register_token_mask("my_mask", params=MyParams, maskable_rows="positive_advantage")
+        @register_token_mask("my_mask", params=MyParams, maskable_rows="positive_advantage", reads_rows=False)
         def my_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold=0.002) -> TokenMask: ...
 
     registers ``my_mask`` with the config key ``algorithm.masks.my_mask.prob_threshold`` and metrics
-    ``actor/my_mask/...``.
+    ``actor/my_mask/...``; it declares that it reads no row structure (a per-token threshold).
     """
     if isinstance(maskable_rows, str) and maskable_rows not in _ROW_RULES:
         raise ValueError(f"token mask {name!r}: unknown maskable_rows rule {maskable_rows!r}; use one of "
@@ -429,7 +449,7 @@ def register_token_mask(
                              f"dataclass (fields: {', '.join(fields) or 'none'})")
         keys = {f: (config_keys or {}).get(f, f"algorithm.masks.{name}.{f}") for f in fields}
         MASKS[name] = MaskSpec(name=name, fn=fn, params=params, maskable_rows=rule, prefix=pre,
-                               config_keys=keys, needs_stats=needs_stats, silences=silences)
+                               config_keys=keys, needs_stats=needs_stats, silences=silences, reads_rows=reads_rows)
         return fn
 
     return deco
@@ -458,15 +478,19 @@ class TopEntropyParams:
 
 
 _S2T_KEYS = {k: f"algorithm.s2t.{k}" for k in ("prob_threshold", "entropy_quantile", "quantile_scope")}
-register_token_mask("none", maskable_rows="none", needs_stats=False, silences=False)(no_mask)
-register_token_mask("s2t", params=S2TParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS)(s2t_mask)
+# the layout rule: every built-in mask reads the response tokens in row-major order, never the rows (reads_rows=False)
+register_token_mask("none", maskable_rows="none", needs_stats=False, silences=False, reads_rows=False)(no_mask)
+register_token_mask("s2t", params=S2TParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS,
+                    reads_rows=False)(s2t_mask)
 register_token_mask("top_entropy", params=TopEntropyParams, maskable_rows="all",
-                    config_keys={"ratio": "algorithm.top_entropy_ratio"}, silences=False)(top_entropy_mask)
+                    config_keys={"ratio": "algorithm.top_entropy_ratio"}, silences=False,
+                    reads_rows=False)(top_entropy_mask)
 
 
 
 # --- the paper's ablations of S2T (each a registered mask; objectives in stapo.core.objectives) ---------------------
-@register_token_mask("s2t_high_entropy", params=S2TParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS)
+@register_token_mask("s2t_high_entropy", params=S2TParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS,
+                     reads_rows=False)
 def s2t_high_entropy_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = PROB_THRESHOLD,
                           entropy_quantile: float = ENTROPY_QUANTILE,
                           quantile_scope: QuantileScope = QUANTILE_SCOPE) -> TokenMask:
@@ -495,7 +519,8 @@ class S2TRandomParams(S2TParams):
     seed: int = 0
 
 
-@register_token_mask("s2t_random", params=S2TRandomParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS)
+@register_token_mask("s2t_random", params=S2TRandomParams, maskable_rows="positive_advantage", config_keys=_S2T_KEYS,
+                     reads_rows=False)
 def s2t_random_mask(logprobs, entropy, advantages, response_mask, *, prob_threshold: float = PROB_THRESHOLD,
                     entropy_quantile: float = ENTROPY_QUANTILE, quantile_scope: QuantileScope = QUANTILE_SCOPE,
                     seed: int = 0) -> TokenMask:
@@ -535,7 +560,7 @@ class FullLowProbParams:
 
 
 @register_token_mask("full_low_prob", params=FullLowProbParams, maskable_rows="positive_advantage",
-                     config_keys={"prob_threshold": "algorithm.s2t.prob_threshold"})
+                     config_keys={"prob_threshold": "algorithm.s2t.prob_threshold"}, reads_rows=False)
 def full_low_prob_mask(logprobs, entropy, advantages, response_mask, *,
                        prob_threshold: float = PROB_THRESHOLD) -> TokenMask:
     """Ablation "JustRL-FullMask": silence EVERY low-probability token of the correct responses — all S2T candidates
@@ -594,14 +619,26 @@ def maskable_rows(name: str, advantages: torch.Tensor) -> torch.Tensor:
 
 def check_mask_result(name: str, keep: Any, response_mask: torch.Tensor, advantages: torch.Tensor | None = None
                       ) -> None:
-    """The contract of a registered mask's output, checked on every mini-batch.
+    """The contract of a registered mask's output, checked once per mask call (by
+    :func:`stapo.core.objectives.compute_token_mask`, the one caller of a mask function).
 
-    ``keep`` must be a bool tensor of ``response_mask``'s shape [B, T] that keeps no padding; with ``advantages``
-    ([B], this rank's rows), rows outside the mask's ``maskable_rows`` rule must keep every response token (the
-    fused update back-propagates those rows before the mask is known).
+    ``keep`` must be a bool tensor of ``response_mask``'s shape [B, T] that keeps no padding; with ``advantages``,
+    rows outside the mask's ``maskable_rows`` rule must keep every response token (the fused update back-propagates
+    those rows before the mask is known). ``advantages`` [B] are the rows' Â; [B, T] token advantages (a call with
+    token advantages, e.g. the ranks' tokens as one row [1, N]) are judged token by token: the rule is row-local,
+    so a token whose Â its rule leaves untouched must be kept.
+
+    Args:
+        name: a registered mask name.
+        keep: the mask's keep-mask (anything: its type is part of the check).
+        response_mask: [B, T] bool (or 0/1).
+        advantages: [B] or [B, T] float, or None (only the form of ``keep`` is checked).
 
     Raises:
         stapo.common.registry.ExtensionError: one line naming the mask, what is wrong and the fix.
+        ValueError: ``advantages`` fit neither [B] nor [B, T].
+
+    Example: rule ``positive_advantage``, Â = [1, −1]: silencing a token of row 1 raises, of row 0 does not.
     """
     spec = get_mask_spec(name)
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != response_mask.shape:
@@ -614,12 +651,20 @@ def check_mask_result(name: str, keep: Any, response_mask: torch.Tensor, advanta
                              f"keep = response_mask & ... so only response tokens are kept")
     if advantages is None:
         return
-    fixed = ~spec.maskable_rows(advantages)  # [B] rows the rule promises to leave untouched
-    bad = fixed & (keep != mask).any(dim=1)  # [B]
+    if tuple(advantages.shape) not in ((mask.shape[0],), tuple(mask.shape)):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected [B] = ({mask.shape[0]},) or "
+                         f"[B, T] = {tuple(mask.shape)}")
+    if advantages.dim() == 2:  # token advantages: the row-local rule asked about each token's Â
+        broken = ~spec.maskable_rows(advantages.reshape(-1)).view(advantages.shape) & mask & ~keep  # [B, T]
+        bad = broken.any(dim=1)  # [B] rows with a silenced token the rule leaves untouched
+    else:
+        broken = None
+        bad = ~spec.maskable_rows(advantages) & (keep != mask).any(dim=1)  # [B] untouchable rows that were touched
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
+        adv = advantages[row] if broken is None else advantages[row, int(broken[row].nonzero()[0])]
         raise ExtensionError(f"token mask {name!r} silenced tokens of {int(bad.sum())} row(s) its maskable_rows rule "
                              f"{spec.rule_name!r} leaves untouched (e.g. row {row}, advantage "
-                             f"{float(advantages[row]):.4g}); register it with maskable_rows='all' or a rule that "
+                             f"{float(adv):.4g}); register it with maskable_rows='all' or a rule that "
                              f"includes those rows")
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, get_args
+from typing import Any, Callable, Literal, Mapping, NamedTuple, get_args
 
 import torch
 
@@ -56,6 +56,7 @@ __all__ = [
     "get_policy_loss",
     "clipped_surrogate",
     "kl_k3",
+    "KeptCounts",
     "loss_denominator",
     "aggregate_loss",
     "compute_token_mask",
@@ -356,22 +357,40 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return (torch.exp(d) - d - 1.0).clamp(-_KL_CLAMP, _KL_CLAMP)
 
 
+class KeptCounts(NamedTuple):
+    """What the loss denominators read from a keep-mask: kept tokens N and sequences S with ≥ 1 kept token.
+
+    Counts add up over the parts of a mini-batch (micro-batches, data-parallel ranks), which is how
+    :func:`stapo.core.minibatch.minibatch_loss_denominator` sums them over the ranks before
+    :func:`loss_denominator`. Example: keep [[1, 1, 0], [0, 0, 0]] → ``KeptCounts(tokens=2, sequences=1)``.
+    """
+
+    tokens: int
+    sequences: int
+
+    @classmethod
+    def of(cls, keep: torch.Tensor) -> "KeptCounts":
+        """The counts of a [B, T] bool (or integer 0/1) keep-mask. Raises TypeError / ValueError: not a mask."""
+        keep = as_bool_mask(keep, "keep")
+        return cls(int(keep.sum()), int(keep.any(dim=-1).sum()))
+
+
 def loss_denominator(
-    keep: torch.Tensor,
+    keep: torch.Tensor | KeptCounts,
     loss_agg_mode: LossAggMode,
     *,
     max_response_length: int | None = None,
 ) -> float:
     """The denominator of a mini-batch's loss, from the keep-mask of the WHOLE mini-batch
-    (docs/method.md#loss-aggregation).
+    (docs/method.md#loss-aggregation): the one-process formula.
 
     - ``token-mean``: N = number of kept tokens (clamped ≥ 1).
     - ``seq-mean-token-mean``: S = number of sequences with ≥ 1 kept token (clamped ≥ 1).
     - ``seq-mean-token-sum-norm`` (Dr. GRPO): S · L, with L = ``max_response_length`` (a constant).
 
     Args:
-        keep: [B, T] bool (or integer 0/1) keep-mask of the whole mini-batch (all micro-batches, all ranks'
-            share if the caller has already reduced it).
+        keep: [B, T] bool (or integer 0/1) keep-mask of the whole mini-batch, or its :class:`KeptCounts` (those
+            of every data-parallel rank summed: :func:`stapo.core.minibatch.minibatch_loss_denominator`).
         loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
         max_response_length: L, required for ``seq-mean-token-sum-norm``.
 
@@ -380,11 +399,14 @@ def loss_denominator(
 
     Raises:
         ValueError: unknown mode, or a missing/invalid ``max_response_length``.
+
+    Example: keep [[1, 1, 0], [0, 0, 0]] → token-mean 2.0, seq-mean-token-mean 1.0, seq-mean-token-sum-norm with
+    L = 10 → 10.0; an all-False keep → 1.0 (clamped).
     """
-    keep = as_bool_mask(keep, "keep")
+    counts = keep if isinstance(keep, KeptCounts) else KeptCounts.of(keep)
     if loss_agg_mode == "token-mean":
-        return float(max(int(keep.sum()), 1))
-    num_seqs = max(int(keep.any(dim=-1).sum()), 1)
+        return float(max(counts.tokens, 1))
+    num_seqs = max(counts.sequences, 1)
     if loss_agg_mode == "seq-mean-token-mean":
         return float(num_seqs)
     if loss_agg_mode == "seq-mean-token-sum-norm":
@@ -418,11 +440,20 @@ def aggregate_loss(
 
     Returns:
         0-dim fp32 tensor.
+
+    Raises:
+        TypeError / ValueError: ``keep`` is not a mask, shapes disagree, ``denominator`` ≤ 0, unknown mode.
     """
     keep = as_bool_mask(keep, "keep")
     check_same_shape("loss_mat", loss_mat, keep=keep)
     if float(denominator) <= 0:
         raise ValueError(f"loss denominator must be > 0, got {float(denominator)}")
+    return _aggregate(loss_mat, keep, loss_agg_mode, denominator)
+
+
+def _aggregate(loss_mat: torch.Tensor, keep: torch.Tensor, loss_agg_mode: str,
+               denominator: float | torch.Tensor) -> torch.Tensor:
+    """:func:`aggregate_loss` of a checked ``keep`` ([B, T] bool, ``loss_mat``'s shape) and denominator (> 0)."""
     zero = torch.zeros((), dtype=torch.float32, device=loss_mat.device)
     kept_loss = torch.where(keep, loss_mat.float(), zero)  # [B, T]
     if loss_agg_mode in ("token-mean", "seq-mean-token-sum-norm"):
@@ -441,15 +472,31 @@ def compute_token_mask(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
 ) -> TokenMask:
-    """Apply the objective's token mask to the statistics of a whole mini-batch (all [B, T] or [B] for Â).
+    """Apply the objective's token mask to the statistics of a whole mini-batch in one process: the one call of a
+    registered mask function, and the one check of its result (:func:`stapo.core.masks.check_mask_result`: a bool
+    keep of the response mask's shape, no padding kept, no token silenced that the ``maskable_rows`` rule leaves
+    untouched). Over data-parallel ranks, :func:`stapo.core.minibatch.minibatch_token_mask` gathers the
+    mini-batch and calls this.
 
-    Statistics come back under their metric keys ``actor/<mask prefix>/<stat>`` (:func:`stapo.core.metric_names.
-    mask_stat_key`: ``actor/s2t/num_masked``, ``actor/top_entropy/kept_frac``...), the same in the native trainer and
-    the verl plugin (docs/metrics.md).
+    Args:
+        objective: an :class:`Objective` (its ``token_mask`` and ``mask_params``).
+        logprobs, entropy: [B, T] float (nats).
+        advantages: [B] per-row or [B, T] per-token Â.
+        response_mask: [B, T] bool (or 0/1).
+
+    Returns:
+        :class:`stapo.core.masks.TokenMask`: ``keep`` [B, T] bool, ``num_kept`` = its sum, and the statistics under
+        their metric keys ``actor/<mask prefix>/<stat>`` (:func:`stapo.core.metric_names.mask_stat_key`:
+        ``actor/s2t/num_masked``, ``actor/top_entropy/kept_frac``...), the same in the native trainer and the verl
+        plugin (docs/metrics.md).
+
+    Raises:
+        stapo.common.registry.ExtensionError: the mask broke its contract. ValueError / TypeError: from the mask
+        function (shapes, NaN entropy, parameters).
     """
     spec = get_mask_spec(objective.token_mask)
     tm = spec.fn(logprobs, entropy, advantages, response_mask, **objective.mask_params)
-    check_mask_result(spec.name, getattr(tm, "keep", tm), response_mask)  # bool, its shape, no padding kept
+    check_mask_result(spec.name, getattr(tm, "keep", tm), response_mask, advantages)
     stats = {mask_stat_key(spec.prefix, k): v for k, v in tm.stats.items()}
     return TokenMask(keep=tm.keep, stats=stats, num_kept=int(tm.keep.sum()))
 
@@ -485,14 +532,17 @@ def policy_loss(
         and, with a reference policy, ``actor/kl_loss`` and ``actor/kl_coef``.
 
     Raises:
-        ValueError: shapes disagree, or ``ref_logprobs`` is missing while β > 0.
+        ValueError: shapes disagree, ``denominator`` ≤ 0, or ``ref_logprobs`` is missing while β > 0.
+        stapo.common.registry.ExtensionError: the loss formula returned the wrong output.
     """
-    keep = as_bool_mask(keep, "keep")
+    keep = as_bool_mask(keep, "keep")  # keep, the formula's output and the denominator are checked once, here
     out = get_policy_loss(objective.policy_loss)(logprobs, old_logprobs, advantages, keep, objective)
     _check_policy_loss_output(objective.policy_loss, out, keep)
     pg_mat, flags = out  # [B, T] each
     check_same_shape("logprobs", logprobs, keep=keep)
-    pg_loss = aggregate_loss(pg_mat, keep, objective.loss_agg_mode, denominator)
+    if float(denominator) <= 0:
+        raise ValueError(f"loss denominator must be > 0, got {float(denominator)}")
+    pg_loss = _aggregate(pg_mat, keep, objective.loss_agg_mode, denominator)
     loss = pg_loss
     metrics: dict[str, float] = {"actor/pg_loss": pg_loss.item()}
     for name in ("pg_clipfrac", "pg_clipfrac_lower"):
@@ -505,7 +555,7 @@ def policy_loss(
         if ref_logprobs is None:
             raise ValueError(f"objective {objective.name!r} has kl_coef={objective.kl_coef} > 0 "
                              "but no ref_logprobs were given")
-        kl_loss = aggregate_loss(kl_k3(logprobs, ref_logprobs), keep, objective.loss_agg_mode, denominator)
+        kl_loss = _aggregate(kl_k3(logprobs, ref_logprobs), keep, objective.loss_agg_mode, denominator)
         loss = loss + objective.kl_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.item()
         metrics["actor/kl_coef"] = objective.kl_coef

@@ -49,9 +49,10 @@ So, per optimizer mini-batch, on every data-parallel rank, the hook (:func:`_sta
 2. all-gathers (log p, H, Â) of the response tokens of all ranks of the data-parallel group
    (``engine.get_data_parallel_group()``; 12 bytes per token, ≈ 25–95 MB per mini-batch for the paper's
    512 responses × 4k–15k tokens) and applies OUR mask function once to the concatenation
-   (:func:`stapo.core.minibatch.minibatch_token_mask`) — every rank computes the same global mask: the
-   same τ_h over the global candidate set, the same top-k with the same tie-break (rank-major, then row-major
-   order); a rank with no candidates is fine;
+   (:func:`stapo.core.minibatch.minibatch_token_mask`, the trainer's entry point too) — every rank computes the
+   same global mask: the same τ_h over the global candidate set, the same top-k with the same tie-break
+   (rank-major, then row-major order); a rank with no candidates is fine. A registered mask that reads rows
+   (``reads_rows=True``, docs/extending.md#the-layout-rule) gets the ranks' rows, padded to a common length, instead;
 3. gets N = the number of kept tokens of the whole mini-batch from that global mask (no extra all-reduce);
 4. stores this rank's keep-mask as a per-sample field ``stapo_keep`` of the mini-batch TensorDict (in the
    layout of ``response_mask``: padded in the v0 trainer, jagged in the v1 TransferQueue trainer), so that

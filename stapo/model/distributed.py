@@ -6,7 +6,7 @@ mini-batch-global).
 Each of the N ranks rolls out its share of the step's prompts, computes rewards, GRPO advantages (a group never
 straddles ranks) and the old-policy pass for its rows; the token mask and the kept-token denominator are
 computed over the WHOLE mini-batch (:func:`stapo.core.minibatch.minibatch_token_mask`,
-:func:`minibatch_loss_denominator`); every logged metric is reduced over the ranks.
+:func:`stapo.core.minibatch.minibatch_loss_denominator`); every logged metric is reduced over the ranks.
 
 Policy wrapping (``trainer.data_parallel``):
 
@@ -66,14 +66,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from stapo.core.minibatch import all_gather_varlen, minibatch_token_mask
-from stapo.core.objectives import compute_token_mask
+from stapo.core.minibatch import all_gather_varlen
 
 __all__ = [
     "DistContext", "init_distributed", "teardown", "check_dp_config", "shard_prompt_indices",
-    "wrap_policy", "average_gradients", "minibatch_loss_denominator", "all_reduce", "all_gather_rows",
-    "merge_stats", "load_full_state", "local_prompts", "minibatch_mask", "rank_loss_denominator",
-    "sum_loss_shares", "sum_reward_stats", "feed_collective", "check_same_state_dict",
+    "wrap_policy", "average_gradients", "all_reduce", "all_gather_rows", "merge_stats", "load_full_state",
+    "local_prompts", "sum_loss_shares", "sum_reward_stats", "feed_collective", "check_same_state_dict",
     "iter_full_state_dict", "full_tensor", "barrier", "sharded_state_dict", "save_sharded_state",
     "load_sharded_state", "build_on_rank0", "wrap_from_rank0", "start_up_host_bytes",
 ]
@@ -299,41 +297,6 @@ def all_reduce(values: dict[str, float], ctx: DistContext, op: str = "sum") -> d
     return {k: float(v) for k, v in zip(keys, t.tolist())}
 
 
-def minibatch_loss_denominator(keep: torch.Tensor, loss_agg_mode: str, ctx: DistContext, *,
-                               max_response_length: int | None = None) -> float:
-    """:func:`stapo.core.objectives.loss_denominator` of the whole mini-batch from this rank's keep-mask share.
-
-    token-mean: N = Σ_ranks kept tokens; seq-mean-token-mean: S = Σ_ranks sequences with a kept token;
-    seq-mean-token-sum-norm: S · L. Clamped ≥ 1 AFTER the reduction (as the one-process value). Collective.
-
-    Args:
-        keep: [b, T] bool, this rank's rows of the mini-batch.
-
-    Raises:
-        ValueError: unknown mode, or a missing ``max_response_length`` for seq-mean-token-sum-norm.
-    """
-    from stapo.core.objectives import loss_denominator
-
-    if not ctx.enabled:
-        return loss_denominator(keep, loss_agg_mode, max_response_length=max_response_length)
-    if loss_agg_mode == "token-mean":
-        local = float(keep.sum())
-    else:
-        local = float(keep.bool().any(dim=-1).sum())
-        loss_denominator(keep, loss_agg_mode, max_response_length=max_response_length)  # validates mode / L
-    total = max(all_reduce({"n": local}, ctx)["n"], 1.0)
-    return total * max_response_length if loss_agg_mode == "seq-mean-token-sum-norm" else total
-
-
-def rank_loss_denominator(keep: torch.Tensor, loss_agg_mode: str, ctx: DistContext, *,
-                          max_response_length: int | None = None) -> float:
-    """The denominator each rank divides its loss share by: N / W, N = :func:`minibatch_loss_denominator` of the
-    whole mini-batch. Ranks' gradients are averaged (FSDP2 / :func:`average_gradients`), so the update is
-    Σ ∇ℓ / N. W = 1: N. Collective. ``keep``: [b, T] bool, this rank's rows."""
-    total = minibatch_loss_denominator(keep, loss_agg_mode, ctx, max_response_length=max_response_length)
-    return total / ctx.world
-
-
 def sum_loss_shares(shares: dict[str, float], ctx: DistContext) -> dict[str, float]:
     """The mini-batch loss from every rank's share (each computed with denominator N / W): Σ_ranks / W.
     W = 1: ``shares`` unchanged. Collective."""
@@ -349,21 +312,6 @@ def local_prompts(prompts: list, mini_batch_size: int, ctx: DistContext) -> tupl
         return prompts, None
     idx = shard_prompt_indices(len(prompts), mini_batch_size, ctx.world, ctx.rank)
     return [prompts[i] for i in idx], idx
-
-
-def minibatch_mask(objective: Any, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
-                   response_mask: torch.Tensor, ctx: DistContext):
-    """The objective's token mask of the whole mini-batch → :class:`stapo.core.masks.TokenMask` (``keep`` [n, R] bool on
-    the CPU for this rank's rows, ``stats`` and ``num_kept`` mini-batch-global).
-
-    Inputs are this rank's rows: ``logprobs``, ``entropy`` [n, R] fp32, ``advantages`` [n], ``response_mask``
-    [n, R]. W = 1: :func:`stapo.core.objectives.compute_token_mask`; W > 1: :func:`stapo.core.minibatch.minibatch_token_mask`
-    (an all-gather of 12 bytes per response token). Collective."""
-    if not ctx.enabled:
-        return compute_token_mask(objective, logprobs, entropy, advantages, response_mask)
-    dev = ctx.comm_device
-    tm = minibatch_token_mask(objective, logprobs.to(dev), entropy.to(dev), advantages.to(dev), response_mask.to(dev))
-    return dataclasses.replace(tm, keep=tm.keep.cpu())
 
 
 def sum_reward_stats(stats: Any, ctx: DistContext) -> Any:

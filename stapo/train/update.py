@@ -11,8 +11,9 @@ optimizer step. An optimizer step whose loss or gradient norm is not finite is s
 moments stay as they were), counted in ``actor/nonfinite_grad_steps`` and in :attr:`PolicyUpdate.nonfinite_in_a_row`
 (the trainer stops a run that cannot learn: ``trainer.stop_after_nonfinite_steps``). With the fused path
 (``stats="own_forward"``) the micro-batch losses are sums (denominator 1) and the gradient is divided by N once
-the mask is known — the same gradient by linearity. Data-parallel pieces are the ``stapo.model.distributed`` helpers;
-each is the one-process computation when W = 1.
+the mask is known — the same gradient by linearity. The mask and the denominator of the whole mini-batch are
+:func:`stapo.core.minibatch.minibatch_token_mask` and :func:`stapo.core.minibatch.minibatch_loss_denominator`, the
+other data-parallel pieces ``stapo.model.distributed`` helpers; each is the one-process computation when W = 1.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import Any, Callable
 import torch
 
 from stapo.model import distributed as dist
-from stapo.core.masks import TokenMask, check_mask_result
+from stapo.core.masks import TokenMask
+from stapo.core.minibatch import minibatch_loss_denominator, minibatch_token_mask
 from stapo.core.objectives import Objective, policy_loss
 from stapo.model.precision import PrecisionPolicy
 from stapo.core.token_stats import TokenStats
@@ -123,12 +125,6 @@ class PolicyUpdate:
             progress(phase)
         return out
 
-    def token_mask(self, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
-                   response_mask: torch.Tensor) -> TokenMask:
-        """The objective's mask of the whole mini-batch ([n, R] this rank's rows; [n] Â) — mini-batch-global
-        under torchrun (:func:`stapo.model.distributed.minibatch_mask`)."""
-        return dist.minibatch_mask(self.objective, logprobs, entropy, advantages, response_mask, self.ctx)
-
     # --- the update ------------------------------------------------------------------------------------------
     def run(self, plan: UpdatePlan, rollout: Rollout, old: TokenStats, ref_logprobs: torch.Tensor | None,
             progress: Progress = _no_progress) -> UpdateResult:
@@ -144,8 +140,8 @@ class PolicyUpdate:
             progress: called after every forward.
 
         Raises:
-            stapo.common.registry.ExtensionError: the mask broke its contract (:func:`stapo.core.masks.check_mask_result`),
-                or the loss formula returned the wrong output.
+            stapo.common.registry.ExtensionError: the mask broke its contract (checked once per mini-batch by
+                :func:`stapo.core.masks.check_mask_result`), or the loss formula returned the wrong output.
         """
         old = TokenStats(old.logprobs.clone(), old.entropy.clone(), old.collision.clone())  # [B, R] each
         B, R = rollout.batch.response_mask.shape
@@ -202,11 +198,12 @@ class _MiniBatch:
         stats = self.old
         if mb.stats == "current_pass":
             stats = up.no_grad_stats(up.model, self.rollout.batch, mb.stats_pass, self.progress, "update")
-        tm = up.token_mask(stats.logprobs[rows], stats.entropy[rows], self.rollout.advantages[rows],
-                           self.response_mask[rows])  # [n, R]
-        check_mask_result(up.objective.token_mask, tm.keep, self.response_mask[rows], self.rollout.advantages[rows])
-        denom = dist.rank_loss_denominator(tm.keep, self.up.objective.loss_agg_mode, up.ctx,
-                                           max_response_length=up.max_response_length)  # N / W, before the loop
+        tm = minibatch_token_mask(up.objective, stats.logprobs[rows], stats.entropy[rows],
+                                  self.rollout.advantages[rows], self.response_mask[rows],
+                                  device=up.ctx.comm_device)  # keep [n, R]
+        denom = minibatch_loss_denominator(tm.keep, up.objective.loss_agg_mode,
+                                           max_response_length=up.max_response_length,
+                                           device=up.ctx.comm_device) / up.ctx.world  # N / W, before the loop
         for micro in mb.forwards:  # idx: [b] batch rows (possibly length-sorted)
             st = up.forward(self.rollout.batch, micro.rows)  # [b, r], grad
             self._backward(micro.rows, st, self._keep_of(tm.keep, micro.rows, st), denom)
@@ -246,16 +243,17 @@ class _MiniBatch:
                 pending.append((idx, None if recompute else st))
             else:
                 self._backward(idx, st, self.response_mask[idx, :r], 1.0)
-        tm = up.token_mask(stat_logp[rows], stat_ent[rows], self.rollout.advantages[rows], self.response_mask[rows])
-        # the rows backwarded already must keep every token, as their maskable_rows rule promised
-        check_mask_result(up.objective.token_mask, tm.keep, self.response_mask[rows], self.rollout.advantages[rows])
+        # checked inside: the rows backwarded already keep every token, as their maskable_rows rule promised
+        tm = minibatch_token_mask(up.objective, stat_logp[rows], stat_ent[rows], self.rollout.advantages[rows],
+                                  self.response_mask[rows], device=up.ctx.comm_device)  # keep [n, R]
         for k, (idx, st) in enumerate(pending):
             pending[k] = None  # the backward frees this graph
             if st is None:  # "recompute": this micro-batch's graph is built now
                 st = up.forward(self.rollout.batch, idx)  # [b, r], grad
             self._backward(idx, st, self._keep_of(tm.keep, idx, st), 1.0)
-        denom = dist.rank_loss_denominator(tm.keep, up.objective.loss_agg_mode, up.ctx,
-                                           max_response_length=up.max_response_length)  # N / W
+        denom = minibatch_loss_denominator(tm.keep, up.objective.loss_agg_mode,
+                                           max_response_length=up.max_response_length,
+                                           device=up.ctx.comm_device) / up.ctx.world  # N / W
         for p in up.model.parameters():
             if p.grad is not None:
                 p.grad.div_(denom)
