@@ -149,3 +149,28 @@ def test_the_readme_layout_names_every_sub_package_and_module():
         if not ok:
             missing.append(str(rel))
     assert missing == []
+
+
+#: Modules that import without torch (nor transformers, vLLM, datasets): the run shell's lock, parser, provenance and
+#: tracking, the data and grading layer, the cost estimate, the common helpers. Their few function-local imports of
+#: stapo modules that would pull torch in are what keeps them so (every other import of a stapo module is at module
+#: level). A fresh interpreter imports each and checks.
+LIGHT_MODULES = ("stapo.common.checkpoint_files", "stapo.common.errors", "stapo.common.fingerprint",
+                 "stapo.common.logs", "stapo.common.plotting", "stapo.common.registry", "stapo.core.metric_names",
+                 "stapo.integrations.verl_reward", "stapo.run.cli", "stapo.run.console", "stapo.run.provenance",
+                 "stapo.run.run_identity", "stapo.run.runlock", "stapo.run.throughput", "stapo.run.tracking",
+                 "stapo.tasks.boxed", "stapo.tasks.data", "stapo.tasks.golds", "stapo.tasks.grader",
+                 "stapo.tasks.prompts", "stapo.tasks.records", "stapo.tasks.rewards", "stapo.tasks.splits",
+                 "stapo.tasks.synthetic", "stapo.tasks.word_problems", "stapo.tools.estimate")
+
+
+def test_light_modules_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            "print(sorted({k.split('.')[0] for k in sys.modules} & {'torch', 'transformers', 'vllm', 'datasets'}))")
+    out = subprocess.run([sys.executable, "-c", code, *LIGHT_MODULES], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
