@@ -9,7 +9,8 @@ way one line says how to --resume (or, with no checkpoint yet, to rerun), and th
 (SIGTERM) or 129 (SIGHUP). A run that cannot learn (non-finite losses or gradients, no kept token: trainer.stop_after_*)
 stops with one line and exit code 1.
 
-The config schema and its checks live in stapo/config.py; the training loop in stapo/train/ (trainer.py: the loop and the step).
+The config schema and its checks live in stapo/config.py; the training loop in stapo/train/ (trainer.py: the loop and
+the step); the run folder and the run's lifecycle around it in stapo/run/folder.py.
 """
 import argparse
 import os
@@ -54,9 +55,9 @@ def _interrupted(args: argparse.Namespace, trainer, exc: KeyboardInterrupt) -> i
     from stapo.model.checkpoint import latest_checkpoint
     from stapo.run.cli import signal_name
 
-    signum = getattr(exc, "signum", signal.SIGINT)  # stapo.train.trainer.Interrupted carries it
+    signum = getattr(exc, "signum", signal.SIGINT)  # stapo.run.folder.Interrupted carries it
     if os.environ.get("RANK", "0") == "0":
-        if hasattr(exc, "checkpoint"):  # stapo.train.trainer.Interrupted
+        if hasattr(exc, "checkpoint"):  # stapo.run.folder.Interrupted
             step, ckpt = exc.step, exc.checkpoint
         elif trainer is not None:  # before the training loop (resuming, starting W&B)
             step, ckpt = trainer.step, latest_checkpoint(trainer.ckpt_root)
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run directory: {trainer.run_dir}")
         barrier(trainer.dist)  # every rank done before any tears the process group down (W = 1: no-op)
         return 0
-    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM (stapo.train.trainer.Interrupted from train(), or before it)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM (stapo.run.folder.Interrupted from train(), or before it)
         return _interrupted(args, trainer, e)
     except (SystemExit, GeneratorExit):
         raise

@@ -31,7 +31,7 @@ CORE = {"token_stats", "masks", "objectives", "advantages", "dp_mask", "minibatc
 #: The run shell (the lifecycle of a run's folder and process), by module stem.
 SHELL = {"runlock", "cli", "interrupts", "preflight", "provenance", "checkpoint_files", "console", "estimate",
          "memory_plan", "perf", "fingerprint", "run_identity", "tracking", "viewer", "plotting", "entry_points",
-         "run_folder"}
+         "run_folder", "folder"}
 
 
 #: Method names shared with the standard library / torch that a name match would follow wrongly.

@@ -23,13 +23,15 @@ model/  models (embedded SmolLM2, HF, tiny), lm_head (fused LM head statistics),
 rollout/  the rollout engines behind one interface (base): hf, vllm_backend (+ vllm_logits), the engine's memory
   phases, boxed_cut (end a response at its first \\boxed{})
 config  the typed train.py config (OmegaConf over dataclasses) and where the shipped configs are
-run/  the run shell: runlock (one writer per folder), cli (parser, interrupts), preflight, provenance (W&B identity,
-  launches), run_identity, tracking (metrics.jsonl + W&B / TensorBoard), console, memory_plan, throughput
+run/  the run shell: folder (RunFolder, the run's folder and lifecycle the trainer is handed), runlock (one writer
+  per folder), cli (parser, interrupts), preflight, provenance (W&B identity, launches), run_identity, tracking
+  (metrics.jsonl + W&B / TensorBoard), console, memory_plan, throughput
 evaluation/  evaluate.py's harness: config, runner (problems → engine → grader → store → metrics), report, sweep
   (every checkpoint of a run), model_source, identity, verifier (optional LLM fallback), errors, validation (the
   in-training hook)
-train/  the training loop: trainer (loop + train_step), plan (UpdatePlan), update (PolicyUpdate), batch, policy
-  (trainer-side forward), metrics, prompts, samples, state, summary, mechanism + probes (the mechanism study)
+train/  the training loop: trainer (model, optimizer, engine, loader, update; loop + train_step), plan (UpdatePlan),
+  update (PolicyUpdate), batch, policy (trainer-side forward), metrics, prompts, samples, state, summary,
+  mechanism + probes (the mechanism study)
 study/  a grid of train.py / evaluate.py runs: config, runner, report, stats, keys, claims, mechanism_claims
 tools/  command-line front ends: entry_points (console scripts), estimate (--dry-run cost), viewer (token viewer)
 integrations/  the verl plugin: verl (the losses), verl_reward (the reward); adapters import the core, never the

@@ -255,7 +255,7 @@ class TrainerConfig:
     # the latest intact checkpoint, refused when there is none; auto: resume if there is one, else start at step 0
     # (saying so) — for job scripts resubmitted unchanged. Config changes on resume: RESUME_MUTABLE_KEYS.
     resume: Literal["never", "auto", "required"] = "never"
-    # Ctrl-C (SIGINT; stapo/train/trainer.py::Trainer.train): the first one lets the current step finish and then
+    # Ctrl-C (SIGINT; stapo/run/folder.py::RunFolder.steps): the first one lets the current step finish and then
     # stops, writing a checkpoint of that step when this is true (or when one is due anyway); a second Ctrl-C
     # abandons the step at once, keeping the checkpoints already written. train.py then prints how to --resume and
     # exits 130.

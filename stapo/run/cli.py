@@ -84,8 +84,8 @@ def raise_terminated(signum: int, frame: Any) -> None:
 def sigterm_as_interrupt() -> None:
     """Make SIGTERM and SIGHUP (:data:`STOP_SIGNALS`) raise :class:`Terminated` in the main thread (only over the
     default action, which kills the process without running any clean-up: a stale lock, a partial checkpoint). The
-    trainer's step loop replaces it with its own graceful handler (``stapo.train.trainer``: finish the step,
-    checkpoint, stop)."""
+    trainer's step loop replaces it with its own graceful handler (:meth:`stapo.run.folder.RunFolder.steps`: finish
+    the step, checkpoint, stop)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in STOP_SIGNALS:

@@ -44,7 +44,7 @@ from stapo.common.fingerprint import json_digest, machine_kind, model_digest, re
 
 __all__ = ["NEUTRAL_KEYS", "HOW_KEYS", "flat_config", "config_digest", "model_part", "data_part", "run_fingerprint",
            "recorded_config", "config_matches_fingerprint", "plan_differences", "resume_identity_check",
-           "MACHINE_CHANGE_KEY"]
+           "MACHINE_CHANGE_KEY", "CHANGES_FILE"]
 
 #: Config keys (dotted; a section covers its keys) that cannot change a run's result: where it is written and what
 #: it is called (output folder, run name), how the launch resumes, how it is logged (the whole ``logging`` section:
@@ -75,6 +75,10 @@ HOW_KEYS: tuple[str, ...] = (
     "rollout.backend", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
     "rollout.tensor_parallel_size", "rollout.sleep_during_update", "rollout.sleep_level",
 )
+#: The run folder's record of the config changes applied on resume (:class:`stapo.train.state.RunState`) and of a
+#: resume on another machine kind: one JSON object a line, ``{"step": the checkpoint's step, "key": dotted key,
+#: "old": ..., "new": ...}``.
+CHANGES_FILE = "config_changes.jsonl"
 #: The ``key`` of the ``config_changes.jsonl`` row that records a resume on another kind of machine.
 MACHINE_CHANGE_KEY = "fingerprint.machine"
 

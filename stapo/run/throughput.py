@@ -92,8 +92,9 @@ def _measured_from_rows(rows: Sequence[Mapping[str, Any]], responses: int, respo
 
 def record_train_throughput(cfg: Any, device: Any, history: Sequence[Mapping[str, Any]], run_dir: str | os.PathLike,
                             path: str | os.PathLike | None = None) -> Path | None:
-    """Store this run's measured step time in the throughput cache (called by :meth:`stapo.train.Trainer.train`
-    at the end of a run, rank 0), replacing the entry of the same model, device, compute dtype and machine.
+    """Store this run's measured step time in the throughput cache (called by
+    :meth:`stapo.run.folder.RunFolder.steps` at the end of a run, rank 0), replacing the entry of the same model,
+    device, compute dtype and machine.
 
     Args:
         cfg: the run's :class:`~stapo.config.TrainConfig` (``model.compute_dtype`` resolved).

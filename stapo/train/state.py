@@ -30,12 +30,10 @@ from stapo.model import distributed as dist
 from stapo.model.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
                               resumable_checkpoints, rng_state, save_checkpoint, set_rng_state, verify_checkpoint)
 from stapo.config import ConfigError, fork_key_changes, resume_key_changes, to_dict
+from stapo.run.run_identity import CHANGES_FILE  # the run folder's config_changes.jsonl
 
-__all__ = ["RunState", "ResumePlan", "ForkSource", "plan_resume", "plan_fork", "CHANGES_FILE"]
-
-#: The run folder's record of the config changes applied on resume: one JSON object a line,
-#: ``{"step": the checkpoint's step, "key": dotted key, "old": ..., "new": ...}``.
-CHANGES_FILE = "config_changes.jsonl"
+__all__ = ["RunState", "ResumePlan", "ForkSource", "plan_resume", "plan_fork", "CHANGES_FILE", "plan_start",
+           "refuse_checkpoints"]
 
 
 @dataclass
@@ -195,6 +193,45 @@ def plan_fork(path: str, cfg: Any) -> ResumePlan:
                         source_seed=int(saved.get("trainer", {}).get("seed", 0)),
                         differs=[f"{k}: {_fmt(a)} → {_fmt(b)}" for k, a, b in allowed])
     return ResumePlan(folder, step, state, [], fork=source)
+
+
+def refuse_checkpoints(root: Path) -> None:
+    """A run that does not resume (``trainer.resume=never``) never writes over another run's checkpoints.
+
+    Raises:
+        FileExistsError: ``root`` (a run's ``checkpoints/`` folder) holds a checkpoint; the message names the run
+            folder and how to resume it or choose another.
+    """
+    if latest_checkpoint(root) is not None:
+        raise FileExistsError(f"{root.parent} already holds checkpoints; resume it with --resume "
+                              f"(or trainer.resume=auto) or choose another trainer.run_name")
+
+
+def plan_start(root: Path, cfg: Any, ctx: dist.DistContext | None = None) -> ResumePlan | None:
+    """Where a run starts, chosen before anything loads: with ``trainer.resume`` auto / required the checkpoint of
+    :func:`plan_resume` (None: none, auto), with ``never`` nothing (:func:`refuse_checkpoints`); then, when it
+    resumes nothing and ``trainer.init_from`` is set, the fork's source (:func:`plan_fork`).
+
+    Args:
+        root: the run's ``checkpoints/`` folder; cfg: the run's :class:`~stapo.config.TrainConfig`; ctx: as
+            :func:`plan_resume`'s.
+
+    Returns:
+        The :class:`ResumePlan` (``fork`` set for a fork), or None: a fresh run at step 0.
+
+    Raises:
+        FileExistsError, FileNotFoundError, stapo.model.checkpoint.CheckpointError, stapo.config.ConfigError: as
+            :func:`refuse_checkpoints`, :func:`plan_resume` and :func:`plan_fork`.
+    """
+    tc = cfg.trainer
+    plan = None
+    if tc.resume != "never":
+        plan = plan_resume(root, cfg, required=tc.resume == "required", ctx=ctx)
+    else:
+        refuse_checkpoints(root)
+    if plan is None and tc.init_from is not None:  # a fork: another run's checkpoint, checked now
+        plan = plan_fork(tc.init_from, cfg)
+    return plan
 
 
 class RunState:

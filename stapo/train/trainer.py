@@ -6,7 +6,8 @@ One training step, top to bottom in :meth:`Trainer.train_step`:
     update plan (:func:`~stapo.train.plan.build_plan`) → old-policy (and reference, β > 0) statistics, no grad,
     fp32 → the update (:class:`~stapo.train.update.PolicyUpdate`: per mini-batch token mask → kept-token
     denominator → micro-batch forward/backward → clip → AdamW step) → sync the weights into the rollout engine
-    → metrics (:mod:`stapo.train.metrics`) → [validation hook, checkpoint in :meth:`Trainer.train`].
+    → metrics (:mod:`stapo.train.metrics`) → [validation hook, then in :meth:`Trainer.train` the run folder
+    (:class:`stapo.run.folder.RunFolder`) logs the step and has it checkpointed when one is due].
 
 Under ``torchrun`` with W > 1 ranks (:mod:`stapo.model.distributed`) each rank does this for its share of the prompts;
 the mask, the denominator and the metrics are mini-batch / step-global, only rank 0 logs; every rank writes its
@@ -19,13 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
-import os
 import random
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -34,27 +31,25 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from stapo.model import distributed as dist
+from stapo.config import ConfigError, TrainConfig, objective_from_config
 from stapo.core.advantages import grpo_advantages
-from stapo.model.checkpoint import latest_checkpoint
-from stapo.run.console import start_lines, step_line, use_progress_bars
-from stapo.run.cli import raise_terminated, signal_name, survive_closed_terminal
-from stapo.config import ConfigError, TrainConfig, objective_from_config, to_dict
-from stapo.run.memory_plan import check_memory_plan
-from stapo.train.policy import forward_layout
-from stapo.model.precision import PrecisionPolicy, resolve_compute_dtype
-from stapo.run.preflight import check_chat_template, check_device, check_tokenizer, check_writable
-from stapo.run.provenance import TRAIN_STEP_METRIC, apply_identity, launch_record, record_launch
-from stapo.rollout.phases import EnginePhases
-from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.core.token_stats import TokenStats
-from stapo.run.tracking import Tracker, read_jsonl_rows
+from stapo.model import distributed as dist
+from stapo.model.checkpoint import latest_checkpoint
+from stapo.model.precision import PrecisionPolicy, resolve_compute_dtype
+from stapo.rollout.phases import EnginePhases
+from stapo.run.folder import Interrupted, RunFolder
+from stapo.run.memory_plan import check_memory_plan
+from stapo.run.preflight import check_chat_template, check_device, check_tokenizer
+from stapo.run.provenance import apply_identity
+from stapo.run.tracking import Tracker
 from stapo.train.batch import Rollout, StepBatch
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
 from stapo.train.plan import UpdatePlan, build_plan, max_over_ranks
+from stapo.train.policy import forward_layout
 from stapo.train.prompts import PromptLoader, load_prompts
 from stapo.train.samples import completions_table, drop_rollouts_after, response_records, write_rollouts
-from stapo.train.state import RunState, plan_fork, plan_resume
+from stapo.train.state import RunState, plan_start, refuse_checkpoints
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
 
 __all__ = ["Trainer", "StepProgress", "Interrupted", "CannotLearn"]
@@ -100,24 +95,6 @@ class StepProgress:
         self.bar.close()
 
 
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT), SIGTERM (a cluster scheduler's preemption, ``kill``) or SIGHUP (the terminal closed) stopped
-    :meth:`Trainer.train` before ``trainer.total_steps`` (train.py prints how to resume and exits 128 + the signal:
-    130 / 143 / 129).
-
-    Attributes:
-        step: the last finished step.
-        checkpoint: the latest complete checkpoint (``--resume`` continues from it), or None.
-        abandoned: True when a second signal abandoned the step in progress (nothing of it is saved).
-        signum: the first signal received (``signal.SIGINT``, ``signal.SIGTERM`` or ``signal.SIGHUP``).
-    """
-
-    def __init__(self, step: int, checkpoint: Path | None, abandoned: bool,
-                 signum: int = signal.SIGINT) -> None:
-        super().__init__(f"interrupted after step {step}")
-        self.step, self.checkpoint, self.abandoned, self.signum = step, checkpoint, abandoned, int(signum)
-
-
 class CannotLearn(RuntimeError):
     """The run cannot learn, so :meth:`Trainer.train` stopped it after a step (docs/runs.md#a-run-that-cannot-learn):
     ``trainer.stop_after_nonfinite_steps`` optimizer steps in a row skipped for a non-finite loss or gradient norm,
@@ -134,50 +111,6 @@ class CannotLearn(RuntimeError):
     def __init__(self, message: str, step: int, metric: str, checkpoint: Path | None) -> None:
         super().__init__(message)
         self.step, self.metric, self.checkpoint = step, metric, checkpoint
-
-
-class _InterruptGuard:
-    """SIGINT, SIGTERM and SIGHUP handling while :meth:`Trainer.train` steps (main thread only, and only over Python's
-    default handlers): the first signal sets :attr:`requested` (and :attr:`signum`) and calls ``announce(signum)``
-    (the step in progress finishes), the second raises KeyboardInterrupt where the code is (the step is
-    abandoned; finished checkpoints stay), a third exits the process at once (``os._exit(128 + signum)``, e.g. a
-    clean-up that hangs)."""
-
-    #: the handlers it replaces (others, installed by someone else, are left alone)
-    _DEFAULTS = {signal.SIGINT: (signal.default_int_handler,), signal.SIGTERM: (signal.SIG_DFL, raise_terminated),
-                 signal.SIGHUP: (signal.SIG_DFL, raise_terminated)}
-
-    def __init__(self, announce: Callable[[int], None]) -> None:
-        self.announce = announce
-        self.requested = False
-        self.signum = int(signal.SIGINT)
-        self._count = 0
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> "_InterruptGuard":
-        if threading.current_thread() is threading.main_thread():
-            for signum, defaults in self._DEFAULTS.items():
-                if any(signal.getsignal(signum) is d for d in defaults):
-                    self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def uninstall(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGHUP:  # the terminal is gone: its writes fail with EIO from now on
-            survive_closed_terminal()
-        self._count += 1
-        if self._count == 1:
-            self.requested, self.signum = True, int(signum)
-            with contextlib.suppress(Exception):
-                self.announce(signum)
-            return
-        if self._count == 2:
-            raise KeyboardInterrupt
-        os._exit(128 + self.signum)
 
 
 def _takes_progress(engine: Any) -> bool:
@@ -200,35 +133,6 @@ def _timed(timing: dict[str, float], stage: str) -> Iterator[None]:
     timing[f"timing_s/{stage}"] = time.perf_counter() - t0
 
 
-def _holding_run_lock(train: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap :meth:`Trainer.train`: hold the run directory's lock (:mod:`stapo.run.runlock`; rank 0 alone under
-    torchrun, which tells the other ranks) for the whole run, so one process at a time writes a run folder.
-
-    Raises:
-        stapo.run.runlock.RunLockError: another live process holds the run directory, or its lock file cannot be
-            created (on every rank).
-    """
-    @functools.wraps(train)
-    def locked(self: Trainer, *args: Any, **kwargs: Any) -> Any:
-        lock, refused = None, None
-        if self.dist.is_main:
-            try:
-                lock = RunLock(self.run_dir).acquire()
-            except RunLockError as e:
-                refused = str(e)
-            except OSError as e:  # e.g. a read-only file system: told to every rank too (none may hang)
-                refused = f"cannot create the run directory's lock file {self.run_dir / LOCK_NAME}: {e}"
-        refused = dist.gather_objects(refused, self.dist)[0]  # collective: every rank learns rank 0's answer
-        if refused is not None:
-            raise RunLockError(refused)
-        try:
-            return train(self, *args, **kwargs)
-        finally:
-            if lock is not None:
-                lock.release()
-    return locked
-
-
 class Trainer:
     """Builds everything from a :class:`TrainConfig` and runs :meth:`train`.
 
@@ -245,6 +149,13 @@ class Trainer:
             no model, engine or optimizer — such a trainer cannot train.
         argv: the command line recorded in ``<run_dir>/run_info.json`` and the W&B config (default ``sys.argv``;
             :mod:`stapo.run.provenance`).
+        folder: the run folder (:class:`stapo.run.folder.RunFolder`, built for ``cfg`` on this process's data-parallel
+            context; its ``argv`` is recorded, not ``argv``); default: one built here, at
+            ``<trainer.output_dir>/<trainer.run_name>``. Either way its pre-flight checks run here.
+
+    Everything about the run folder and the run's lifecycle is the folder's (:attr:`folder`: the lock, the start-up
+    files, the tracker, the console, the interrupt guard, the checkpoint cadence); :attr:`run_dir`, :attr:`ckpt_root`,
+    :attr:`tracker` and :attr:`argv` are its.
 
     Raises:
         FileExistsError: the run folder holds checkpoints and ``trainer.resume`` is ``never``.
@@ -268,104 +179,45 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
                  reward_fn: Callable[[list[str], list[str]], Any] | None = None, preflight_only: bool = False,
-                 argv: list[str] | None = None) -> None:
+                 argv: list[str] | None = None, folder: RunFolder | None = None) -> None:
+        from stapo.evaluation.runner import MANIFEST
         from stapo.rollout import SamplingParams, build_rollout_engine
+        from stapo.tasks.rewards import make_reward_fn
 
-        self.cfg = cfg
+        self.cfg, self.validation_hook = cfg, validation_hook
         apply_identity(cfg)  # W&B group / tags / job_type left unset (train.py fills them from --config first)
         self.objective = objective_from_config(cfg)  # the registered objective + the config's overrides (as verl)
-        self.validation_hook = validation_hook
-        self.argv = list(sys.argv if argv is None else argv)
         tc = cfg.trainer
-        check_device(tc.device, "trainer.device")  # checks that need no model run first (stapo/run/preflight.py)
-        # data parallelism (torchrun, WORLD_SIZE > 1); W = 1: nothing is initialised and nothing below changes
-        self.dist = dist.init_distributed(tc.device, tc.data_parallel)
-        dist.check_dp_config(cfg, self.dist)  # ConfigError naming the key (train.py: exit 2)
-        auto = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = self.dist.device if self.dist.enabled else torch.device(auto if tc.device == "auto" else tc.device)
-        # model.compute_dtype=auto → bfloat16 where the device has native bf16, else float32; recorded resolved in the
-        # run's config (and compared resolved on resume)
-        cfg.model.compute_dtype = resolve_compute_dtype(cfg.model.compute_dtype, self.device)
-        # the GPU memory of each phase of a step (stapo/run/memory_plan.py): a phase over the device is refused here,
-        # before anything loads (trainer.gpu_memory_gib; a CPU run is planned for an assumed GPU, not checked)
-        self.memory_plan = check_memory_plan(cfg, self.dist.world, self.device, self.dist.strategy)
+        # the device, data parallelism (torchrun) and the memory plan, checked before anything loads
+        self.dist, self.device, self.memory_plan = self._init_device()
         self._mini_rows = cfg.actor.ppo_mini_batch_size // self.dist.world * cfg.rollout.n  # this rank's rows
-        model_tag = cfg.model.path.rstrip("/").split("/")[-1].replace(":", "-")
-        self.run_name = tc.run_name or f"{self.objective.name}_{model_tag}_seed{tc.seed}"
-        self.run_dir = Path(tc.output_dir) / self.run_name
-        self.ckpt_root = self.run_dir / "checkpoints"
-        check_writable(self.run_dir, "trainer.output_dir")
-        self._check_run_lock_free()  # another live train.py on this folder: say so now, not after loading the model
-        self._check_run_folder()  # not an evaluation folder; its metrics files readable (a resume would need them)
-        self.resume_plan = None  # resume: checkpoint chosen and config checked before loading anything
-        if tc.resume != "never":
-            self.resume_plan = plan_resume(self.ckpt_root, cfg, required=tc.resume == "required", ctx=self.dist)
-        elif latest_checkpoint(self.ckpt_root) is not None:  # before loading anything
-            raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
-                                  f"(or trainer.resume=auto) or choose another trainer.run_name")
-        if self.resume_plan is None and tc.init_from is not None:  # a fork: another run's checkpoint, checked now
-            self.resume_plan = plan_fork(tc.init_from, cfg)
+        # the run folder and everything about the run's lifecycle (stapo/run/folder.py), checked before loading
+        self.folder = folder if folder is not None else RunFolder(
+            cfg, self.dist, self.device, objective=self.objective.name, argv=argv, evaluation_manifest=MANIFEST)
+        self.folder.check()  # writable, no live process on it, not an evaluation folder, its metrics files readable
+        # resume / fork: the checkpoint chosen and the config checked against it before loading anything
+        self.resume_plan = plan_start(self.folder.ckpt_root, cfg, ctx=self.dist)
         self._seed_everything(tc.seed)
-
         # --- tokenizer and training prompts: before the model, so a data problem costs seconds -------------
         self.tokenizer = self._load_tokenizer()
-        check_tokenizer(self.tokenizer, "model.path", cfg.model.path)
-        check_chat_template(self.tokenizer, cfg.data.prompt_style, "data.prompt_style", cfg.model.path)
         prompts, self.prompt_stats = load_prompts(cfg, self.tokenizer)  # data/num_prompts, ... (logged each step)
         # what the run is made from, by content (stapo/run/run_identity.py): a resume whose model or training data
         # changed under the same path is refused here, before any model loads
-        self.fingerprint, self._identity_notes = self._check_identity()
+        self.folder.check_identity(self.resume_plan)
         if preflight_only:  # train.py --dry-run: every check above passed; nothing loaded or written beyond this
             self.prompts, self.engine = prompts, None
             return
 
-        # --- policy, reference, optimizer -------------------------------------------------------------
-        # Precision policy (stapo/model/precision.py): parameters, gradients and AdamW state in param_dtype (fp32 master
-        # weights), forward/backward in compute_dtype (autocast; FSDP2's MixedPrecisionPolicy).
+        # --- policy, reference, optimizer (stapo/model/precision.py: fp32 master weights, bf16 compute) ------
         self.precision = PrecisionPolicy.from_config(cfg.model)
         self.compute_dtype = self.precision.compute_dtype
-        # torchrun with model.meta_init: rank 0 alone reads the weights, the other ranks build the model on the meta
-        # device and receive rank 0's weights when it is placed (one host copy of the weights per node)
-        self._meta_init = self.dist.enabled and cfg.model.meta_init
-        self.model = self._load_initial_model(self.precision.param_dtype)
-        if cfg.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        # FSDP2: sharded in place (bf16 all-gathers, fp32 reduce-scatter when mixed), before the optimizer and before
-        # the reference is loaded (rank 0 never holds both full copies); fully_shard moves each layer's shards to the
-        # device itself, so the whole fp32 model never sits on one GPU
-        self.model = self._place_model(self.model, mp_policy=self.precision.fsdp_mp_policy())
-        self.ref_model = None
-        # the initial policy, frozen, loaded again in the compute dtype (no fp32 copy); at β = 0 only for the
-        # actor/kl_to_ref diagnostic (algorithm.log_kl_to_ref)
-        if self.objective.kl_coef > 0 or cfg.algorithm.log_kl_to_ref:
-            ref = self._load_initial_model(self.compute_dtype)
-            ref = ref.eval().requires_grad_(False)
-            # FSDP2: sharded like the policy (its no-grad forwards are collectives too); else on the device
-            self.ref_model = self._place_model(ref, reference=True)
-        self._check_param_dtype()
-        if cfg.actor.lm_head == "fused":  # the fused head needs logits = hidden @ Wᵀ: say so now, not at step 1
-            from stapo.train.policy import check_fused_head, policy_decoder
-
-            try:
-                check_fused_head(self.model)
-                policy_decoder(self.model)
-            except ValueError as e:
-                raise ConfigError(f"invalid value for 'actor.lm_head' ('fused'): {e}") from None
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
-            betas=tuple(cfg.actor.betas))
-        warmup = cfg.actor.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+        self.model, self.ref_model = self._load_models()
+        self.optimizer, self.scheduler = self._build_optimizer()
 
         # --- data order, reward, rollout engine -------------------------------------------------------
         self.loader = PromptLoader(prompts, cfg.data.train_batch_size, tc.seed, cfg.data.shuffle)
-        from stapo.tasks.rewards import make_reward_fn
-
         self.reward_fn = reward_fn if reward_fn is not None else make_reward_fn(cfg.algorithm.reward)
-        self.engine = build_rollout_engine(
-            cfg.rollout.backend, self.model, self.tokenizer,
-            **self._engine_kwargs())
+        self.engine = build_rollout_engine(cfg.rollout.backend, self.model, self.tokenizer, **self._engine_kwargs())
         # where the engine's memory is during a step (stapo/rollout/phases.py): asleep whenever the trainer computes
         self.engine_phases = EnginePhases(self.engine, sleep=cfg.rollout.sleep_during_update,
                                           level=cfg.rollout.sleep_level)
@@ -386,13 +238,107 @@ class Trainer:
             from stapo.train.mechanism import MechanismHook
 
             self.mechanism = MechanismHook(self)
-
         self.step = 0
-        self._stepping = 1  # the step train() is in (train_step runs with self.step one lower)
         self._silent_in_a_row = 0  # training steps in a row whose mask kept no token (trainer.stop_after_silent_steps)
-        self.tracker: Tracker | None = None
 
-    # ------------------------------------------------------------------------------------------------
+    # --- the run folder's (stapo/run/folder.py) -------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        """The run folder, ``<trainer.output_dir>/<run name>`` (:attr:`RunFolder.run_dir`)."""
+        return self.folder.run_dir
+
+    @property
+    def ckpt_root(self) -> Path:
+        """The run's ``checkpoints/`` folder."""
+        return self.folder.ckpt_root
+
+    @property
+    def tracker(self) -> Tracker | None:
+        """Where the metrics go (``metrics.jsonl``, W&B, ...; rank 0 once :meth:`train` started, else None)."""
+        return self.folder.tracker
+
+    @property
+    def argv(self) -> list[str]:
+        """The command line recorded in ``run_info.json`` and the W&B config (assignable before :meth:`train`)."""
+        return self.folder.argv
+
+    @argv.setter
+    def argv(self, value: list[str]) -> None:
+        self.folder.argv = list(value)
+
+    def _init_device(self) -> tuple[dist.DistContext, torch.device, Any]:
+        """The checks that need no model, first (:mod:`stapo.run.preflight`): ``trainer.device`` available; data
+        parallelism (torchrun, WORLD_SIZE > 1; W = 1: nothing is initialised) and its config checked; this rank's
+        device; ``model.compute_dtype=auto`` resolved in the config (bfloat16 where the device has native bf16, else
+        float32: recorded resolved in the run's config and compared resolved on resume); the GPU memory of each phase
+        of a step (:mod:`stapo.run.memory_plan`: a phase over the device is refused here, ``trainer.gpu_memory_gib``;
+        a CPU run is planned for an assumed GPU, not checked). Returns ``(dist context, device, memory plan)``.
+
+        Raises:
+            stapo.config.ConfigError: the device is not available, a data-parallel setting cannot work, or a phase
+                does not fit the GPU (naming the key; train.py: exit 2).
+        """
+        tc = self.cfg.trainer
+        check_device(tc.device, "trainer.device")
+        ctx = dist.init_distributed(tc.device, tc.data_parallel)
+        dist.check_dp_config(self.cfg, ctx)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = ctx.device if ctx.enabled else torch.device(auto if tc.device == "auto" else tc.device)
+        self.cfg.model.compute_dtype = resolve_compute_dtype(self.cfg.model.compute_dtype, device)
+        return ctx, device, check_memory_plan(self.cfg, ctx.world, device, ctx.strategy)
+
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW over the policy's parameters (``actor.lr``, ``actor.weight_decay``, ``actor.betas``) and its
+        learning-rate schedule: linear warm-up over ``actor.warmup_steps`` training steps (one scheduler step per
+        training step, :class:`~stapo.train.update.PolicyUpdate`: training step s + 1 at lr × (s + 1) / warmup), then
+        constant."""
+        ac = self.cfg.actor
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=ac.lr, weight_decay=ac.weight_decay,
+                                      betas=tuple(ac.betas))
+        warmup = ac.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+        return optimizer, scheduler
+
+    def _load_models(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        """The policy in ``model.param_dtype`` and, when ``algorithm.kl_coef`` > 0 or ``algorithm.log_kl_to_ref``,
+        the frozen reference (the initial policy again, in the compute dtype: no fp32 copy), both placed for data
+        parallelism (:meth:`_place_model`). Collective under torchrun.
+
+        Raises:
+            stapo.config.ConfigError: the weights cannot be loaded; a trainable parameter below ``model.param_dtype``;
+                ``actor.lm_head=fused`` with a model whose head is not ``logits = hidden @ Wᵀ``.
+        """
+        cfg = self.cfg
+        # torchrun with model.meta_init: rank 0 alone reads the weights, the other ranks build the model on the meta
+        # device and receive rank 0's weights when it is placed (one host copy of the weights per node)
+        self._meta_init = self.dist.enabled and cfg.model.meta_init
+        model = self._load_initial_model(self.precision.param_dtype)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        # FSDP2: sharded in place (bf16 all-gathers, fp32 reduce-scatter when mixed), before the optimizer and before
+        # the reference is loaded (rank 0 never holds both full copies); fully_shard moves each layer's shards to the
+        # device itself, so the whole fp32 model never sits on one GPU
+        model = self._place_model(model, mp_policy=self.precision.fsdp_mp_policy())
+        ref_model = None
+        # the initial policy, frozen, loaded again in the compute dtype (no fp32 copy); at β = 0 only for the
+        # actor/kl_to_ref diagnostic (algorithm.log_kl_to_ref)
+        if self.objective.kl_coef > 0 or cfg.algorithm.log_kl_to_ref:
+            ref = self._load_initial_model(self.compute_dtype)
+            ref = ref.eval().requires_grad_(False)
+            # FSDP2: sharded like the policy (its no-grad forwards are collectives too); else on the device
+            ref_model = self._place_model(ref, reference=True)
+        self._check_param_dtype(model)
+        if cfg.actor.lm_head == "fused":  # the fused head needs logits = hidden @ Wᵀ: say so now, not at step 1
+            from stapo.train.policy import check_fused_head, policy_decoder
+
+            try:
+                check_fused_head(model)
+                policy_decoder(model)
+            except ValueError as e:
+                raise ConfigError(f"invalid value for 'actor.lm_head' ('fused'): {e}") from None
+        return model, ref_model
+
     def _engine_kwargs(self) -> dict[str, Any]:
         """The rollout engine's keyword arguments (:func:`stapo.rollout.engine_kwargs`, shared with evaluation)."""
         from stapo.rollout import EngineOptions, engine_kwargs
@@ -409,143 +355,35 @@ class Trainer:
             enable_sleep_mode=rc.sleep_during_update)
         return engine_kwargs(rc.backend, options)
 
-    def _check_run_folder(self) -> None:
-        """The run folder is not an evaluate.py output folder nor inside one (an evaluation's or a checkpoint
-        sweep's, e.g. ``runs/eval/<run>/step_000009``), and its ``metrics.jsonl`` / ``tables.jsonl`` (when present)
-        hold only valid rows but for a torn last line — checked before anything is loaded or recorded.
-
-        Raises:
-            stapo.config.ConfigError: the folder or a folder above it holds an evaluation (its manifest).
-            stapo.run.tracking.CorruptJsonlError: a damaged line that is not a torn last one (naming file and line).
-        """
-        from stapo.evaluation.runner import MANIFEST
-        from stapo.run.tracking import read_jsonl_rows
-
-        for folder in (self.run_dir, *Path(self.run_dir).absolute().parents):
-            if (folder / MANIFEST).is_file():
-                key, value, where = (("trainer.run_name", self.run_name, "an") if folder == self.run_dir else
-                                     ("trainer.output_dir", self.cfg.trainer.output_dir, f"inside {folder}, an"))
-                raise ConfigError(f"invalid value for {key!r} ({value}): {self.run_dir} is {where} evaluate.py "
-                                  f"output folder ({MANIFEST}); choose another run name or output folder")
-        if self.cfg.trainer.resume != "never" and self.dist.is_main:
-            for name in ("metrics.jsonl", "tables.jsonl"):
-                if (self.run_dir / name).is_file():
-                    read_jsonl_rows(self.run_dir / name)
-
-    def _check_identity(self) -> tuple[dict[str, Any] | None, list[str]]:
-        """Rank 0: this launch's fingerprint (:func:`stapo.run.run_identity.run_fingerprint`) and, when resuming, its
-        comparison with the recorded ``fingerprint.json`` (:func:`stapo.run.run_identity.resume_identity_check`; its
-        lines are printed here). Returns ``(fingerprint, lines)`` (``(None, [])`` on the other ranks).
-
-        Raises:
-            stapo.config.ConfigError: (every rank) the model or the training data changed since the run started
-                (naming the key and the file), or they cannot be read.
-        """
-        from stapo.run.run_identity import resume_identity_check, run_fingerprint
-
-        fp, notes, refused = None, [], None
-        fork = self.resume_plan.fork if self.resume_plan is not None else None
-        if self.dist.is_main:
-            try:
-                fp = run_fingerprint(self.cfg)
-                if fork is not None:
-                    self._check_fork_identity(fp, fork.path)
-                elif self.resume_plan is not None:
-                    notes = resume_identity_check(self.run_dir, fp, self.cfg)
-            except ConfigError as e:
-                refused = str(e)
-            except OSError as e:
-                refused = (f"cannot read the run's inputs to fingerprint them (model.path {self.cfg.model.path}, "
-                           f"data.train_set {self.cfg.data.train_set}): {e}")
-        refused = dist.gather_objects(refused, self.dist)[0]
-        if refused is not None:
-            raise ConfigError(refused)
-        for line in notes:
-            print(line, file=sys.stderr, flush=True)
-        return fp, notes
-
-    def _check_fork_identity(self, fp: dict[str, Any], init_from: str) -> None:
-        """A fork's model and training data are the source run's (its ``fingerprint.json``, two folders above the
-        checkpoint; nothing to compare when it has none): the config keys are compared by
-        :func:`stapo.train.state.plan_fork`, this compares their content.
-
-        Raises:
-            stapo.config.ConfigError: the ``model`` or ``data`` part differs, naming ``trainer.init_from``.
-        """
-        from stapo.common.fingerprint import read_fingerprint
-        from stapo.run.run_identity import data_part
-
-        source = read_fingerprint(Path(init_from).expanduser().parent.parent) or {}
-        for part in ("model", "data"):
-            old, new = source.get(part), fp.get(part)
-            if old is not None and old != new and not str(old).startswith("id:") and not str(new).startswith("id:"):
-                key = "model.path" if part == "model" else data_part(self.cfg.data)[1]
-                raise ConfigError(f"invalid value for 'trainer.init_from' ({init_from}): the source run's {part} "
-                                  f"is not this run's ({key}: fingerprint.json {part} {str(old)[:12]}… → "
-                                  f"{str(new)[:12]}…); a fork keeps the source's model and training data")
-
-    def _record_identity(self) -> None:
-        """Rank 0, at start-up: write ``<run_dir>/fingerprint.json`` (its ``config`` part of the config just written
-        to config.json) and, after a resume on another machine kind, a ``fingerprint.machine`` row of
-        ``config_changes.jsonl`` (once per step and change)."""
-        from stapo.common.fingerprint import read_fingerprint, write_fingerprint
-        from stapo.run.run_identity import MACHINE_CHANGE_KEY, config_digest
-        from stapo.train.state import CHANGES_FILE
-
-        if self.fingerprint is None:
-            return
-        old = read_fingerprint(self.run_dir) if self.step > 0 else None
-        fp = {**self.fingerprint, "config": config_digest(to_dict(self.cfg))}
-        if old is not None and old.get("machine") not in (None, fp["machine"]):
-            path = self.run_dir / CHANGES_FILE
-            line = json.dumps({"step": self.step, "key": MACHINE_CHANGE_KEY, "old": old["machine"],
-                               "new": fp["machine"]})
-            seen = set(path.read_text().splitlines()) if path.is_file() else set()
-            if line not in seen:
-                with open(path, "a") as f:
-                    f.write(line + "\n")
-        write_fingerprint(self.run_dir, fp)
-
-    def _check_run_lock_free(self) -> None:
-        """Rank 0 looks whether another live process holds the run folder (:meth:`stapo.run.runlock.RunLock.check_free`)
-        and tells every rank (a collective), so all of them stop with the same error before loading a model.
-
-        Raises:
-            stapo.run.runlock.RunLockError: (every rank) the folder is in use; the message names the holder.
-        """
-        refused = None
-        if self.dist.is_main:
-            try:
-                RunLock(self.run_dir).check_free()
-            except RunLockError as e:
-                refused = str(e)
-        refused = dist.gather_objects(refused, self.dist)[0]
-        if refused is not None:
-            raise RunLockError(refused)
-
     def _load_tokenizer(self):
-        """The tokenizer of ``model.path`` (``"tiny"``: the embedded SmolLM2's), loaded before the model.
+        """The tokenizer of ``model.path`` (``"tiny"``: the embedded SmolLM2's), loaded before the model and checked
+        (:func:`stapo.run.preflight.check_tokenizer`, and :func:`~stapo.run.preflight.check_chat_template` for
+        ``data.prompt_style``).
 
         Raises:
             stapo.config.ConfigError: ``model.path`` is not a model folder with weights, an embedded alias or a
-                reachable hub id, or its tokenizer cannot be loaded (one line naming the key).
+                reachable hub id, or its tokenizer cannot be loaded or fails a check (one line naming the key).
         """
         from stapo.model.models import EMBEDDED_ALIASES, ModelCacheError, load_tokenizer
 
         mc = self.cfg.model
         try:
-            return load_tokenizer(EMBEDDED_ALIASES[0] if mc.path == "tiny" else mc.path, cache_dir=mc.cache_dir)
+            tokenizer = load_tokenizer(EMBEDDED_ALIASES[0] if mc.path == "tiny" else mc.path, cache_dir=mc.cache_dir)
         except ModelCacheError as e:  # where the embedded model is converted
             raise ConfigError(f"invalid value for 'model.cache_dir' ({mc.cache_dir}): {e.strerror}") from None
         except (OSError, ValueError) as e:  # FileNotFoundError naming the path; the hub's OSError; a bad tokenizer
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"invalid value for 'model.path' ({mc.path}): {first}") from None
+        check_tokenizer(tokenizer, "model.path", mc.path)
+        check_chat_template(tokenizer, self.cfg.data.prompt_style, "data.prompt_style", mc.path)
+        return tokenizer
 
     def _load_initial_model(self, dtype: torch.dtype) -> torch.nn.Module:
         """The initial policy ``model.path`` (``"tiny"``: the seeded random test model) in ``dtype``, on the CPU,
         with :attr:`tokenizer`. Called for the policy (param dtype) and for the reference model (compute dtype).
         Under torchrun with ``model.meta_init`` only rank 0 reads it; the other ranks get the same architecture on
-        the meta device (:func:`stapo.model.distributed.build_on_rank0`), filled by :meth:`_place_model`. Collective then.
+        the meta device (:func:`stapo.model.distributed.build_on_rank0`), filled by :meth:`_place_model`. Collective
+        then.
 
         Raises:
             stapo.config.ConfigError: the weights cannot be loaded (a damaged or truncated file, named) — on every
@@ -557,8 +395,8 @@ class Trainer:
 
     def _place_model(self, model: torch.nn.Module, mp_policy: Any = None, reference: bool = False) -> torch.nn.Module:
         """``model`` (from :meth:`_load_initial_model`) on this rank's device, prepared for data parallelism: FSDP2
-        sharded (:func:`stapo.model.distributed.wrap_policy`, ``mp_policy`` for the policy), replicate broadcast from rank
-        0 (the frozen ``reference`` is not: every rank loaded the same weights), W = 1 moved to the device. With
+        sharded (:func:`stapo.model.distributed.wrap_policy`, ``mp_policy`` for the policy), replicate broadcast from
+        rank 0 (the frozen ``reference`` is not: every rank loaded the same weights), W = 1 moved to the device. With
         ``model.meta_init`` the ranks ≠ 0 materialise their meta-device model and receive rank 0's weights
         (:func:`stapo.model.distributed.wrap_from_rank0`). Collective under torchrun."""
         if self._meta_init:
@@ -588,7 +426,7 @@ class Trainer:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"invalid value for 'model.path' ({mc.path}): {first}") from None
 
-    def _check_param_dtype(self) -> None:
+    def _check_param_dtype(self, model: torch.nn.Module) -> None:
         """Every trainable parameter holds at least ``model.param_dtype``'s precision (what the optimizer steps on).
 
         Raises:
@@ -596,7 +434,7 @@ class Trainer:
                 float32 (a model class that forces some weights into bf16), naming the parameter.
         """
         want = self.precision.param_dtype
-        for name, p in self.model.named_parameters():
+        for name, p in model.named_parameters():
             if p.requires_grad and p.dtype != want and torch.finfo(p.dtype).eps > torch.finfo(want).eps:
                 raise ConfigError(f"invalid value for 'model.param_dtype' ({str(want).removeprefix('torch.')}): "
                                   f"the policy's parameter {name} is {str(p.dtype).removeprefix('torch.')}")
@@ -607,10 +445,12 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    @_holding_run_lock
     def train(self) -> list[dict[str, float]]:
         """Run (or resume) training to ``trainer.total_steps``, holding the run directory's lock
         (``<run_dir>/run.lock``, :mod:`stapo.run.runlock`). Returns each step's metrics.
+
+        The run folder (:class:`~stapo.run.folder.RunFolder`) does everything around the steps: the lock, the files
+        written at start, the tracker, the console, the interrupt guard, the checkpoint cadence, the throughput record.
 
         Raises:
             Interrupted: (a KeyboardInterrupt) Ctrl-C or SIGTERM stopped the run early: the first signal lets the
@@ -627,113 +467,63 @@ class Trainer:
                 finite (one-line message).
         """
         tc = self.cfg.trainer
+        with self.folder.locked():  # one process at a time writes a run folder
+            self._start()  # resume (or fork) from a checkpoint; refused: another run's checkpoints
+            self.folder.open(self.step, self.resume_plan, drop_after=(drop_rollouts_after,),
+                             validation_subdir=getattr(self.validation_hook, "subdir", "validation"))
+            self._validate_before_train()
+            with self.folder.steps(lambda: self.step, close=(self.reward_fn, self.validation_hook)) as history:
+                while self.step < tc.total_steps:
+                    metrics = self.train_step()
+                    self.step += 1
+                    if self.validation_hook is not None and tc.val_every and self.step % tc.val_every == 0:
+                        # every rank's engine generates its share (collective; stapo/evaluation/validation.py)
+                        metrics.update(self.validation_hook(self, self.step))
+                    self.folder.log(self.step, metrics)
+                    # a run that cannot learn stops here (every rank alike), after saving the step when its weights
+                    # are finite; a checkpoint of non-finite weights is never written
+                    self._stop_if_cannot_learn(metrics, check_weights=self.folder.save_due(self.step))
+                    if self.folder.maybe_save(self.step, self.save):  # a signal asked to stop (every rank alike)
+                        break
+            return history
+
+    def _start(self) -> None:
+        """Where the step loop starts (holding the lock): resume (or fork) from the checkpoint the resume plan chose
+        (:meth:`_maybe_resume`), or refuse a folder that meanwhile got checkpoints (``trainer.resume=never``)."""
+        tc = self.cfg.trainer
         fork = self.resume_plan.fork if self.resume_plan is not None else None
         if tc.resume != "never" or fork is not None:  # a fork loads its source checkpoint the way a resume does
             self._maybe_resume()
             if self.step >= tc.total_steps and self.dist.is_main:
                 print(f"resume: the run is at step {self.step}, trainer.total_steps={tc.total_steps}: nothing to "
                       f"train (raise trainer.total_steps to continue)", file=sys.stderr, flush=True)
-        elif latest_checkpoint(self.ckpt_root) is not None:
-            raise FileExistsError(f"{self.run_dir} already holds checkpoints; resume it with --resume "
-                                  f"(or trainer.resume=auto) or choose another trainer.run_name")
-        main = self.dist.is_main  # only rank 0 writes the run directory, logs and shows progress bars
-        if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
-            self._record_identity()  # fingerprint.json: what the run is made from (stapo/run/run_identity.py)
-            # provenance (stapo/run/provenance.py): this launch appended to run_info.json, and in the W&B config
-            launch = launch_record(self.argv, start_step=self.step, world_size=self.dist.world)
-            if fork is not None:  # the fork's first launch: where it started from (path, step, digest)
-                launch["init_from"] = fork.record()
-            launches = record_launch(self.run_dir, launch)
-            lc = self.cfg.logging
-            self.tracker = Tracker(self.run_dir, {**to_dict(self.cfg), "run_info": {**launches[-1],
-                                                                                    "launch": len(launches)}},
-                                   mode=lc.wandb_mode, project=lc.project, entity=lc.entity, name=self.run_name,
-                                   fallback=lc.wandb_fallback, group=lc.group, tags=lc.tags, job_type=lc.job_type,
-                                   notes=lc.notes, step_metric=TRAIN_STEP_METRIC,
-                                   wandb_step=True,  # monotonic: a resumed offline run continues the steps
-                                   backends=lc.backends, system_metrics=lc.system_metrics,
-                                   console_capture=lc.console_capture)
-            self.tracker.truncate_after(self.step)  # rows a crashed run wrote after its last checkpoint
-            self._drop_stale_validation()
-            drop_rollouts_after(self.run_dir, self.step)  # rollouts files of steps a resume redoes (or never reaches)
-        # trainer.val_before_train (verl's key): validate the initial policy at step 0, before the first update, once (a
-        # run restarted at step 0 whose metrics.jsonl already holds the step-0 row does not repeat it)
-        if tc.val_before_train and self.validation_hook is not None and self.step == 0:
-            path = self.tracker.metrics_path if main else None
-            done = main and path.exists() and any(row["step"] == 0 for row in read_jsonl_rows(path)[0])
-            if not dist.gather_objects(done, self.dist)[0]:  # rank 0's answer; every rank validates its share
-                val = self.validation_hook(self, 0)
-                if self.tracker is not None:
-                    self.tracker.log(0, val)
-        if main:  # where this run writes, before its first step (stapo/run/console.py)
-            self._print_start()
-        history: list[dict[str, float]] = []
-        bar = tqdm(total=tc.total_steps, initial=self.step, desc="train", disable=not (self._bars and main),
-                   dynamic_ncols=True)
-        # Ctrl-C, SIGTERM or SIGHUP (docs/metrics.md#interrupting-and-resuming): the first lets the step finish,
-        # then stops (checkpointing it if trainer.save_on_interrupt or one is due); a second abandons the step now.
-        guard = _InterruptGuard(self._announce_interrupt if main else lambda signum: None).install()
-        stop = False
-        try:
-            while self.step < tc.total_steps:
-                self._stepping = self.step + 1  # the step in progress (the first Ctrl-C's message)
-                metrics = self.train_step()
-                self.step += 1
-                if self.validation_hook is not None and tc.val_every and self.step % tc.val_every == 0:
-                    # every rank's engine generates its share (collective; stapo/evaluation/validation.py)
-                    metrics.update(self.validation_hook(self, self.step))
-                if self.tracker is not None:
-                    self.tracker.log(self.step, metrics)
-                history.append(metrics)
-                if main and not self._bars:  # a log file (Slurm, nohup): one plain line per step, no cursor codes
-                    print(step_line(self.step, tc.total_steps, metrics), flush=True)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}", ent=f"{metrics['actor/entropy']:.3f}",
-                                kept=f"{metrics['actor/num_kept_tokens']:.0f}/"
-                                     f"{metrics['response_length/total_tokens']:.0f}")
-                saved = bool((tc.save_every and self.step % tc.save_every == 0) or self.step == tc.total_steps)
-                # a run that cannot learn stops here (every rank alike), after saving the step when its weights are
-                # finite; a checkpoint of non-finite weights is never written
-                failure = self._cannot_learn(metrics)
-                finite = self._weights_finite() if saved or failure is not None else True
-                if not finite:
-                    failure = ("weights", "the policy's weights are no longer finite (NaN/inf): they diverged; "
-                                          "likely cause: a learning rate too large for this model (actor.lr="
-                                          f"{self.cfg.actor.lr:g}) or an overflow in model.compute_dtype")
-                if failure is not None:
-                    raise self._stop_cannot_learn(*failure, save=finite)
-                if saved:
-                    self.save()
-                # after the due save, so a signal during it stops here too; every rank stops after the same step
-                # (a rank that missed the signal too)
-                stop = dist.all_reduce({"stop": float(guard.requested)}, self.dist, op="max")["stop"] > 0
-                if stop:
-                    if tc.save_on_interrupt and not saved:
-                        self.save()
-                    break
-        except KeyboardInterrupt:  # the second Ctrl-C / SIGTERM: the step in progress is abandoned
-            raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=True,
-                              signum=guard.signum) from None
-        finally:
-            try:
-                bar.close()
-                if self.tracker is not None:
-                    self.tracker.finish()
-                for owner in (self.reward_fn, self.validation_hook):  # grader process pools
-                    close = getattr(owner, "close", None)
-                    if callable(close):
-                        close()
-            finally:
-                guard.uninstall()  # until here a further Ctrl-C exits at once
-        if main and history:  # this machine's measured step time, for train.py --dry-run (stapo/run/throughput.py)
-            from stapo.run.throughput import record_train_throughput
+        else:
+            refuse_checkpoints(self.ckpt_root)
 
-            record_train_throughput(self.cfg, self.device, history, self.run_dir)
-        if stop and self.step < tc.total_steps:
-            raise Interrupted(self.step, latest_checkpoint(self.ckpt_root), abandoned=False, signum=guard.signum)
-        return history
+    def _validate_before_train(self) -> None:
+        """``trainer.val_before_train`` (verl's key): validate the initial policy at step 0, before the first update,
+        once (a run restarted at step 0 whose metrics.jsonl already holds the step-0 row does not repeat it). Every
+        rank validates its share (collective)."""
+        if self.cfg.trainer.val_before_train and self.validation_hook is not None and self.step == 0:
+            if not self.folder.logged(0):  # rank 0's answer
+                self.folder.write_row(0, self.validation_hook(self, 0))
+
+    def _stop_if_cannot_learn(self, metrics: dict[str, float], check_weights: bool) -> None:
+        """Stop a run that cannot learn after the step just finished (:meth:`_cannot_learn`; with ``check_weights``,
+        a checkpoint being due, or when it stops, also weights that are no longer finite): the step is checkpointed
+        when its weights are finite. Collective (the decisions are all-reduced: every rank stops alike).
+
+        Raises:
+            CannotLearn: the step, the metric, the likely cause and what was checkpointed.
+        """
+        failure = self._cannot_learn(metrics)
+        finite = self._weights_finite() if check_weights or failure is not None else True
+        if not finite:
+            failure = ("weights", "the policy's weights are no longer finite (NaN/inf): they diverged; "
+                                  "likely cause: a learning rate too large for this model (actor.lr="
+                                  f"{self.cfg.actor.lr:g}) or an overflow in model.compute_dtype")
+        if failure is not None:
+            raise self._stop_cannot_learn(*failure, save=finite)
 
     def _cannot_learn(self, metrics: dict[str, float]) -> tuple[str, str] | None:
         """``(metric, what happened and its likely cause)`` when the step just finished makes the run one that cannot
@@ -806,53 +596,12 @@ class Trainer:
         return CannotLearn(f"the run cannot learn, stopped after step {self.step}: {what}; {kept}",
                            step=self.step, metric=metric, checkpoint=ckpt)
 
-    def _announce_interrupt(self, signum: int) -> None:
-        """The first Ctrl-C's (or SIGTERM's, SIGHUP's) line on stderr (rank 0)."""
-        save = " and writing its checkpoint" if self.cfg.trainer.save_on_interrupt else ""
-        what, again = (("Ctrl-C", "press Ctrl-C again") if signum == signal.SIGINT
-                       else (signal_name(signum), "a second signal"))
-        sys.stderr.write(f"\n{what}: finishing step {self._stepping}{save}, then stopping; {again} stops now (the "
-                         f"checkpoints already written are kept)\n")
-        sys.stderr.flush()
-
     def close(self) -> None:
         """Release the rollout engine (vLLM: its workers and, under torchrun, its process groups — before
         :func:`stapo.model.distributed.teardown`). The trainer cannot generate afterwards."""
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()
-
-    def _drop_stale_validation(self) -> None:
-        """Remove validation outputs of steps after ``self.step`` (a crashed or earlier run's), so the
-        evaluation store never resumes generations of other weights."""
-        import shutil
-
-        subdir = getattr(self.validation_hook, "subdir", "validation")
-        root = self.run_dir / subdir if subdir else None
-        if root is None or not root.is_dir():
-            return
-        for d in root.glob("step_*"):
-            try:
-                step = int(d.name.split("_", 1)[1])
-            except ValueError:
-                continue
-            if step > self.step:
-                shutil.rmtree(d, ignore_errors=True)
-
-    @functools.cached_property
-    def _bars(self) -> bool:
-        """tqdm bars (``trainer.progress_bar``; auto: stdout and stderr are terminals) or one line per step."""
-        return use_progress_bars(self.cfg.trainer.progress_bar)
-
-    def _print_start(self) -> None:
-        """The run folder and the W&B location (mode, project, group, the online URL or the offline folder)."""
-        lc, tracker = self.cfg.logging, self.tracker
-        mode = tracker.mode if tracker is not None else "disabled"
-        url = getattr(getattr(tracker, "_wandb", None), "url", None) if mode == "online" else None
-        wandb_dir = tracker.wandb_dir if tracker is not None and mode != "disabled" else None
-        for line in start_lines(self.run_dir, mode=mode, project=lc.project, group=lc.group, wandb_dir=wandb_dir,
-                                url=url):
-            print(line, flush=True)
 
     def _maybe_resume(self) -> None:
         """Resume from the latest complete checkpoint, if any (every rank; :meth:`RunState.resume`), then push
@@ -878,7 +627,7 @@ class Trainer:
         counter after validation and logging). Returns the step's metrics (verl names; docs/metrics.md)."""
         timing: dict[str, float] = {}
         t_step = time.perf_counter()
-        progress = StepProgress(self._bars and self.dist.is_main)
+        progress = StepProgress(self.folder.bars and self.dist.is_main)
         try:
             with _timed(timing, "rollout"):  # 1. G responses per prompt, sampled from π_old at temperature T
                 prompts, responses = self._generate(progress)
@@ -1007,10 +756,11 @@ class Trainer:
         return metrics
 
     def _utilisation(self, sb: StepBatch, timing: dict[str, float]) -> dict[str, float]:
-        """Rank 0's ``perf/max_memory_allocated_gb`` (:func:`stapo.common.perf.max_memory_gb`: the CUDA allocator's peak,
-        else the process's peak RSS; GiB) and, when the device's peak FLOP/s is known (``trainer.peak_flops`` or
+        """Rank 0's ``perf/max_memory_allocated_gb`` (:func:`stapo.common.perf.max_memory_gb`: the CUDA allocator's
+        peak, else the process's peak RSS; GiB) and, when the device's peak FLOP/s is known (``trainer.peak_flops`` or
         :data:`stapo.common.perf.PEAK_FLOPS`), ``perf/mfu/actor``: this rank's update FLOPs at its rows' real lengths
-        (:func:`stapo.common.perf.update_flops`) over ``timing_s/update`` × the peak (docs/metrics.md#timing-and-throughput).
+        (:func:`stapo.common.perf.update_flops`) over ``timing_s/update`` × the peak
+        (docs/metrics.md#timing-and-throughput).
         """
         from stapo.common.perf import ModelShape, max_memory_gb, mfu, peak_flops, update_flops
 
