@@ -32,6 +32,10 @@ from stapo.common.errors import ConfigError  # noqa: F401 - re-exported: stapo.c
 from stapo.core.masks import TOP_ENTROPY_RATIO, S2TParams
 
 from stapo.tasks.data import FileSetConfig
+from stapo.core.masks import MASKS
+from stapo.core.objectives import OBJECTIVES, OVERRIDABLE_FIELDS, build_objective
+from stapo.rollout import BACKENDS
+from stapo.tasks.data import TRAIN_BY_NAME
 
 __all__ = [
     "ConfigError",
@@ -655,9 +659,6 @@ def validate(cfg: TrainConfig) -> None:
         if not cond:
             raise ConfigError(f"invalid value for '{key}' ({_get(cfg, key)!r}): {msg}")
 
-    from stapo.tasks.data import TRAIN_BY_NAME
-    from stapo.rollout import BACKENDS
-
     check_finite(cfg)  # NaN / ±inf in any number: named before any range check reads it
     check_registered("rollout.backend", cfg.rollout.backend, "rollout backend", BACKENDS)
     check_registered("data.train_set", cfg.data.train_set, "training set",
@@ -872,9 +873,6 @@ def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
 def _validate_objective(cfg: TrainConfig) -> None:
     """``algorithm.objective`` against the registry, ``algorithm.masks`` against the registered masks' parameters, and
     the objective built from the config (:func:`stapo.core.objectives.build_objective`, the trainer's own call)."""
-    from stapo.core.masks import MASKS
-    from stapo.core.objectives import OBJECTIVES
-
     alg = cfg.algorithm
     check_registered("algorithm.objective", alg.objective, "objective", OBJECTIVES)
     for mask, params in alg.masks.items():
@@ -980,9 +978,6 @@ def objective_from_config(cfg: TrainConfig) -> Any:
         ConfigError: a config key of the objective's token mask is not in the schema (:func:`check_mask_config_keys`).
         KeyError, ValueError: from :func:`stapo.core.objectives.build_objective`.
     """
-    from stapo.core.masks import MASKS
-    from stapo.core.objectives import OBJECTIVES, OVERRIDABLE_FIELDS, build_objective
-
     alg = cfg.algorithm
     if alg.objective in OBJECTIVES and OBJECTIVES[alg.objective].token_mask in MASKS:
         check_mask_config_keys(MASKS[OBJECTIVES[alg.objective].token_mask])

@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+from stapo.common.fingerprint import model_digest
 
 __all__ = ["DCP_DIR", "MARKER", "FULL_HASH_LIMIT", "WEIGHT_GLOBS", "has_hf_weights", "is_sharded", "verify_checkpoint",
            "checkpoint_digest", "step_folders", "resumable_checkpoints", "complete_checkpoints", "latest_checkpoint"]
@@ -139,7 +140,6 @@ def checkpoint_digest(checkpoint_dir: str | Path) -> str:
         files = json.loads(marker.read_text()).get("files", {})
         text = json.dumps(files, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
-    from stapo.common.fingerprint import model_digest
 
     return model_digest(path)
 

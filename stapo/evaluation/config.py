@@ -29,6 +29,8 @@ from stapo.config import ConfigError, LoggingConfig, merge_config
 from stapo.tasks.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
 from stapo.tasks.synthetic import GENERATED_BENCHMARKS
 from stapo.evaluation.errors import EvalError
+from stapo.config import TrainConfig, check_logging_identity, check_registered, import_modules
+from stapo.rollout import BACKENDS
 
 __all__ = [
     "PAPER_SAMPLES",
@@ -257,7 +259,6 @@ def import_eval_modules(cfg: EvalConfig) -> None:
         EvalError: one line naming the key and the module (``prompt.from_train_config: invalid value for
             'trainer.import_modules' ...`` for the train config's), or the train config cannot be read.
     """
-    from stapo.config import TrainConfig, import_modules
 
     try:
         import_modules(cfg.import_modules, "import_modules")
@@ -288,9 +289,6 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     def need(cond: bool, key: str, msg: str) -> None:
         if not cond:
             raise EvalError(f"invalid value for '{key}': {msg}")
-
-    from stapo.config import check_logging_identity, check_registered
-    from stapo.rollout import BACKENDS
 
     try:
         check_registered("engine.backend", cfg.engine.backend, "rollout backend", BACKENDS)

@@ -29,6 +29,7 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+from stapo.common.fingerprint import file_sha256, json_digest, model_digest
 
 __all__ = ["content_key", "model_part", "data_part", "protocol", "eval_fingerprint", "protocol_differences",
            "same_inputs"]
@@ -52,7 +53,6 @@ def model_part(source: Any) -> str:
     Raises:
         OSError: a file of the folder cannot be read (the caller names ``model.path``).
     """
-    from stapo.common.fingerprint import model_digest
 
     if source.kind in ("hf_folder", "checkpoint"):
         return model_digest(source.path)
@@ -66,7 +66,6 @@ def data_part(path: str | Path | None, name: str, problems: Sequence[Any] = ()) 
     Raises:
         OSError: the file cannot be read.
     """
-    from stapo.common.fingerprint import file_sha256
 
     if path is not None:
         return file_sha256(path)
@@ -86,7 +85,6 @@ def protocol(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 def eval_fingerprint(manifest: Mapping[str, Any], machine: str) -> dict[str, Any]:
     """The evaluation's ``fingerprint.json`` parts (module docstring) from its manifest and the machine kind."""
-    from stapo.common.fingerprint import json_digest
 
     out: dict[str, Any] = {"model": manifest.get("model_digest"), "protocol": json_digest(protocol(manifest)),
                            "machine": machine, "compute_dtype": manifest.get("dtype")}

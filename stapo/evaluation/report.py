@@ -23,6 +23,9 @@ from typing import Any, Iterator, Sequence
 from stapo.tasks.data import BENCHMARK_REGISTRY, BENCHMARKS
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import GRADER_STATUSES
+from stapo.evaluation.metrics import validation_metrics
+from stapo.run.runlock import RunLock, RunLockError
+from stapo.run.tracking import Tracker, TrackerError
 
 __all__ = [
     "DISPLAY_NAMES",
@@ -420,7 +423,6 @@ def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     and the in-training validation's names of the same numbers (:func:`stapo.evaluation.metrics.
     validation_metrics`: ``val-core/<bench>/acc/mean@<N>`` ..., ``<bench>@<setting>`` with several settings), so an
     evaluation shares the validation charts (docs/metrics.md#evaluation-metricsjsonl--wb)."""
-    from stapo.evaluation.metrics import validation_metrics
 
     flat = _eval_metrics(results)
     try:
@@ -484,7 +486,6 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
     this runs, so a W&B that cannot start never fails it: one line on stderr, the JSONL files are written without
     W&B, and nothing is recorded as logged.
     """
-    from stapo.run.tracking import Tracker, TrackerError
 
     many = sorted([results] if isinstance(results, dict) else list(results), key=result_step)
     if not many:
@@ -575,9 +576,6 @@ def write_train_summary(results: dict[str, Any] | Sequence[dict[str, Any]], *, m
     Returns:
         The values written, or None when nothing was.
     """
-    from stapo.run.runlock import RunLock, RunLockError
-    from stapo.run.tracking import Tracker, TrackerError
-
     found = train_summary_values(results)
     if found is None:
         return None

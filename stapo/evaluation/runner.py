@@ -66,6 +66,14 @@ from stapo.evaluation.store import GenerationStore
 from stapo.common.fingerprint import write_fingerprint
 from stapo.run.preflight import check_chat_template, check_device, check_tokenizer, os_reason
 from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
+from stapo.config import ConfigError
+from stapo.evaluation.report import log_wandb, write_train_summary
+from stapo.model.distributed import gather_objects
+from stapo.model.models import build_tiny_model, load_policy, load_tokenizer
+from stapo.rollout import EngineOptions, SamplingParams, build_rollout_engine, engine_kwargs, get_backend
+from stapo.tasks.data import benchmark_path
+from stapo.tasks.golds import DEFAULT_MAX_FRACTION, check_golds
+from stapo.tasks.prompts import encode_prompt
 
 __all__ = [
     "PromptSpec",
@@ -191,7 +199,6 @@ def benchmark_file(root: str | os.PathLike, name: str, custom: Mapping[str, Any]
 
         sources = file_set_sources(custom[name], key=f"data.custom_benchmarks.{name}")
         return None if isinstance(sources, str) else sources[0]
-    from stapo.tasks.data import benchmark_path
 
     return benchmark_path(resolve_data_root(root), name)
 
@@ -218,7 +225,6 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
         EvalError: unknown benchmark name, missing data root or file, a bad row, or too many unparsable golds (the
             message names the file and the row or key).
     """
-    from stapo.tasks.golds import DEFAULT_MAX_FRACTION, check_golds
 
     custom = dict(custom or {})
     data_root = None
@@ -258,7 +264,6 @@ def encode_problems(problems: Mapping[str, list[Problem]], tokenizer: Any, promp
     Raises:
         EvalError: the prompt cannot be built (e.g. a system prompt with plain-text prompts).
     """
-    from stapo.tasks.prompts import encode_prompt
 
     dropped: dict[str, int] = {}
     for name, plist in problems.items():
@@ -350,7 +355,6 @@ def _block_records(engine: Any, grader: Any, call: Sequence[Problem], n: int, se
     Raises:
         RuntimeError: the engine returned a wrong number of responses.
     """
-    from stapo.rollout import SamplingParams
 
     sampling = SamplingParams(temperature=float(setting.temperature), top_p=float(setting.top_p),
                               max_new_tokens=int(max_new_tokens), seed=seed_i,
@@ -559,7 +563,6 @@ def _evaluate_sharded(engine: Any, grader: Any, problems: Mapping[str, Sequence[
     that worked (a second small gather). A crash therefore leaves the stores as one process would: whole blocks,
     or a torn last line that the next run cuts off.
     """
-    from stapo.model.distributed import gather_objects
 
     main = ctx.is_main
     out = Path(out_dir)
@@ -823,7 +826,6 @@ def _close_quietly(obj: Any) -> None:
 
 def _preflight(check: Callable[..., None], *args: Any) -> None:
     """Run a :mod:`stapo.run.preflight` check; its ConfigError becomes this module's one-line EvalError."""
-    from stapo.config import ConfigError
 
     try:
         check(*args)
@@ -875,8 +877,6 @@ def _git_commit() -> str | None:
 
 
 def _load_tokenizer(source: ModelSource, cfg: EvalConfig):
-    from stapo.model.models import load_tokenizer
-
     try:
         return load_tokenizer("embedded:smollm2" if source.kind == "tiny" else source.path,
                               cache_dir=cfg.model.cache_dir)
@@ -907,8 +907,6 @@ def _bars(cfg: EvalConfig) -> bool:
 
 
 def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
-    from stapo.model.models import build_tiny_model, load_policy
-
     try:
         with _hf_progress_bars(_bars(cfg)):
             if source.kind == "tiny":
@@ -926,8 +924,6 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
     """The rollout engine of ``engine.backend`` (:data:`stapo.rollout.BACKENDS`, the trainer's table and
     argument builder) → ``(engine, info for the manifest)``."""
     import torch
-
-    from stapo.rollout import EngineOptions, build_rollout_engine, engine_kwargs, get_backend
 
     ec = cfg.engine
     info: dict[str, Any] = {"backend": ec.backend}
@@ -992,7 +988,6 @@ def _content_digests(cfg: EvalConfig, source: ModelSource,
 def _model_context(model: Any, cfg: EvalConfig) -> int | None:
     """The context the samples are generated in (tokens): ``engine.max_model_len`` when set for an engine that
     builds its own (vLLM), else the model's ``max_position_embeddings``; None when unknown."""
-    from stapo.rollout import get_backend
 
     cap = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not get_backend(cfg.engine.backend).model_in_place and cfg.engine.max_model_len:
@@ -1220,7 +1215,6 @@ def log_results_to_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run
     summary (a train.py checkpoint only; the latest step of a sweep). ``logging.backends`` without ``wandb``
     (``[tensorboard]``, ``[none]``) starts no W&B run, neither the evaluation's nor the training run's summary
     update (``eval_summary.json`` is written all the same), as train.py."""
-    from stapo.evaluation.report import log_wandb, write_train_summary
 
     lc = cfg.logging
     mode = lc.wandb_mode if "wandb" in lc.backends else "disabled"

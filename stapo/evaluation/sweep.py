@@ -38,6 +38,8 @@ from typing import Any
 from stapo.common.checkpoint_files import _STEP_DIR, resumable_checkpoints
 from stapo.evaluation.config import EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
+from stapo.evaluation.report import load_results, result_step, write_sweep_reports
+from stapo.evaluation.runner import MANIFEST, SWEEP_KIND, _holding_lock, _slug, log_results_to_wandb, run_evaluation
 
 __all__ = ["SweepPlan", "SweepJob", "plan_sweep", "sweep_run_dir", "check_sweep", "sweep_jobs", "earlier_results",
            "run_sweep"]
@@ -113,7 +115,6 @@ def plan_sweep(spec: str, selection: str | list[int]) -> SweepPlan:
 
 def sweep_run_dir(cfg: EvalConfig, run_dir: Path) -> Path:
     """``output.dir`` when set, else ``<output.root>/<model.label or the run's name>``."""
-    from stapo.evaluation.runner import _slug
 
     if cfg.output.dir:
         return Path(cfg.output.dir)
@@ -123,7 +124,6 @@ def sweep_run_dir(cfg: EvalConfig, run_dir: Path) -> Path:
 def _finished(sub: Path, cfg: EvalConfig) -> dict[str, Any] | None:
     """The results of a checkpoint's folder when they were made with the generation-relevant settings of ``cfg``
     (:data:`_SAME_RESULTS`, the engine backend), else None."""
-    from stapo.evaluation.report import load_results
 
     if not (sub / "results.json").is_file():
         return None
@@ -160,7 +160,6 @@ def _claim(sweep_dir: Path, run_dir: Path, write: bool = True) -> None:
     Raises:
         EvalError: the folder is a train.py run folder, a single evaluation's folder, or the sweep of another run.
     """
-    from stapo.evaluation.runner import MANIFEST, SWEEP_KIND
 
     if (sweep_dir / "checkpoints").is_dir() or ((sweep_dir / "metrics.jsonl").is_file()
                                                and not (sweep_dir / MANIFEST).is_file()):
@@ -277,9 +276,6 @@ def run_sweep(cfg: EvalConfig, *, model_factory: Any = None, tokenizer: Any = No
         EvalError: as :func:`plan_sweep`, :func:`stapo.evaluation.runner.run_evaluation`, and an output folder that
             is a training run's, a single evaluation's or the sweep of another run.
     """
-    from stapo.evaluation.report import result_step, write_sweep_reports
-    from stapo.evaluation.runner import _holding_lock, log_results_to_wandb, run_evaluation
-
     plan, sweep_dir = check_sweep(cfg)
     for step, ckpt, why in plan.damaged:
         print(f"evaluate.py: {ckpt} is damaged ({why}); skipped", file=sys.stderr, flush=True)

@@ -36,6 +36,8 @@ from tqdm import tqdm
 from stapo.evaluation.config import PAPER_SETTINGS, DecodingSetting, canonical_benchmark
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import validation_metrics
+from stapo.evaluation.runner import (PromptSpec, _error_line, _raise_any, encode_problems, evaluate_problems,
+                                     load_problems)
 
 __all__ = ["ValidationHook", "make_validation_hook", "make_validation_hook_from_config", "validation_metrics"]
 
@@ -130,8 +132,6 @@ class ValidationHook:
             self._raw_problems = load_problems(data_root, self.benchmarks, self.limit)
 
     def _load(self, trainer: Any) -> dict[str, Any]:
-        from stapo.evaluation.runner import PromptSpec, encode_problems, load_problems
-
         if self._problems is None:
             dc = trainer.cfg.data
             problems = getattr(self, "_raw_problems", None) or load_problems(self.data_root or dc.root,
@@ -152,7 +152,6 @@ class ValidationHook:
         Collective under ``torchrun`` (``trainer.dist`` with W > 1): every rank calls it, generates and grades its
         share, and returns the same dict; rank 0 writes the files. An error on one rank is raised on every rank.
         """
-        from stapo.evaluation.runner import _error_line, _raise_any, evaluate_problems
 
         limit = int(trainer.cfg.rollout.response_length)
         max_new = min(int(self.max_new_tokens), limit) if self.max_new_tokens else limit

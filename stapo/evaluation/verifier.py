@@ -13,6 +13,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
+from stapo.model.models import build_tiny_model, load_policy
+from stapo.rollout import SamplingParams, build_rollout_engine
+from stapo.tasks.prompts import uses_chat_template
 
 __all__ = ["DEFAULT_VERIFIER_TEMPLATE", "VerifierVerdict", "parse_verdict", "LLMVerifier", "build_verifier"]
 
@@ -98,8 +101,6 @@ class LLMVerifier:
         self.calls = 0
 
     def _encode(self, question: str, gold: str, response: str) -> list[int]:
-        from stapo.tasks.prompts import uses_chat_template
-
         text = self.template.format(question=question, gold_answer=gold, response=response[-self.max_response_chars:])
         if uses_chat_template(self.tokenizer, self.use_chat_template):
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -113,7 +114,6 @@ class LLMVerifier:
         Raises:
             ValueError: the three sequences differ in length.
         """
-        from stapo.rollout import SamplingParams
 
         if not len(questions) == len(golds) == len(responses):
             raise ValueError(f"verify: {len(questions)} questions, {len(golds)} golds, {len(responses)} responses")
@@ -139,9 +139,6 @@ def build_verifier(cfg: Any, device: str = "cpu") -> LLMVerifier:
     Raises:
         OSError / ValueError: the model cannot be loaded (from transformers).
     """
-    from stapo.model.models import build_tiny_model, load_policy
-    from stapo.rollout import build_rollout_engine
-
     if cfg.model == "tiny":
         model, tok = build_tiny_model(seed=1)
     else:

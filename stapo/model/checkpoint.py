@@ -52,6 +52,8 @@ from stapo.common.checkpoint_files import (DCP_DIR, FULL_HASH_LIMIT, MARKER, _SA
                                     _write_marker, complete_checkpoints, is_sharded, latest_checkpoint,
                                     resumable_checkpoints, verify_checkpoint)
 from stapo.model.models import hf_class_name
+from stapo.model import distributed as dist
+from stapo.model.models import resolve_dtype
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
            "export_hf", "is_sharded", "verify_checkpoint", "resumable_checkpoints", "DCP_DIR", "MARKER",
@@ -132,7 +134,6 @@ def save_checkpoint(
         CheckpointSaveError: a file could not be written (full disk, quota, read-only): the message names the
             folder and the OS error; the partial folder is removed, earlier checkpoints are untouched.
     """
-    from stapo.model import distributed as dist
 
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -256,9 +257,6 @@ def export_hf(model: torch.nn.Module, folder: str | Path, tokenizer: Any = None,
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    from stapo.model import distributed as dist
-    from stapo.model.models import resolve_dtype
-
     ctx = ctx if ctx is not None else dist.DistContext()
     folder = Path(folder)
     out_dtype = resolve_dtype(dtype) if dtype is not None else None
@@ -345,7 +343,6 @@ def _export_full_fallback(model: torch.nn.Module, folder: Path, dtype: torch.dty
                           ctx: Any) -> None:
     """``save_pretrained`` of the full state dict on rank 0 (gathered tensor by tensor) — for models whose
     export renames or fuses weights; holds the whole model (not the optimizer) on rank 0."""
-    from stapo.model import distributed as dist
 
     full: dict[str, torch.Tensor] = {}
     for name, t in dist.iter_full_state_dict(model):  # collective under FSDP2

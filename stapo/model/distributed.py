@@ -67,6 +67,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from stapo.core.minibatch import all_gather_varlen
+from stapo.common.errors import ConfigError
+from stapo.model.models import hf_class_name, meta_model
 
 __all__ = [
     "DistContext", "init_distributed", "teardown", "check_dp_config", "shard_prompt_indices",
@@ -166,7 +168,6 @@ def check_dp_config(cfg: Any, ctx: DistContext) -> None:
             depends on the data — one when no two rows share a prompt or every response has one token, else
             two — and would desynchronise FSDP2's per-forward all-gathers across ranks).
     """
-    from stapo.common.errors import ConfigError
 
     if not ctx.enabled:
         return
@@ -430,8 +431,6 @@ def build_on_rank0(load: Callable[[], torch.nn.Module], ctx: DistContext) -> tor
     if not ctx.enabled:
         return load()
     import pickle
-
-    from stapo.model.models import hf_class_name, meta_model
 
     model, error = None, None
     if ctx.is_main:

@@ -16,6 +16,7 @@ import torch
 
 from stapo.rollout.base import (Response, SamplingParams, check_prompts, finish_reason_of,
                                 resolve_stop_token_ids)
+from stapo.model.precision import PrecisionPolicy
 
 __all__ = ["HFRolloutEngine", "MaskUnknownTokenIds"]
 
@@ -142,7 +143,6 @@ class HFRolloutEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
         self.vocab_rows = int(model.get_output_embeddings().weight.shape[0])
-        from stapo.model.precision import PrecisionPolicy
 
         param_dtype = next(model.parameters()).dtype
         self.precision = PrecisionPolicy(param_dtype, compute_dtype or param_dtype)

@@ -56,6 +56,9 @@ from tqdm import tqdm  # the plain class: _ResponseCounter draws nothing
 
 from stapo.rollout.base import (WAKE_TAGS, Response, SamplingParams, check_prompts, finish_reason_of,
                                 resolve_stop_token_ids)
+from stapo.common.logs import drop_rotary_reload_warning, quiet_libraries
+from stapo.model.distributed import check_same_state_dict, feed_collective, iter_full_state_dict
+from stapo.model.models import resolve_dtype
 
 __all__ = ["VLLMRolloutEngine", "engine_weights", "vllm_available"]
 
@@ -108,7 +111,6 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
     on the device. A sharded FSDP2 parameter is cast before its all-gather
     (:func:`stapo.model.distributed.iter_full_state_dict`). On CPU the tensors stay on the CPU.
     """
-    from stapo.model.distributed import iter_full_state_dict
 
     own = {t.data_ptr() for t in model.state_dict().values()}  # the trainer's storages (FSDP2: local shards)
     for name, tensor in iter_full_state_dict(model, dtype):
@@ -223,7 +225,6 @@ class VLLMRolloutEngine:
         on_cuda = torch.cuda.is_available()
         if not on_cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))
-        from stapo.model.models import resolve_dtype
 
         self.tokenizer = tokenizer
         self.dtype = resolve_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
@@ -242,8 +243,6 @@ class VLLMRolloutEngine:
         self.work_dir = Path(tempfile.mkdtemp(prefix="stapo-vllm-")) if work_dir is None else Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         _write_engine_folder(model, tokenizer, self.work_dir, self.vocab_size if self.masks_unknown_ids else None)
-
-        from stapo.common.logs import drop_rotary_reload_warning, quiet_libraries
 
         quiet_libraries()  # vLLM's INFO lines off unless verbose (train.py --verbose): before vLLM is imported
         from vllm import LLM
@@ -279,7 +278,6 @@ class VLLMRolloutEngine:
         self.startup_s = time.perf_counter() - t0
         if torch.get_num_threads() != threads:  # pragma: no cover - depends on vLLM's thread binding
             log.warning("vLLM changed torch's thread count from %d to %d", threads, torch.get_num_threads())
-        from stapo.model.distributed import check_same_state_dict
 
         check_same_state_dict(model, what="the policy pushed into the vLLM engines")  # torchrun: collective
         self.sync_weights(model, check_all_loaded=True)  # torchrun: every rank learns every rank's outcome
@@ -364,7 +362,6 @@ class VLLMRolloutEngine:
                 model; with ``check_all_loaded``, engine parameters left without weights): one line naming the
                 first failing rank, the tensor it was reading and the error — raised on every rank.
         """
-        from stapo.model.distributed import feed_collective
 
         self.wake_up(["weights"])
         t0 = time.perf_counter()

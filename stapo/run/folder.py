@@ -43,6 +43,9 @@ from stapo.run.preflight import check_writable
 from stapo.run.provenance import TRAIN_STEP_METRIC, launch_record, record_launch
 from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.run.tracking import Tracker, read_jsonl_rows
+from stapo.common.fingerprint import read_fingerprint, write_fingerprint
+from stapo.run.run_identity import (CHANGES_FILE, MACHINE_CHANGE_KEY, config_digest, data_part, resume_identity_check,
+                                    run_fingerprint)
 
 __all__ = ["RunFolder", "Interrupted"]
 
@@ -211,7 +214,6 @@ class RunFolder:
             stapo.config.ConfigError: (every rank) the model or the training data changed since the run started
                 (naming the key and the file), or they cannot be read.
         """
-        from stapo.run.run_identity import resume_identity_check, run_fingerprint
 
         fp, notes, refused = None, [], None
         fork = plan.fork if plan is not None else None
@@ -242,9 +244,6 @@ class RunFolder:
         Raises:
             stapo.config.ConfigError: the ``model`` or ``data`` part differs, naming ``trainer.init_from``.
         """
-        from stapo.common.fingerprint import read_fingerprint
-        from stapo.run.run_identity import data_part
-
         source = read_fingerprint(Path(init_from).expanduser().parent.parent) or {}
         for part in ("model", "data"):
             old, new = source.get(part), fp.get(part)
@@ -323,9 +322,6 @@ class RunFolder:
         """Rank 0, at start-up: write ``<run_dir>/fingerprint.json`` (its ``config`` part of the config just written
         to config.json) and, after a resume on another machine kind, a ``fingerprint.machine`` row of
         ``config_changes.jsonl`` (once per step and change)."""
-        from stapo.common.fingerprint import read_fingerprint, write_fingerprint
-        from stapo.run.run_identity import CHANGES_FILE, MACHINE_CHANGE_KEY, config_digest
-
         if self.fingerprint is None:
             return
         old = read_fingerprint(self.run_dir) if step > 0 else None

@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from stapo.common.fingerprint import json_digest, machine_kind, model_digest, read_fingerprint
+from stapo.common.fingerprint import file_sha256
+from stapo.tasks.data import load_train_set, train_path
 
 __all__ = ["NEUTRAL_KEYS", "HOW_KEYS", "flat_config", "config_digest", "model_part", "data_part", "run_fingerprint",
            "recorded_config", "config_matches_fingerprint", "plan_differences", "resume_identity_check",
@@ -149,7 +151,6 @@ def model_part(path: str, cache_dir: str | None = None, *, convert: bool = True)
 def _synthetic_digest(n: int, seed: int, levels: tuple[int, ...], split: str, task: str = "synthetic") -> str:
     """Digest of the generated ``[id, problem, answer]`` list (one generation per parameters and process); ``task``:
     ``data.train_set`` (``synthetic`` or ``word``)."""
-    from stapo.tasks.data import load_train_set
 
     records = load_train_set(task, n=n, seed=seed, levels=levels, split=split).records
     return json_digest([[r.id, r.problem, r.answer] for r in records])
@@ -167,9 +168,6 @@ def data_part(data: Any) -> tuple[str, str, str]:
     Raises:
         OSError: the training file cannot be read (train.py has checked it before: :func:`stapo.train.load_prompts`).
     """
-    from stapo.tasks.data import train_path
-    from stapo.common.fingerprint import file_sha256
-
     if data.train_set in ("synthetic", "word"):  # generated (stapo/tasks/synthetic.py, stapo/tasks/word_problems.py)
         s = data.synthetic
         params = f"num_problems={s.num_problems}, levels={list(s.levels)}, seed={s.seed}, split={s.split}"

@@ -10,6 +10,7 @@ the paired bootstrap).
 from stapo.study.config import RunSpec, StudyConfig, load_study_config, run_specs
 from stapo.study.report import METRICS, write_report
 from stapo.study.runner import describe_plan, run_grid, run_status
+from stapo.study.__main__ import main as _main
 
 __all__ = ["StudyConfig", "RunSpec", "load_study_config", "run_specs", "run_status", "describe_plan", "run_grid",
            "write_report", "METRICS", "main"]
@@ -17,6 +18,5 @@ __all__ = ["StudyConfig", "RunSpec", "load_study_config", "run_specs", "run_stat
 
 def main(argv: list[str] | None = None) -> int:
     """The ``python -m stapo.study`` command (:mod:`stapo.study.__main__`)."""
-    from stapo.study.__main__ import main as _main
 
     return _main(argv)

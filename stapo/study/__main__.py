@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from stapo.run.cli import ArgumentParser, sigterm_as_interrupt
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stapo.run.cli import ArgumentParser, sigterm_as_interrupt
-
     p = ArgumentParser(prog="stapo.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="study YAML (configs/study/)")
     mode = p.add_mutually_exclusive_group()

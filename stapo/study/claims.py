@@ -55,6 +55,10 @@ from stapo.study.keys import QUADRANTS
 from stapo.study.report import (Series, _run_config, as_number, check_output_writable, collect, final_results,
                                 pooled_quadrant_stat, read_runs, run_exclusions, writing)
 from stapo.study.stats import detectable_effect, moving_average, t_band, window_steps
+from stapo.config import ConfigError
+from stapo.run.cli import ArgumentParser
+from stapo.run.tracking import CorruptJsonlError
+from stapo.study.config import load_study_config, run_specs
 
 __all__ = ["ROLES", "ROLE_OBJECTIVES", "SubClaim", "Claim", "ClaimsError", "role_table", "evaluate_claims",
            "write_claims", "main"]
@@ -698,11 +702,6 @@ def write_claims(cfg: StudyConfig, specs: list[RunSpec], *, benchmark: str = "ar
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stapo.run.cli import ArgumentParser
-    from stapo.config import ConfigError
-    from stapo.study.config import load_study_config, run_specs
-    from stapo.run.tracking import CorruptJsonlError
-
     p = ArgumentParser(prog="stapo.study.claims", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="study YAML (configs/study/)")

@@ -35,6 +35,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from stapo.study.stats import block_bootstrap, detectable_effect, moving_average, t_band
+from stapo.common.checkpoint_files import complete_checkpoints
+from stapo.run.provenance import read_launches
+from stapo.run.tracking import read_metrics
 
 __all__ = ["MechanismClaimsError", "RunInfo", "read_run", "kind_from_machine_line", "check_pairable", "gate_a",
            "series", "rise", "gate_b", "fork_checkpoint", "e2", "e3", "from_start", "recipe_checks", "evaluate",
@@ -181,9 +184,6 @@ def read_run(path: str | Path) -> RunInfo:
     Raises:
         MechanismClaimsError: no folder, or no ``metrics.jsonl`` in it, or a damaged one (one line naming it).
     """
-    from stapo.run.provenance import read_launches
-    from stapo.run.tracking import read_metrics
-
     folder = Path(path)
     metrics = folder / "metrics.jsonl"
     if not metrics.is_file():
@@ -655,8 +655,6 @@ def from_start(trunk_rows: Sequence[Mapping[str, Any]], stapo_rows: Sequence[Map
 # ---------------------------------------------------------------- the whole analysis
 
 def _checkpoint_steps(run_dir: Path) -> list[int]:
-    from stapo.common.checkpoint_files import complete_checkpoints
-
     return [int(p.name.split("_")[1]) for p in complete_checkpoints(run_dir / "checkpoints")]
 
 

@@ -35,6 +35,8 @@ from stapo.study.runner import default_threads, evaluated_step
 from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
 from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
 from stapo.run.tracking import CorruptJsonlError, decode_value, read_jsonl_rows
+from stapo.config import ConfigError, TrainConfig, _flatten, to_dict
+from stapo.run.preflight import check_writable
 
 __all__ = ["METRICS", "LABELS", "COST_KEYS", "CHECKED_KEYS", "INF_CHECKED_KEYS", "Series", "as_number", "collect",
            "read_runs", "run_exclusions", "identity_problems", "check_output_writable", "writing", "eval_se_rows",
@@ -736,9 +738,6 @@ def check_output_writable(out: Path, what: str) -> None:
         stapo.config.ConfigError: it cannot (a read-only folder or file system, permissions, no space): one line
             naming the folder, the operating system's reason and what to do.
     """
-    from stapo.config import ConfigError
-    from stapo.run.preflight import check_writable
-
     try:
         check_writable(out, "output_dir")
     except ConfigError as e:
@@ -876,7 +875,6 @@ def _pairing_notes(cfg: StudyConfig, specs: list[RunSpec]) -> list[str]:
     prompts), read from what each run recorded (its ``config.json``; keys it predates at their schema default) and
     from the study's plan only for a run without one — the notes describe the runs reported, not a plan that was
     changed since."""
-    from stapo.config import TrainConfig, _flatten, to_dict
 
     default = _flatten(to_dict(TrainConfig()))
 

@@ -62,6 +62,9 @@ from stapo.run.provenance import default_group
 from stapo.run.runlock import LOCK_NAME, Holder, RunLock, RunLockError
 from stapo.study.config import RunSpec, StudyConfig
 from stapo.run.tracking import CorruptJsonlError, read_jsonl_rows
+from stapo.common.fingerprint import read_fingerprint
+from stapo.config import to_dict
+from stapo.run.run_identity import config_matches_fingerprint, data_part, model_part, plan_differences, recorded_config
 
 __all__ = ["REPO", "RunStatus", "EvalStatus", "run_status", "eval_status", "train_command", "eval_command",
            "describe_plan", "run_grid", "default_threads", "lock_holder", "exit_text", "ATTEMPTS", "FINISHED",
@@ -192,7 +195,6 @@ def _read_bytes(path: Path) -> bytes | None:
 def _names_itself(run_dir: Path) -> bool:
     """Whether the run's config.json names the folder it sits in (``trainer.run_name``): a copy placed elsewhere
     keeps the name of the run it was copied from."""
-    from stapo.run.run_identity import recorded_config
 
     cfg = recorded_config(run_dir) or {}
     return isinstance(cfg.get("trainer"), dict) and cfg["trainer"].get("run_name") == run_dir.name
@@ -201,7 +203,6 @@ def _names_itself(run_dir: Path) -> bool:
 def _same_run(a: Path, b: Path) -> str | None:
     """Why run folders ``a`` and ``b`` hold one run (None: they do not): identical fingerprints (config, model,
     data, seed), or, for runs without fingerprint.json, identical config.json and metrics.jsonl bytes."""
-    from stapo.common.fingerprint import read_fingerprint
 
     fa, fb = read_fingerprint(a), read_fingerprint(b)
     if fa is not None and fb is not None:
@@ -250,11 +251,6 @@ def run_identity_problems(spec_or_run_dir: RunSpec | str | os.PathLike,
           config.json and metrics.jsonl. Of an original and its copy only the copy is named (the run whose
           config.json does not name its own folder); when that cannot be told, both are.
     """
-    from stapo.config import to_dict
-    from stapo.common.fingerprint import read_fingerprint
-    from stapo.run.run_identity import (config_matches_fingerprint, data_part, model_part, plan_differences,
-                                    recorded_config)
-
     run_dir, name, spec = _run_name(spec_or_run_dir)
     if not run_dir.is_symlink() and not run_dir.is_dir():
         return []
@@ -305,9 +301,6 @@ def run_identity_problems(spec_or_run_dir: RunSpec | str | os.PathLike,
 def _tolerated(spec: RunSpec) -> str:
     """``; recorded with <key: old → new>, ... (how it is computed, not what: reused)`` for the HOW_KEYS the run's
     config.json differs from the plan in, else ""."""
-    from stapo.config import to_dict
-    from stapo.run.run_identity import plan_differences, recorded_config
-
     recorded = recorded_config(spec.run_dir)
     how = plan_differences(recorded, to_dict(spec.train))[1] if recorded is not None else []
     return f"; recorded with {', '.join(how)} (how it is computed, not what: kept)" if how else ""

@@ -52,6 +52,7 @@ from stapo.tasks.boxed import BOX_OPEN, last_boxed_content
 from stapo.tasks.records import Record
 from stapo.tasks.synthetic import generate_arithmetic
 from stapo.tasks.word_problems import generate_word_problems
+from stapo.common.fingerprint import file_sha256, json_digest
 
 __all__ = [
     "Benchmark",
@@ -910,7 +911,6 @@ def file_set_digest(spec: FileSetConfig, *, name: str = "file", key: str = "data
     Raises:
         OSError: a file cannot be read.  DataError: as :func:`load_file_set`, for a hub dataset.
     """
-    from stapo.common.fingerprint import file_sha256, json_digest
 
     sources = file_set_sources(spec, key=key)
     if isinstance(sources, str):

@@ -26,6 +26,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
+from stapo.common.fingerprint import json_digest
+from stapo.tasks.data import DataError
+from stapo.tasks.grader import gold_parses
 
 __all__ = ["DEFAULT_MAX_FRACTION", "GRADED_AS_ERRORS", "GoldCheck", "unparsable_golds", "check_golds"]
 
@@ -47,8 +50,6 @@ def _cache_file() -> Path:
 
 def _cache_key(golds: Sequence[str]) -> str:
     from importlib.metadata import PackageNotFoundError, version
-
-    from stapo.common.fingerprint import json_digest
 
     try:
         mv = version("math-verify")
@@ -93,7 +94,6 @@ def unparsable_golds(golds: Sequence[str]) -> set[str]:
     hit = _cache_read().get(key)
     if isinstance(hit, list):
         return set(hit)
-    from stapo.tasks.grader import gold_parses
 
     timeout = _PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     bad = [g for g in distinct if not gold_parses(g, timeout)]
@@ -169,7 +169,6 @@ def check_golds(golds: Sequence[str], *, where: str, key: str, max_fraction: flo
         stapo.tasks.data.DataError: more than ``max_fraction`` of the golds are unparsable (one line: file, count,
             first rows, the key).
     """
-    from stapo.tasks.data import DataError
 
     golds = list(golds)
     rows = list(rows) if rows is not None and len(rows) == len(golds) else list(range(len(golds)))

@@ -38,6 +38,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from stapo.run.throughput import (Measured, _cache_key, _measured_from_rows, _median,  # noqa: F401 - re-exported
                                   lookup_train_throughput, machine_key, record_train_throughput,
                                   throughput_cache_path)
+from stapo.run.provenance import read_launches
+from stapo.run.tracking import CorruptJsonlError, read_metrics
 
 __all__ = ["TrainCost", "EvalCost", "Measured", "ModelSize", "train_cost", "eval_cost", "checkpoint_steps",
            "model_size", "machine_key", "throughput_cache_path", "record_train_throughput", "lookup_train_throughput",
@@ -108,7 +110,6 @@ def checkpoint_steps(start_step: int, total_steps: int, save_every: int) -> list
 
 def _run_ranks(run: Path) -> int | None:
     """The data-parallel ranks of a run folder's last launch (``run_info.json``, :mod:`stapo.run.provenance`), or None."""
-    from stapo.run.provenance import read_launches
 
     try:
         launches = read_launches(run)
@@ -126,7 +127,6 @@ def measured_from_runs(output_dir: str | os.PathLike, model: str, compute_dtype:
     Returns:
         :class:`Measured` (its ``source`` names the file and says that the machine is not recorded), or None.
     """
-    from stapo.run.tracking import CorruptJsonlError, read_metrics
 
     root = Path(output_dir)
     found = []

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from stapo.train.samples import ROLLOUTS_DIR, RolloutFileError, read_rollouts, rollouts_path, saved_steps
+from stapo.run.preflight import write_error
 
 __all__ = ["ViewerError", "COLOUR_BINS", "P_LOG10_MIN", "load_step", "render_page", "write_page"]
 
@@ -338,7 +339,6 @@ def write_page(run_dir: str | os.PathLike, step: int | None = None, out: str | o
         ViewerError: see :func:`load_step`; the config lacks ``algorithm.s2t.prob_threshold``.
         OSError: the page cannot be written (naming the file).
     """
-    from stapo.run.preflight import write_error
 
     run_dir = Path(run_dir)
     step, records, config = load_step(run_dir, step)

@@ -45,6 +45,8 @@ from stapo.train.probes import (GROUPS, AdamWLinearisation, ProbeSetError, probe
 from stapo.core.masks import get_mask_spec
 from stapo.core.objectives import compute_token_mask, get_policy_loss, kl_k3, loss_denominator
 from stapo.core.token_stats import TokenStats
+from stapo.train.policy import policy_token_stats
+from stapo.train.update import PolicyUpdate
 
 __all__ = ["MechanismHook", "PROBE_COPY"]
 
@@ -187,7 +189,6 @@ class MechanismHook:
     def _stats(self, model: torch.nn.Module, batch: Any, idx: torch.Tensor, entropy_grad: bool) -> TokenStats:
         """Rows ``idx`` of ``batch`` through ``model`` as the update's forwards run (precision, temperature, LM head,
         layout) → :class:`TokenStats` [b, r] fp32; the entropy differentiable with ``entropy_grad``."""
-        from stapo.train.policy import policy_token_stats
 
         up = self.trainer.updater
         with up.precision.autocast(up.device):
@@ -310,7 +311,6 @@ class MechanismHook:
                         h0: float) -> dict[str, float]:
         """The step's update with the S2T mask and with none, from θ_t and the same optimizer state, on a copy of
         the policy → ``mechanism/counterfactual/*`` (docs/metrics.md)."""
-        from stapo.train.update import PolicyUpdate
 
         tr = self.trainer
         s2t = tr.cfg.algorithm.s2t

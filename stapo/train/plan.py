@@ -37,6 +37,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from stapo.core.masks import get_mask_spec, maskable_rows
+from stapo.model import distributed as dist
 
 __all__ = ["MicroStep", "MiniBatchPlan", "UpdatePlan", "build_plan", "micro_batches", "micro_batch_tokens",
            "token_budget_micro_batches", "max_over_ranks"]
@@ -174,7 +175,6 @@ def max_over_ranks(ctx) -> Callable[[list[int]], list[int]]:
     """A ``sync_counts`` for :func:`build_plan`: each pass's micro-batch count, the maximum over the ranks of
     ``ctx`` (a :class:`stapo.model.distributed.DistContext`; one all-reduce per plan, collective; verl's
     ``same_micro_num_in_dp``). Identity for W = 1."""
-    from stapo.model import distributed as dist
 
     def sync(counts: list[int]) -> list[int]:
         top = dist.all_reduce({f"{i:06d}": float(c) for i, c in enumerate(counts)}, ctx, op="max")

@@ -42,6 +42,8 @@ from typing import Sequence
 import torch
 
 from stapo.rollout.base import Response
+from stapo.core.token_stats import TokenStats, token_stats
+from stapo.model.lm_head import TokenStatsRequest
 
 __all__ = ["RolloutBatch", "collate_responses", "policy_hidden", "policy_logits", "policy_token_stats",
            "shared_prompt_logits", "check_fused_head", "policy_decoder", "LAYOUTS", "ForwardInputs", "forward_layout",
@@ -327,7 +329,6 @@ def _fused_request(model: torch.nn.Module, targets: torch.Tensor, temperature: f
     Raises:
         ValueError: the model's logits are not ``hidden @ Wᵀ`` (:func:`check_fused_head`).
     """
-    from stapo.model.lm_head import TokenStatsRequest
 
     weight = check_fused_head(model)  # [V_rows, d] (FSDP2: a DTensor; only its full shape is read)
     dev = targets.device
@@ -482,7 +483,6 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
             (:func:`check_fused_head`); an unknown ``layout``, or ``share_prompt`` with a layout other than
             ``padded``.
     """
-    from stapo.core.token_stats import TokenStats, token_stats
 
     if layout != "padded":
         if layout not in LAYOUTS:
@@ -522,7 +522,6 @@ def _layout_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature
                         lm_head: str):
     """:func:`policy_token_stats` with a padding-free ``layout`` (:func:`layout_inputs`): one forward without
     attention mask, the statistics of the K response tokens' predicting positions, scattered back to [b, r]."""
-    from stapo.core.token_stats import TokenStats, token_stats
 
     if lm_head not in ("logits", "fused"):
         raise ValueError(f"lm_head must be 'logits' or 'fused', got {lm_head!r}")

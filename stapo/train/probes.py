@@ -57,6 +57,8 @@ import torch
 
 from stapo.core.masks import ENTROPY_QUANTILE, PROB_THRESHOLD, QUANTILE_SCOPE, s2t_mask
 from stapo.core.tensor_utils import as_bool_mask, check_same_shape
+from stapo.rollout.base import Response
+from stapo.train.policy import collate_responses
 
 __all__ = [
     "ProbeRow",
@@ -259,9 +261,6 @@ def build_probe_set(engine: Any, prompts: Sequence[tuple[Sequence[int], str]], s
 def probe_batch(rows: Sequence[ProbeRow], pad_token_id: int):
     """The probe rows as a :class:`stapo.train.policy.RolloutBatch` (row i = ``rows[i]``; :func:`stapo.train.policy.
     collate_responses`): input_ids [N, P+R] int64, response_mask [N, R] bool (True on every probe token)."""
-    from stapo.train.policy import collate_responses
-    from stapo.rollout.base import Response
-
     responses = [Response(group=i, prompt_ids=list(r.prompt_ids), response_ids=list(r.response_ids), text="",
                           engine_logprobs=None, finish_reason="eos") for i, r in enumerate(rows)]
     return collate_responses(responses, pad_token_id)

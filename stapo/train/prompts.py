@@ -4,6 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from stapo.tasks.data import DataError, file_set_name, load_file_set, load_train_set
+from stapo.tasks.prompts import encode_prompt
 
 __all__ = ["PromptLoader", "load_prompts"]
 
@@ -30,9 +32,6 @@ def load_prompts(cfg: Any, tokenizer: Any) -> tuple[list[Prompt], dict[str, floa
             left (every row skipped or longer than ``data.max_prompt_length``): one line naming the source, the rows
             read / skipped / too long and the key to change.
     """
-    from stapo.tasks.data import file_set_name, load_file_set, load_train_set
-    from stapo.tasks.prompts import encode_prompt
-
     dc = cfg.data
     if dc.train_set in ("synthetic", "word"):  # generated: the arithmetic or the word-problem task
         records = load_train_set(dc.train_set, n=dc.synthetic.num_problems, seed=dc.synthetic.seed,
@@ -87,7 +86,6 @@ def _no_prompts_error(dc: Any, stats: Any, too_long: int) -> Exception:
     """The one-line :class:`stapo.tasks.data.DataError` for a training set that left no prompt: the source (the file of
     ``data.train_file.path`` or the set's name), rows read / skipped (with the reasons) / too long, and the key to
     change (``data.max_prompt_length`` for too-long prompts, the field mapping for skipped rows)."""
-    from stapo.tasks.data import DataError
 
     if dc.train_set == "file":
         source = f"data.train_file.path={stats.path}"

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from stapo.run.preflight import write_error
 
 __all__ = [
     "ROLLOUTS_DIR",
@@ -173,7 +174,6 @@ def write_rollouts(run_dir: str | os.PathLike, step: int, records: Sequence[dict
             temporary file is removed and an existing file of the step is left as it was.
         ValueError: a record holds a non-finite float (records from :func:`response_records` never do).
     """
-    from stapo.run.preflight import write_error
 
     path = rollouts_path(run_dir, step)
     tmp = path.with_name(path.name + ".tmp")

@@ -31,6 +31,8 @@ from stapo.model.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest
                               resumable_checkpoints, rng_state, save_checkpoint, set_rng_state, verify_checkpoint)
 from stapo.config import ConfigError, fork_key_changes, resume_key_changes, to_dict
 from stapo.run.run_identity import CHANGES_FILE  # the run folder's config_changes.jsonl
+from stapo.common.checkpoint_files import checkpoint_digest, latest_checkpoint as latest
+from stapo.model.models import load_policy
 
 __all__ = ["RunState", "ResumePlan", "ForkSource", "plan_resume", "plan_fork", "CHANGES_FILE", "plan_start",
            "refuse_checkpoints"]
@@ -158,7 +160,6 @@ def plan_fork(path: str, cfg: Any) -> ResumePlan:
             stores no config), the keys that differ beyond :data:`stapo.config.FORK_MUTABLE_KEYS` (``key: old →
             new``), or ``trainer.total_steps`` (not above the checkpoint's step).
     """
-    from stapo.common.checkpoint_files import checkpoint_digest, latest_checkpoint as latest
 
     folder = Path(path).expanduser()
 
@@ -351,7 +352,6 @@ class RunState:
 
     def _load_full_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> None:
         """Previous checkpoint format: weights from the HF files, ``state["optimizer"]`` the full optimizer state."""
-        from stapo.model.models import load_policy
 
         model_sd: dict[str, torch.Tensor] = {}
         if self.ctx.is_main or self.ctx.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast

@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from stapo.core.metric_names import masked_fraction_key
+from stapo.config import configs_dir
+from stapo.evaluation.runner import benchmark_file
+from stapo.model.checkpoint import latest_checkpoint
+from stapo.run.tracking import read_metrics
 
 __all__ = ["Change", "REPORT_KEYS", "TRAINING_KEY", "training_rows", "window_size", "start_end", "step_span",
            "masked_fraction_key", "markdown_report", "end_of_run_text", "end_of_run_summary", "eval_config_for",
@@ -191,7 +195,6 @@ def commands_here(cwd: str | os.PathLike | None = None) -> Commands:
     here = Path(cwd) if cwd is not None else Path(".")
     if (here / "evaluate.py").is_file() and (here / "scripts" / "summarize_run.py").is_file():
         return Commands(eval_dir=here / "configs" / "eval") if cwd is not None else Commands()
-    from stapo.config import configs_dir
 
     shipped = configs_dir()
     return Commands(evaluate="stapo-eval", summarize="stapo-summarize", compare="stapo-compare",
@@ -277,7 +280,6 @@ def missing_benchmarks(benchmarks: Sequence[str], root: str | os.PathLike | None
     """The names of ``benchmarks`` whose data file is not there under the data root ``root`` (generated benchmarks
     such as ``arith_test`` and hub datasets have none: never missing). An unknown name or a missing root counts as
     missing (evaluate.py would refuse it)."""
-    from stapo.evaluation.runner import benchmark_file
 
     out = []
     for name in benchmarks:
@@ -344,9 +346,6 @@ def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disable
     """:func:`end_of_run_text` of a run directory: reads ``metrics.jsonl`` (a torn last line is left out), finds
     the latest checkpoint and the W&B run folders (``<run_dir>/wandb/*-<id of wandb_run_id>``), and suggests an
     evaluation from the config family (:func:`evaluate_suggestion`; paths relative to the current directory)."""
-    from stapo.model.checkpoint import latest_checkpoint
-    from stapo.run.tracking import read_metrics
-
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     id_file = run_dir / "wandb_run_id"

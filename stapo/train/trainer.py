@@ -51,6 +51,12 @@ from stapo.train.prompts import PromptLoader, load_prompts
 from stapo.train.samples import completions_table, drop_rollouts_after, response_records, write_rollouts
 from stapo.train.state import RunState, plan_start, refuse_checkpoints
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
+from stapo.common.perf import ModelShape, max_memory_gb, mfu, peak_flops, update_flops
+from stapo.evaluation.runner import MANIFEST
+from stapo.model.models import EMBEDDED_ALIASES, ModelCacheError, build_tiny_model, load_policy, load_tokenizer
+from stapo.rollout import EngineOptions, SamplingParams, build_rollout_engine, engine_kwargs
+from stapo.tasks.rewards import make_reward_fn
+from stapo.train.policy import collate_responses
 
 __all__ = ["Trainer", "StepProgress", "Interrupted", "CannotLearn"]
 
@@ -180,10 +186,6 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, validation_hook: ValidationHook | None = None,
                  reward_fn: Callable[[list[str], list[str]], Any] | None = None, preflight_only: bool = False,
                  argv: list[str] | None = None, folder: RunFolder | None = None) -> None:
-        from stapo.evaluation.runner import MANIFEST
-        from stapo.rollout import SamplingParams, build_rollout_engine
-        from stapo.tasks.rewards import make_reward_fn
-
         self.cfg, self.validation_hook = cfg, validation_hook
         apply_identity(cfg)  # W&B group / tags / job_type left unset (train.py fills them from --config first)
         self.objective = objective_from_config(cfg)  # the registered objective + the config's overrides (as verl)
@@ -341,7 +343,6 @@ class Trainer:
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """The rollout engine's keyword arguments (:func:`stapo.rollout.engine_kwargs`, shared with evaluation)."""
-        from stapo.rollout import EngineOptions, engine_kwargs
 
         rc = self.cfg.rollout
         options = EngineOptions(
@@ -364,7 +365,6 @@ class Trainer:
             stapo.config.ConfigError: ``model.path`` is not a model folder with weights, an embedded alias or a
                 reachable hub id, or its tokenizer cannot be loaded or fails a check (one line naming the key).
         """
-        from stapo.model.models import EMBEDDED_ALIASES, ModelCacheError, load_tokenizer
 
         mc = self.cfg.model
         try:
@@ -413,7 +413,6 @@ class Trainer:
         Raises:
             stapo.config.ConfigError: the weights cannot be loaded (a damaged or truncated file, named).
         """
-        from stapo.model.models import build_tiny_model, load_policy
 
         mc = self.cfg.model
         if mc.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model (the same for every call)
@@ -679,7 +678,6 @@ class Trainer:
 
     def _score(self, prompts: list, responses: list) -> Rollout:
         """Rewards (the response text only, never the prompt), GRPO advantages and the collated batch."""
-        from stapo.train.policy import collate_responses
 
         alg = self.cfg.algorithm
         reward_out = self.reward_fn([r.text for r in responses], [prompts[r.group][1] for r in responses])
@@ -762,7 +760,6 @@ class Trainer:
         (:func:`stapo.common.perf.update_flops`) over ``timing_s/update`` × the peak
         (docs/metrics.md#timing-and-throughput).
         """
-        from stapo.common.perf import ModelShape, max_memory_gb, mfu, peak_flops, update_flops
 
         out = {"perf/max_memory_allocated_gb": max_memory_gb(self.device)}
         if not hasattr(self, "_peak_flops"):  # once: the device's peak and the model's shape (None: unknown)

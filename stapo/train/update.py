@@ -34,6 +34,7 @@ from stapo.core.token_stats import TokenStats
 from stapo.train.batch import Rollout
 from stapo.train.metrics import MetricAccumulator
 from stapo.train.plan import MiniBatchPlan, UpdatePlan
+from stapo.train.policy import policy_token_stats
 
 __all__ = ["PolicyUpdate", "UpdateResult", "Progress"]
 
@@ -102,7 +103,6 @@ class PolicyUpdate:
     def forward(self, batch, idx: torch.Tensor, model: torch.nn.Module | None = None) -> TokenStats:
         """Rows ``idx`` ([b]) of ``batch`` through ``model`` (default: the policy; grad if enabled) →
         :class:`TokenStats`, each [b, r] fp32 (r ≤ R: the micro-batch is trimmed)."""
-        from stapo.train.policy import policy_token_stats
 
         with self.precision.autocast(self.device):  # bf16 matmuls when mixed; token statistics stay fp32
             return policy_token_stats(self.model if model is None else model, batch.select(idx).trim().to(self.device),
