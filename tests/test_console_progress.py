@@ -104,9 +104,10 @@ def test_the_evaluate_suggestion_follows_the_family_and_the_data(tmp_path, monke
     assert "no configs/eval/custom.yaml" in text
     # 3. no data anywhere: the command with what is missing and how to get it, never a bare command that fails
     text = evaluate_suggestion("runs/r", family="gone", validation_benchmarks=["aime25"], data_root="nowhere")
+    # (prepare_data.py writes data/ by default: --out names the config's root, where evaluate.py will look)
     assert text == ("python evaluate.py --config configs/eval/gone.yaml --model runs/r --all-checkpoints  (needs "
-                    "data for aime24 under nowhere: python scripts/prepare_data.py, or pass --benchmarks with data "
-                    "you have)")
+                    "data for aime24 under nowhere: python scripts/prepare_data.py --out nowhere, or pass --data-root "
+                    "with a folder that has it, or --benchmarks with data you have)")
 
 
 def test_outside_a_checkout_the_suggestions_name_the_console_scripts_and_the_shipped_configs(tmp_path, monkeypatch):

@@ -339,7 +339,8 @@ def evaluate_suggestion(run_dir: str | os.PathLike, *, family: str | None,
     2. else that config (or evaluate.py's default, the paper protocol, without one) on the training config's own
        validation benchmarks (``validation.benchmarks`` under ``data.root``) when their data is there;
     3. else the family config's command with what to pass: the benchmarks whose data is missing and how to get it
-       (``python scripts/prepare_data.py``) or choose others (``--benchmarks``).
+       (``python scripts/prepare_data.py --out <the config's data root>``), point at data elsewhere
+       (``--data-root``) or choose others (``--benchmarks``).
 
     ``commands`` (:func:`commands_here`): the checkout's ``python evaluate.py`` and ``configs/eval`` (default), or,
     outside a checkout, ``stapo-eval`` (or ``python /path/to/evaluate.py``) and the installed package's configs,
@@ -372,8 +373,12 @@ def evaluate_suggestion(run_dir: str | os.PathLike, *, family: str | None,
     if eval_cfg is None:
         return (f"{base}  (no {commands.shown_eval_dir}/{family}.yaml: pass --config with an evaluate.py config "
                 f"and --benchmarks with data you have; default: the paper protocol)")
-    return (f"{base}  (needs data for {', '.join(missing)} under {root}: {commands.prepare_data}, or pass "
-            f"--benchmarks with data you have)")
+    # prepare_data.py writes data/ unless told otherwise: name the config's root, or the data lands where the
+    # command does not look
+    out = f" --out {shlex.quote(str(root))}" if root is not None and Path(str(root)) != Path("data") else ""
+    return (f"{base}  (needs data for {', '.join(missing)} under {root if root is not None else 'data'}: "
+            f"{commands.prepare_data}{out}, or pass --data-root with a folder that has it, or --benchmarks with data "
+            f"you have)")
 
 
 def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disabled", family: str | None = None,
