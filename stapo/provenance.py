@@ -155,12 +155,18 @@ def method_overrides(method: str, overrides: Sequence[str], value: Callable[[str
 
     ``method_overrides("stapo", ["algorithm.s2t.prob_threshold=0.001", "trainer.seed=2"])`` →
     ``"stapo[s2t.prob_threshold=0.001]"``; ``["algorithm.b=2", "algorithm.a=1"]`` → ``"stapo[a=1,b=2]"``;
-    no such override: ``method`` unchanged. Overrides are ``key=value`` strings as given to train.py.
+    no such override: ``method`` unchanged. Overrides are ``key=value`` strings as given to train.py. A key a resumed
+    run may change (:data:`stapo.config.RESUME_MUTABLE_KEYS`: ``algorithm.log_kl_to_ref``, a diagnostic that never
+    enters the loss) is not part of the setting and is left out.
     """
+    from stapo.config import RESUME_MUTABLE_KEYS
+
     parts: dict[str, str] = {}
     for item in overrides:
         key, sep, given = str(item).partition("=")
         key = key.strip().lstrip("+~")
+        if any(key == k or key.startswith(k + ".") for k in RESUME_MUTABLE_KEYS):
+            continue  # not a setting: a run resumes with it changed
         if sep and key.startswith(SETTING_SECTIONS) and key != "algorithm.objective":
             parts.pop(key, None)  # the last override of a key wins
             if base is not None and value is not None and _shown(value(key)) == _shown(base(key)):

@@ -120,6 +120,9 @@ def test_changed_algorithm_parameters_make_a_group_of_their_own():
     (["algorithm.s2t.prob_threshold=0.01", "algorithm.s2t.prob_threshold=0.002"], "tiny_test-stapo"),
     (["algorithm.s2t.prob_threshold=0.002", "algorithm.s2t.prob_threshold=0.01"],
      "tiny_test-stapo[s2t.prob_threshold=0.01]"),
+    # a diagnostic (kl_to_ref logged, never in the loss; a resume may switch it) is no other setting
+    (["algorithm.log_kl_to_ref=true"], "tiny_test-stapo"),
+    (["algorithm.log_kl_to_ref=true", "algorithm.s2t.prob_threshold=0.01"], "tiny_test-stapo[s2t.prob_threshold=0.01]"),
 ])
 def test_one_setting_is_one_group_whatever_the_command_line_order_or_spelling(over, group):
     """Two runs of the same parameters must share a W&B group (their seeds are averaged into one line): the
