@@ -11,8 +11,9 @@ and draws one panel per metric against the training step: per group a thin line 
 thick line and a light band from the seeds' minimum to their maximum, clipped to the metric's physical range
 (stapo/common/plotting.py, the same drawing as the study report's curves.png). A metric may be an :mod:`fnmatch` pattern
 (``actor/*/masked_frac``: each run's first matching key, the mask's own). A later row of a step (a resumed run)
-replaces an earlier one. Exit codes: 0 written; 2 a folder without config.json / metrics.jsonl, a damaged
-metrics.jsonl line, or no metric with a value (one line each).
+replaces an earlier one. A folder named twice is read once. Exit codes: 0 written; 2 a folder without config.json /
+metrics.jsonl, a damaged metrics.jsonl line, no metric with a value, or a --out that cannot be written (one line
+each).
 """
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 from stapo.common.plotting import draw_seed_curves, physical_range  # noqa: E402
 from stapo.run.tracking import CorruptJsonlError, read_metrics  # noqa: E402
 
-#: The panels drawn without --metrics (docs/metrics.md): reward, grader accuracy, entropy, the mask's masked fraction,
-#: response length and the PPO clip fraction.
+#: The panels drawn without --metrics (docs/metrics.md): reward, grader accuracy, entropy, the mask's masked fraction
+#: (S2T and its ablations) or kept fraction (20-Entropy's top_entropy; a panel only when a run logs it), response
+#: length and the PPO clip fraction.
 DEFAULT_METRICS = ["critic/score/mean", "reward/grader/accuracy", "actor/entropy", "actor/*/masked_frac",
-                   "response_length/mean", "actor/pg_clipfrac"]
+                   "actor/*/kept_frac", "response_length/mean", "actor/pg_clipfrac"]
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,19 @@ def group_runs(run_dirs: Sequence[str | Path], by: str = "auto") -> dict[str, li
     """{label: runs} of ``run_dirs`` (:func:`run_label`), labels in the order they first appear, each group's runs
     by seed.
 
+    A folder named twice (``runs/stapo_* runs/stapo_seed0``: overlapping shell patterns, ``runs/x`` and
+    ``runs/x/``) is read once: it is one run, not two seeds.
+
     Raises:
         PlotError: a folder without ``config.json`` or with one that is not a JSON object.
     """
     groups: dict[str, list[Run]] = {}
+    seen: set[Path] = set()
     for d in run_dirs:
         path = Path(d)
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise PlotError(f"{path}: no config.json (not a train.py run folder)")
@@ -222,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             paths = ", ".join(str(r.path) for r in runs if r.seed == seed)
             print(f"plot_runs.py: warning: {label} has trainer.seed={seed} in {seeds.count(seed)} runs ({paths}): "
                   "each is drawn as its own seed", file=sys.stderr)
-    out = plot(series, groups, args.out, args.title)
+    try:
+        out = plot(series, groups, args.out, args.title)
+    except OSError as e:  # a folder that cannot be made or written: one line, not a traceback
+        print(f"plot_runs.py: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     for label, runs in groups.items():
         print(f"{label}: {len(runs)} run(s), seeds {', '.join(str(r.seed) for r in runs)}")
     print(f"wrote {out} ({len(series)} panel(s))")

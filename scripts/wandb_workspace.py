@@ -8,10 +8,11 @@
 
 The layout (:func:`workspace_spec`, a plain dict, pure) is built from the keys the runs log (docs/metrics.md):
 
-* **Training**: reward ``critic/score/mean``, ``actor/entropy``, the token masks (every mask's fraction: STAPO's
-  and the S2T ablations' ``actor/<mask>/masked_frac``, 20-Entropy's ``actor/top_entropy/kept_frac``, on a log scale
-  since S2T silences ~0.01 % and 20-Entropy keeps 20 %; ``s2t/would_mask/masked_frac``: what the S2T rule would
-  silence, every method), ``response_length/mean``;
+* **Training**: reward ``critic/score/mean``, ``actor/entropy``, the token masks on two linear panels (a log axis
+  would drop the steps where S2T silences nothing, most of them): every mask's masked fraction
+  ``actor/<mask>/masked_frac`` (STAPO's ``s2t`` and the S2T ablations', ~0.01 %) and 20-Entropy's kept fraction
+  ``actor/top_entropy/kept_frac`` (~20 %); ``s2t/would_mask/masked_frac``: what the S2T rule would silence, every
+  method; ``response_length/mean``;
 * **Accuracy**: per benchmark (and the average), the in-training validation and the evaluations of checkpoints on
   one panel — every ``val-core/<bench>[@<setting>]/acc/mean@<N>`` key (a regular expression over the setting and
   N: the validation's N and the evaluation protocol's differ) — plus a panel of the evaluation's
@@ -41,16 +42,17 @@ REPO = Path(__file__).resolve().parents[1]
 STEP_AXIS = "training/global_step"
 #: W&B's run field the runs are grouped by: the run's group, one per method (stapo/run/provenance.py::default_group).
 GROUP_BY = "Group"
-#: Every registered token mask's fraction, ``actor/<mask prefix>/masked_frac`` (stapo/core/metric_names.py): STAPO's
-#: ``actor/s2t/masked_frac``, the S2T ablations' own, and 20-Entropy's ``actor/top_entropy/kept_frac`` (it logs
-#: what it keeps).
-MASKED_FRAC_REGEX = "^actor/[^/]+/(masked_frac|kept_frac)$"
+#: Every registered token mask's masked fraction, ``actor/<mask prefix>/masked_frac`` (stapo/core/metric_names.py): STAPO's
+#: ``actor/s2t/masked_frac`` and the S2T ablations' own.
+MASKED_FRAC_REGEX = "^actor/[^/]+/masked_frac$"
+#: What a mask that keeps a subset logs instead (20-Entropy's ``actor/top_entropy/kept_frac``).
+KEPT_FRAC_REGEX = "^actor/[^/]+/kept_frac$"
 #: The training panels: (title, keys, metric regex or None, log-scale y).
 TRAINING_PANELS: tuple[tuple[str, tuple[str, ...], str | None, bool], ...] = (
     ("reward (critic/score/mean)", ("critic/score/mean",), None, False),
     ("entropy (actor/entropy)", ("actor/entropy",), None, False),
-    ("token masks: masked fraction (S2T, ablations) or kept fraction (20-Entropy), log scale", (),
-     MASKED_FRAC_REGEX, True),
+    ("masked fraction: silenced by the method's mask (actor/<mask>/masked_frac)", (), MASKED_FRAC_REGEX, False),
+    ("kept fraction: 20-Entropy's top-entropy tokens (actor/<mask>/kept_frac)", (), KEPT_FRAC_REGEX, False),
     ("masked fraction: the S2T rule on every method (s2t/would_mask/masked_frac)", ("s2t/would_mask/masked_frac",),
      None, False),
     ("response length (response_length/mean)", ("response_length/mean",), None, False),

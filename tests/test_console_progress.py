@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stapo.run.console import start_lines, step_line, use_progress_bars
+from stapo.train import summary
 from stapo.train.summary import Commands, commands_here, eval_config_for, evaluate_suggestion, missing_benchmarks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,9 +104,10 @@ def test_the_evaluate_suggestion_follows_the_family_and_the_data(tmp_path, monke
     assert "no configs/eval/custom.yaml" in text
     # 3. no data anywhere: the command with what is missing and how to get it, never a bare command that fails
     text = evaluate_suggestion("runs/r", family="gone", validation_benchmarks=["aime25"], data_root="nowhere")
+    # (prepare_data.py writes data/ by default: --out names the config's root, where evaluate.py will look)
     assert text == ("python evaluate.py --config configs/eval/gone.yaml --model runs/r --all-checkpoints  (needs "
-                    "data for aime24 under nowhere: python scripts/prepare_data.py, or pass --benchmarks with data "
-                    "you have)")
+                    "data for aime24 under nowhere: python scripts/prepare_data.py --out nowhere, or pass --data-root "
+                    "with a folder that has it, or --benchmarks with data you have)")
 
 
 def test_outside_a_checkout_the_suggestions_name_the_console_scripts_and_the_shipped_configs(tmp_path, monkeypatch):
@@ -113,6 +115,7 @@ def test_outside_a_checkout_the_suggestions_name_the_console_scripts_and_the_shi
     stapo-compare, and the family's eval config found among the package's configs, written configs/eval/X.yaml
     (stapo-eval resolves that name there: stapo.tools.entry_points.resolve_config)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(summary, "_console_scripts_installed", lambda: True)  # as in a venv where stapo is installed
     here = commands_here()
     assert (here.evaluate, here.summarize, here.compare) == ("stapo-eval", "stapo-summarize", "stapo-compare")
     assert here.eval_dir == REPO / "configs" / "eval"  # this checkout is the installed package's configs
@@ -122,6 +125,30 @@ def test_outside_a_checkout_the_suggestions_name_the_console_scripts_and_the_shi
     assert commands_here(REPO) == Commands(eval_dir=REPO / "configs" / "eval")
     monkeypatch.chdir(REPO)
     assert commands_here() == Commands()
+
+
+def test_a_checkout_run_from_another_folder_without_console_scripts_names_its_own_files(tmp_path, monkeypatch):
+    """`python /repo/train.py` from another folder in an environment without stapo's console scripts (an older
+    editable install, or none): the suggestions are the checkout's files by absolute path, which run from there
+    (evaluate.py resolves configs/eval/X.yaml in the checkout), not stapo-* commands that do not exist."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(summary, "_console_scripts_installed", lambda: False)
+    here = commands_here()
+    assert here == Commands(evaluate=f"python {REPO}/evaluate.py", summarize=f"python {REPO}/scripts/summarize_run.py",
+                            compare=f"python {REPO}/scripts/compare.py",
+                            prepare_data=f"python {REPO}/scripts/prepare_data.py", eval_dir=REPO / "configs" / "eval")
+    assert evaluate_suggestion("runs/r", family="cpu_smollm2", commands=here).startswith(
+        f"python {REPO}/evaluate.py --config configs/eval/cpu_smollm2.yaml --model runs/r --all-checkpoints")
+    # the lookup itself: a script beside this Python (a venv's bin/) counts, as one on $PATH does
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
+    assert not summary._console_scripts_installed()
+    (tmp_path / "bin").mkdir()
+    for name in summary.CONSOLE_SCRIPTS:
+        (tmp_path / "bin" / name).write_text("")
+    assert summary._console_scripts_installed()
 
 
 def test_train_py_in_a_log_file_prints_plain_step_lines(tmp_path, capsys, monkeypatch):

@@ -80,6 +80,35 @@ def test_two_run_folders_give_a_png_and_the_seed_matrix(tmp_path, capsys):
     assert err.count("\n") == 1 and f"stapo has trainer.seed=0 in 2 runs ({s0}, {again})" in err
 
 
+def test_a_folder_named_twice_is_one_run_and_an_unwritable_out_is_one_line(tmp_path, capsys):
+    """`plot_runs.py runs/stapo_* runs/stapo_seed0` (overlapping patterns) names seed 0 twice: one run, seeds 0, 1
+    (not 0, 0, 1 with a repeated-seed warning). A --out that cannot be written: exit 2 and one line."""
+    s0 = _run(tmp_path, "s0", "stapo", 0, [{"step": 1, "critic/score/mean": 0.5}])
+    s1 = _run(tmp_path, "s1", "stapo", 1, [{"step": 1, "critic/score/mean": -0.5}])
+    groups = plot_runs.group_runs([s0, s1, s0, f"{s0}/"])
+    assert [(r.seed, r.path) for r in groups["stapo"]] == [(0, s0), (1, s1)]
+    out = tmp_path / "runs.png"
+    assert plot_runs.main([str(s0), str(s1), str(s0), "--out", str(out), "--metrics", "critic/score/mean"]) == 0
+    got = capsys.readouterr()
+    assert got.err == "" and "stapo: 2 run(s), seeds 0, 1" in got.out
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # --out under a file: its folder cannot be made
+    assert plot_runs.main([str(s0), "--out", str(blocker / "runs.png"), "--metrics", "critic/score/mean"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"plot_runs.py: cannot write {blocker / 'runs.png'}: ")
+
+
+def test_a_20_entropy_run_gets_its_kept_fraction_panel_by_default(tmp_path):
+    """20-Entropy logs actor/top_entropy/kept_frac (no masked_frac): the default panels include it, as the W&B
+    workspace's mask panel does; a run without it (GRPO) gives no such panel."""
+    e0 = _run(tmp_path, "e0", "entropy20", 0, [{"step": 1, "actor/top_entropy/kept_frac": 0.2}])
+    series = plot_runs.collect(plot_runs.group_runs([e0]), plot_runs.DEFAULT_METRICS)
+    assert list(series) == ["actor/*/kept_frac"] and series["actor/*/kept_frac"]["entropy20"][2] == [
+        "actor/top_entropy/kept_frac"]
+    g0 = _run(tmp_path, "g0", "grpo", 0, [{"step": 1, "critic/score/mean": 0.0}])
+    assert list(plot_runs.collect(plot_runs.group_runs([g0]), plot_runs.DEFAULT_METRICS)) == ["critic/score/mean"]
+
+
 def test_physical_ranges_and_the_clipped_band():
     assert physical_range("actor/entropy") == (0.0, None)
     assert physical_range("actor/s2t/masked_frac") == (0.0, 1.0)

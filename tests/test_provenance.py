@@ -90,17 +90,46 @@ def test_the_paper_family_and_a_changed_objective_stay_in_their_config_family():
 def test_changed_algorithm_parameters_make_a_group_of_their_own():
     """STAPO with tau_p = 0.001 is another setting than the config's tau_p = 0.002: its own W&B line. A seed or a
     non-algorithm override stays in the config's group (seeds aggregate); logging.method set by hand wins."""
-    assert method_overrides("stapo", ["algorithm.s2t.prob_threshold=0.001", "trainer.seed=2"]) == "stapo[s2t.prob_threshold=0.001]"
+    assert method_overrides("stapo", ["algorithm.s2t.prob_threshold=0.001", "trainer.seed=2"]) == (
+        "stapo[s2t.prob_threshold=0.001]")
     assert method_overrides("stapo", ["trainer.seed=2", "algorithm.objective=grpo"]) == "stapo"
     over = ["algorithm.s2t.prob_threshold=0.001", "algorithm.clip_ratio_high=0.3", "trainer.seed=1"]
     cfg = load_config(REPO / "configs/cpu_smollm2_stapo.yaml", over)
-    ident = apply_identity(cfg, "configs/cpu_smollm2_stapo.yaml", overrides=over)
-    assert ident.group == "cpu_smollm2-stapo[s2t.prob_threshold=0.001,clip_ratio_high=0.3]"
+    ident = apply_identity(cfg, REPO / "configs/cpu_smollm2_stapo.yaml", overrides=over)
+    assert ident.group == "cpu_smollm2-stapo[clip_ratio_high=0.3,s2t.prob_threshold=0.001]"  # sorted by key
     seed = load_config(REPO / "configs/cpu_smollm2_stapo.yaml", ["trainer.seed=1"])
-    assert apply_identity(seed, "configs/cpu_smollm2_stapo.yaml", overrides=["trainer.seed=1"]).group == (
+    assert apply_identity(seed, REPO / "configs/cpu_smollm2_stapo.yaml", overrides=["trainer.seed=1"]).group == (
         "cpu_smollm2-stapo")
     named = load_config(REPO / "configs/cpu_smollm2_stapo.yaml", [*over, "logging.method=tau1e-3"])
-    assert apply_identity(named, "configs/cpu_smollm2_stapo.yaml", overrides=over).group == "cpu_smollm2-tau1e-3"
+    assert apply_identity(named, REPO / "configs/cpu_smollm2_stapo.yaml", overrides=over).group == (
+        "cpu_smollm2-tau1e-3")
+
+
+@pytest.mark.parametrize("over, group", [
+    # one setting whatever the order: keys sorted (c < s)
+    (["algorithm.s2t.prob_threshold=0.001", "algorithm.clip_ratio_high=0.28"],
+     "tiny_test-stapo[clip_ratio_high=0.28,s2t.prob_threshold=0.001]"),
+    (["algorithm.clip_ratio_high=0.28", "algorithm.s2t.prob_threshold=0.001"],
+     "tiny_test-stapo[clip_ratio_high=0.28,s2t.prob_threshold=0.001]"),
+    # ... or spelling: 1e-3 is the float 0.001, written as the config holds it
+    (["algorithm.s2t.prob_threshold=1e-3"], "tiny_test-stapo[s2t.prob_threshold=0.001]"),
+    # the config's own value (tau_p = 0.002, the schema default tiny_test.yaml keeps) is no other setting
+    (["algorithm.s2t.prob_threshold=0.002"], "tiny_test-stapo"),
+    (["algorithm.clip_ratio_high=null"], "tiny_test-stapo"),  # unset in the file too
+    # the last override of a key wins: 0.01 then 0.002 leaves the file's value
+    (["algorithm.s2t.prob_threshold=0.01", "algorithm.s2t.prob_threshold=0.002"], "tiny_test-stapo"),
+    (["algorithm.s2t.prob_threshold=0.002", "algorithm.s2t.prob_threshold=0.01"],
+     "tiny_test-stapo[s2t.prob_threshold=0.01]"),
+    # a diagnostic (kl_to_ref logged, never in the loss; a resume may switch it) is no other setting
+    (["algorithm.log_kl_to_ref=true"], "tiny_test-stapo"),
+    (["algorithm.log_kl_to_ref=true", "algorithm.s2t.prob_threshold=0.01"], "tiny_test-stapo[s2t.prob_threshold=0.01]"),
+])
+def test_one_setting_is_one_group_whatever_the_command_line_order_or_spelling(over, group):
+    """Two runs of the same parameters must share a W&B group (their seeds are averaged into one line): the
+    method's suffix does not depend on the overrides' order, on how a number is written, or on an override that
+    repeats the config file's value."""
+    cfg = load_config(REPO / "configs/tiny_test.yaml", over)
+    assert apply_identity(cfg, REPO / "configs/tiny_test.yaml", overrides=over).group == group
 
 
 def test_values_set_in_the_config_are_kept_and_a_second_call_changes_nothing():

@@ -30,8 +30,8 @@ def test_the_spec_lays_out_the_comparison_panels_against_the_training_step_group
         "me", "stapo", "training/global_step", "Group", "family:cpu_smollm2")
     assert [s["name"] for s in spec["sections"]] == ["Training", "Accuracy", "Utilisation"]
     panels = list(_panels(spec).values())
-    # 5 training + (2 benchmarks + average) x 2 accuracy + 4 utilisation panels
-    assert len(panels) == 5 + 3 * 2 + 4
+    # 6 training + (2 benchmarks + average) x 2 accuracy + 4 utilisation panels
+    assert len(panels) == 6 + 3 * 2 + 4
     assert all(p["x"] == "training/global_step" and p["groupby"] == "Group" for p in panels)
     keys = {k for p in panels for k in p["y"]}
     assert {"critic/score/mean", "actor/entropy", "s2t/would_mask/masked_frac",
@@ -98,13 +98,15 @@ def test_print_spec_needs_no_network():
     assert exit_.value.code == 2
 
 
-def test_the_masked_fraction_panel_draws_every_mask_on_a_log_scale():
-    """S2T silences about 0.01 % of the tokens and 20-Entropy keeps 20 % (logging what it keeps): one regex
-    panel, every mask's key, log y."""
-    masked = next(p for p in _panels(ww.workspace_spec("me", "stapo", ["aime24"])).values()
-                  if p["metric_regex"] == ww.MASKED_FRAC_REGEX)
-    assert masked["log_y"] is True and masked["y"] == []
-    pat = re.compile(masked["metric_regex"])
-    for key in ("actor/s2t/masked_frac", "actor/top_entropy/kept_frac", "actor/s2t_random/masked_frac"):
-        assert pat.match(key), key
+def test_the_mask_panels_draw_every_mask_on_a_linear_scale():
+    """S2T silences about 0.01 % of the tokens (none at most steps: a log axis would drop those zeros) and 20-Entropy
+    keeps 20 %: one linear panel for every mask's masked fraction, one for the kept fraction."""
+    panels = _panels(ww.workspace_spec("me", "stapo", ["aime24"])).values()
+    masked = next(p for p in panels if p["metric_regex"] == ww.MASKED_FRAC_REGEX)
+    kept = next(p for p in panels if p["metric_regex"] == ww.KEPT_FRAC_REGEX)
+    assert masked["log_y"] is False and kept["log_y"] is False and masked["y"] == kept["y"] == []
+    pat, keep = re.compile(masked["metric_regex"]), re.compile(kept["metric_regex"])
+    for key in ("actor/s2t/masked_frac", "actor/s2t_random/masked_frac", "actor/full_low_prob/masked_frac"):
+        assert pat.match(key) and not keep.match(key), key
+    assert keep.match("actor/top_entropy/kept_frac") and not pat.match("actor/top_entropy/kept_frac")
     assert not pat.match("s2t/would_mask/masked_frac") and not pat.match("actor/s2t/num_masked")

@@ -43,7 +43,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["RunIdentity", "config_family", "config_method", "default_group", "model_short_name", "resolve_identity",
            "apply_identity", "method_overrides",
@@ -131,21 +131,49 @@ def config_method(config_path: str | os.PathLike | None, objective: str, objecti
 SETTING_SECTIONS = ("algorithm.",)
 
 
-def method_overrides(method: str, overrides: Sequence[str]) -> str:
+def _shown(value: Any) -> str:
+    """A config value as written in a method name: strings bare, anything else as JSON (``0.001``, ``null``,
+    ``true``, ``[1,2]``); ``_shown(1e-3)`` → ``"0.001"``."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def method_overrides(method: str, overrides: Sequence[str], value: Callable[[str], Any] | None = None,
+                     base: Callable[[str], Any] | None = None) -> str:
     """``method`` with the command-line overrides of :data:`SETTING_SECTIONS` (the algorithm's parameters, not
     ``algorithm.objective``, which names the method itself) appended, so that a run of changed parameters gets a
     group of its own rather than being averaged with the config's own setting.
 
-    ``method_overrides("stapo", ["algorithm.s2t.prob_threshold=0.001", "trainer.seed=2"])`` → ``"stapo[s2t.prob_threshold=0.001]"``;
-    no such override: ``method`` unchanged. Overrides are ``key=value`` strings as given to train.py.
+    One setting is one name whatever the command line's order or spelling: the parameters are sorted by key, the
+    last override of a key wins, and with ``value`` (the resolved config's value of a dotted key) each is written as
+    the config holds it (``1e-3`` and ``0.001`` both → ``0.001``); with ``base`` (the value the config file gives
+    without the overrides) an override that leaves its parameter at the file's value is not a change and is left out.
+
+    ``method_overrides("stapo", ["algorithm.s2t.prob_threshold=0.001", "trainer.seed=2"])`` →
+    ``"stapo[s2t.prob_threshold=0.001]"``; ``["algorithm.b=2", "algorithm.a=1"]`` → ``"stapo[a=1,b=2]"``;
+    no such override: ``method`` unchanged. Overrides are ``key=value`` strings as given to train.py. A key a resumed
+    run may change (:data:`stapo.config.RESUME_MUTABLE_KEYS`: ``algorithm.log_kl_to_ref``, a diagnostic that never
+    enters the loss) is not part of the setting and is left out.
     """
-    parts = []
+    from stapo.config import RESUME_MUTABLE_KEYS
+
+    parts: dict[str, str] = {}
     for item in overrides:
-        key, sep, value = str(item).partition("=")
+        key, sep, given = str(item).partition("=")
         key = key.strip().lstrip("+~")
+        if any(key == k or key.startswith(k + ".") for k in RESUME_MUTABLE_KEYS):
+            continue  # not a setting: a run resumes with it changed
         if sep and key.startswith(SETTING_SECTIONS) and key != "algorithm.objective":
-            parts.append(f"{key.split('.', 1)[1]}={value.strip()}")
-    return f"{method}[{','.join(parts)}]" if parts else method
+            parts.pop(key, None)  # the last override of a key wins
+            if base is not None and value is not None and _shown(value(key)) == _shown(base(key)):
+                continue  # the config file's own value: not another setting
+            parts[key] = _shown(value(key)) if value is not None else given.strip()
+    shown = [f"{key.split('.', 1)[1]}={parts[key]}" for key in sorted(parts)]
+    return f"{method}[{','.join(shown)}]" if shown else method
 
 
 def default_group(family: str, method: str, study: str | None = None) -> str:
@@ -189,13 +217,22 @@ def apply_identity(cfg: Any, config_path: str | os.PathLike | None = None,
     :class:`~stapo.config.TrainConfig` in place with :func:`resolve_identity`'s defaults (``study`` stays as given),
     and return the identity. Values already set are kept, so calling it twice (train.py with the config file, then
     the trainer) changes nothing the second time. ``overrides``: the command line's ``key=value`` overrides; with
-    ``logging.method`` unset, those of the algorithm's parameters name the method (:func:`method_overrides`)."""
+    ``logging.method`` unset, those of the algorithm's parameters that change the config file's value name the
+    method (:func:`method_overrides`, values as ``cfg`` holds them; the file is read again without the overrides)."""
     from stapo.core.objectives import OBJECTIVES
 
     lc = cfg.logging
     if lc.method is None and method_overrides("", overrides):  # "" when no algorithm.* parameter is overridden
+        from stapo.config import ConfigError, get_key, load_config
+
+        try:  # the config file's own values: an override that keeps one is no other setting
+            file_cfg = load_config(config_path) if config_path is not None else None
+        except ConfigError:  # a file valid only with its overrides: every override counts
+            file_cfg = None
         lc.method = method_overrides(config_method(config_path, cfg.algorithm.objective,
-                                                   {*OBJECTIVES, cfg.algorithm.objective}), overrides)
+                                                   {*OBJECTIVES, cfg.algorithm.objective}), overrides,
+                                     value=lambda key: get_key(cfg, key),
+                                     base=(lambda key: get_key(file_cfg, key)) if file_cfg is not None else None)
     ident = resolve_identity(group=lc.group, tags=lc.tags, job_type=lc.job_type, notes=lc.notes,
                              objective=cfg.algorithm.objective, model_path=cfg.model.path,
                              reward=cfg.algorithm.reward, config_path=config_path, objective_names=OBJECTIVES,

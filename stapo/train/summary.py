@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 import os
 import shlex
+import shutil
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -187,19 +189,44 @@ class Commands:
     shown_eval_dir: str = "configs/eval"
 
 
+#: The console scripts the end-of-run suggestions name (pyproject.toml ``[project.scripts]``).
+CONSOLE_SCRIPTS = ("stapo-eval", "stapo-summarize", "stapo-compare", "stapo-prepare-data")
+
+
+def _console_scripts_installed() -> bool:
+    """True when every one of :data:`CONSOLE_SCRIPTS` is on ``$PATH`` or beside this Python (a venv's ``bin/``)."""
+    beside = Path(sys.executable).parent
+    return all(shutil.which(name) or (beside / name).is_file() for name in CONSOLE_SCRIPTS)
+
+
 def commands_here(cwd: str | os.PathLike | None = None) -> Commands:
-    """The :class:`Commands` that work from ``cwd`` (default: the current directory): the checkout's files when
-    ``cwd`` holds ``evaluate.py`` and ``scripts/`` (the README's commands), else the console scripts with the
-    installed package's configs (:func:`stapo.config.configs_dir`; ``stapo-eval --config
-    configs/eval/X.yaml`` resolves there)."""
+    """The :class:`Commands` that work from ``cwd`` (default: the current directory):
+
+    1. the checkout's files when ``cwd`` holds ``evaluate.py`` and ``scripts/`` (the README's commands);
+    2. else the console scripts with the installed package's configs (:func:`stapo.config.configs_dir`;
+       ``stapo-eval --config configs/eval/X.yaml`` resolves there) when they are installed (on ``$PATH`` or beside
+       this Python);
+    3. else, when this package is a source checkout's (``python /path/to/train.py`` from another folder, with no
+       console scripts installed), that checkout's files by absolute path (``python /path/to/evaluate.py``, which
+       resolves ``configs/eval/X.yaml`` there too);
+    4. else the console scripts (a wheel whose ``bin/`` is not on ``$PATH``: still their names).
+    """
     here = Path(cwd) if cwd is not None else Path(".")
     if (here / "evaluate.py").is_file() and (here / "scripts" / "summarize_run.py").is_file():
         return Commands(eval_dir=here / "configs" / "eval") if cwd is not None else Commands()
 
     shipped = configs_dir()
+    eval_dir = (shipped / "eval") if shipped is not None else here / "configs" / "eval"
+    repo = Path(__file__).resolve().parents[2]  # .../stapo/train/summary.py -> the checkout holding stapo/
+    if not _console_scripts_installed() and (repo / "evaluate.py").is_file() and (
+            repo / "scripts" / "summarize_run.py").is_file():
+        return Commands(evaluate=f"python {shlex.quote(str(repo / 'evaluate.py'))}",
+                        summarize=f"python {shlex.quote(str(repo / 'scripts' / 'summarize_run.py'))}",
+                        compare=f"python {shlex.quote(str(repo / 'scripts' / 'compare.py'))}",
+                        prepare_data=f"python {shlex.quote(str(repo / 'scripts' / 'prepare_data.py'))}",
+                        eval_dir=eval_dir)
     return Commands(evaluate="stapo-eval", summarize="stapo-summarize", compare="stapo-compare",
-                    prepare_data="stapo-prepare-data",
-                    eval_dir=(shipped / "eval") if shipped is not None else here / "configs" / "eval")
+                    prepare_data="stapo-prepare-data", eval_dir=eval_dir)
 
 
 def end_of_run_text(rows: Sequence[dict[str, Any]], run_dir: str | os.PathLike, *, window: int = 5,
@@ -304,10 +331,12 @@ def evaluate_suggestion(run_dir: str | os.PathLike, *, family: str | None,
     2. else that config (or evaluate.py's default, the paper protocol, without one) on the training config's own
        validation benchmarks (``validation.benchmarks`` under ``data.root``) when their data is there;
     3. else the family config's command with what to pass: the benchmarks whose data is missing and how to get it
-       (``python scripts/prepare_data.py``) or choose others (``--benchmarks``).
+       (``python scripts/prepare_data.py --out <the config's data root>``), point at data elsewhere
+       (``--data-root``) or choose others (``--benchmarks``).
 
     ``commands`` (:func:`commands_here`): the checkout's ``python evaluate.py`` and ``configs/eval`` (default), or,
-    outside a checkout, ``stapo-eval`` and the installed package's configs, written ``configs/eval/X.yaml``.
+    outside a checkout, ``stapo-eval`` (or ``python /path/to/evaluate.py``) and the installed package's configs,
+    written ``configs/eval/X.yaml``.
     """
     run = shlex.quote(_rel(Path(run_dir)))
     found = eval_config_for(family, config_path, commands.eval_dir)
@@ -334,10 +363,14 @@ def evaluate_suggestion(run_dir: str | os.PathLike, *, family: str | None,
                                                               f"{family}.yaml: evaluate.py's default settings, "
                                                               "the paper protocol, or pass --config)"))
     if eval_cfg is None:
-        return (f"{base}  (no {commands.shown_eval_dir}/{family}.yaml: pass --config with an evaluate.py config and --benchmarks "
-                f"with data you have; default: the paper protocol)")
-    return (f"{base}  (needs data for {', '.join(missing)} under {root}: {commands.prepare_data}, or pass "
-            f"--benchmarks with data you have)")
+        return (f"{base}  (no {commands.shown_eval_dir}/{family}.yaml: pass --config with an evaluate.py config "
+                f"and --benchmarks with data you have; default: the paper protocol)")
+    # prepare_data.py writes data/ unless told otherwise: name the config's root, or the data lands where the
+    # command does not look
+    out = f" --out {shlex.quote(str(root))}" if root is not None and Path(str(root)) != Path("data") else ""
+    return (f"{base}  (needs data for {', '.join(missing)} under {root if root is not None else 'data'}: "
+            f"{commands.prepare_data}{out}, or pass --data-root with a folder that has it, or --benchmarks with data "
+            f"you have)")
 
 
 def end_of_run_summary(run_dir: str | os.PathLike, *, wandb_mode: str = "disabled", family: str | None = None,
