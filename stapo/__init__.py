@@ -13,6 +13,7 @@ core/  the paper's algorithm: pure tensor functions, no model, no files
   analysis      the paper's token-level analysis: gradient norms, entropy change, quadrants
   metric_names  the one metric vocabulary (verl's names) and the names of older runs
   tensor_utils  boolean-mask checks, fp32 quantile
+  params        the paper's τ_p, q, quantile pool and 20-Entropy ratio, written once; S2TParams (no torch)
 common/  the bottom layer, under the core too: registry (name → entry), errors (ConfigError), logs (third-party logs quiet),
   perf (FLOPs, memory, the machine), fingerprint (content digests), checkpoint_files (a checkpoint folder's file
   rules), plotting (curves over seeds)

@@ -29,12 +29,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from stapo.common.errors import ConfigError  # noqa: F401 - re-exported: stapo.config.ConfigError
-from stapo.core.masks import TOP_ENTROPY_RATIO, S2TParams
-
+from stapo.core.params import TOP_ENTROPY_RATIO, S2TParams
 from stapo.tasks.data import FileSetConfig
-from stapo.core.masks import MASKS
-from stapo.core.objectives import OBJECTIVES, OVERRIDABLE_FIELDS, build_objective
-from stapo.rollout import BACKENDS
 from stapo.tasks.data import TRAIN_BY_NAME
 
 __all__ = [
@@ -173,7 +169,7 @@ class AlgorithmConfig:
     # Parameters of the registered token masks (stapo.core.masks.MaskSpec.config_keys): S2T's in algorithm.s2t (also read
     # by the S2T ablations), 20-Entropy's ratio in algorithm.top_entropy_ratio, any other mask's under
     # algorithm.masks.<mask name>.<parameter> (e.g. algorithm.masks.s2t_random.seed=1).
-    s2t: S2TParams = field(default_factory=S2TParams)  # the mask's own parameter dataclass (stapo.core.masks)
+    s2t: S2TParams = field(default_factory=S2TParams)  # the mask's own parameter dataclass (stapo.core.params)
     top_entropy_ratio: float = TOP_ENTROPY_RATIO
     masks: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Where a mask takes p and H from for the 2nd, 3rd... mini-batch of a step (the first one's are π_old's either
@@ -659,6 +655,8 @@ def validate(cfg: TrainConfig) -> None:
         if not cond:
             raise ConfigError(f"invalid value for '{key}' ({_get(cfg, key)!r}): {msg}")
 
+    from stapo.rollout import BACKENDS
+
     check_finite(cfg)  # NaN / ±inf in any number: named before any range check reads it
     check_registered("rollout.backend", cfg.rollout.backend, "rollout backend", BACKENDS)
     check_registered("data.train_set", cfg.data.train_set, "training set",
@@ -873,6 +871,9 @@ def check_registered(key: str, value: str, kind: str, registry: Any) -> None:
 def _validate_objective(cfg: TrainConfig) -> None:
     """``algorithm.objective`` against the registry, ``algorithm.masks`` against the registered masks' parameters, and
     the objective built from the config (:func:`stapo.core.objectives.build_objective`, the trainer's own call)."""
+    from stapo.core.masks import MASKS
+    from stapo.core.objectives import OBJECTIVES
+
     alg = cfg.algorithm
     check_registered("algorithm.objective", alg.objective, "objective", OBJECTIVES)
     for mask, params in alg.masks.items():
@@ -978,6 +979,9 @@ def objective_from_config(cfg: TrainConfig) -> Any:
         ConfigError: a config key of the objective's token mask is not in the schema (:func:`check_mask_config_keys`).
         KeyError, ValueError: from :func:`stapo.core.objectives.build_objective`.
     """
+    from stapo.core.masks import MASKS
+    from stapo.core.objectives import OBJECTIVES, OVERRIDABLE_FIELDS, build_objective
+
     alg = cfg.algorithm
     if alg.objective in OBJECTIVES and OBJECTIVES[alg.objective].token_mask in MASKS:
         check_mask_config_keys(MASKS[OBJECTIVES[alg.objective].token_mask])

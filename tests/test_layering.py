@@ -151,11 +151,13 @@ def test_the_readme_layout_names_every_sub_package_and_module():
     assert missing == []
 
 
-#: Modules that import without torch (nor transformers, vLLM, datasets): the run shell's lock, parser, provenance and
-#: tracking, the data and grading layer, the cost estimate, the common helpers. Their few function-local imports of
+#: Modules that import without torch (nor transformers, vLLM, datasets): the config schema, the console scripts' entry
+#: points and the study runner (their --help and --dry-run start in a fraction of a second), the run shell's lock,
+#: parser, pre-flight, provenance and tracking, the data and grading layer, the cost estimate, the common helpers. Their few function-local imports of
 #: stapo modules that would pull torch in are what keeps them so (every other import of a stapo module is at module
 #: level). A fresh interpreter imports each and checks.
-LIGHT_MODULES = ("stapo.common.checkpoint_files", "stapo.common.errors", "stapo.common.fingerprint",
+LIGHT_MODULES = ("stapo.config", "stapo.core.params", "stapo.run.preflight", "stapo.tools.entry_points", "stapo.study",
+                 "stapo.common.checkpoint_files", "stapo.common.errors", "stapo.common.fingerprint",
                  "stapo.common.logs", "stapo.common.plotting", "stapo.common.registry", "stapo.core.metric_names",
                  "stapo.integrations.verl_reward", "stapo.run.cli", "stapo.run.console", "stapo.run.provenance",
                  "stapo.run.run_identity", "stapo.run.runlock", "stapo.run.throughput", "stapo.run.tracking",

@@ -325,7 +325,7 @@ def test_ablation_masks_touch_only_positive_advantage_rows():
 
 
 def test_the_paper_values_are_written_once():
-    """τ_p = 0.002 and q = 0.75 appear as numbers in one place of the package, stapo/core/masks.py's constants; the
+    """τ_p = 0.002 and q = 0.75 appear as numbers in one place of the package, stapo/core/params.py's constants; the
     mask functions, S2TParams (= the config section algorithm.s2t), the objectives, the config schema and the verl
     plugin read them. A second literal 0.002 / 0.75 anywhere in stapo/ code fails here (docstrings do not count)."""
     import ast
@@ -340,7 +340,7 @@ def test_the_paper_values_are_written_once():
     found = sorted((str(f.relative_to(root.parent)), n.value) for f in root.rglob("*.py")
                    for n in ast.walk(ast.parse(f.read_text()))
                    if isinstance(n, ast.Constant) and type(n.value) is float and n.value in (0.002, 0.75))
-    assert found == [("stapo/core/masks.py", 0.002), ("stapo/core/masks.py", 0.75)]
+    assert found == [("stapo/core/params.py", 0.002), ("stapo/core/params.py", 0.75)]
     assert (masks.PROB_THRESHOLD, masks.ENTROPY_QUANTILE, masks.TOP_ENTROPY_RATIO) == (0.002, 0.75, 0.2)
     cfg = TrainConfig()
     assert type(cfg.algorithm.s2t) is masks.S2TParams  # the config section is the mask's own dataclass

@@ -28,6 +28,8 @@ from typing import Any, Callable, Literal
 import torch
 
 from stapo.common.registry import ExtensionError, check_new, lookup
+from stapo.core.params import (ENTROPY_QUANTILE, PROB_THRESHOLD, QUANTILE_SCOPE, TOP_ENTROPY_RATIO,
+                               QuantileScope, S2TParams, TopEntropyParams)
 from stapo.core.tensor_utils import as_bool_mask, check_same_shape, quantile
 
 __all__ = [
@@ -49,14 +51,6 @@ __all__ = [
     "TOP_ENTROPY_RATIO",
 ]
 
-QuantileScope = Literal["candidates", "all"]
-
-#: The paper's values, written once (docs/method.md#s2t-mask, docs/method.md#20-entropy): every default below, the
-#: config schema (:class:`S2TParams` is the ``algorithm.s2t`` section), the objectives and the verl plugin read them.
-PROB_THRESHOLD = 0.002  # τ_p: S2T's absolute probability threshold
-ENTROPY_QUANTILE = 0.75  # q: τ_h is the q-quantile of the candidates' entropy (paper v4)
-QUANTILE_SCOPE: QuantileScope = "candidates"  # the pool of that quantile ("all": the v1 text, with q = 0.80)
-TOP_ENTROPY_RATIO = 0.2  # 20-Entropy keeps the top 20 % highest-entropy tokens
 
 
 @dataclass
@@ -458,23 +452,6 @@ def register_token_mask(
 def unregister_token_mask(name: str) -> None:
     """Remove a registered mask (tests that register their own)."""
     MASKS.pop(name, None)
-
-
-@dataclass
-class S2TParams:
-    """Parameters of :func:`s2t_mask` (docs/method.md#s2t-mask): the config section ``algorithm.s2t`` itself
-    (:class:`stapo.config.AlgorithmConfig`), read by the S2T ablations too."""
-
-    prob_threshold: float = PROB_THRESHOLD  # τ_p
-    entropy_quantile: float = ENTROPY_QUANTILE  # q
-    quantile_scope: QuantileScope = QUANTILE_SCOPE  # "candidates" (v4) or "all" (v1 text)
-
-
-@dataclass
-class TopEntropyParams:
-    """Parameters of :func:`top_entropy_mask` (docs/method.md#20-entropy), config key ``algorithm.top_entropy_ratio``."""
-
-    ratio: float = TOP_ENTROPY_RATIO
 
 
 _S2T_KEYS = {k: f"algorithm.s2t.{k}" for k in ("prob_threshold", "entropy_quantile", "quantile_scope")}

@@ -30,7 +30,6 @@ from stapo.tasks.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
 from stapo.tasks.synthetic import GENERATED_BENCHMARKS
 from stapo.evaluation.errors import EvalError
 from stapo.config import TrainConfig, check_logging_identity, check_registered, import_modules
-from stapo.rollout import BACKENDS
 
 __all__ = [
     "PAPER_SAMPLES",
@@ -289,6 +288,8 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     def need(cond: bool, key: str, msg: str) -> None:
         if not cond:
             raise EvalError(f"invalid value for '{key}': {msg}")
+
+    from stapo.rollout import BACKENDS
 
     try:
         check_registered("engine.backend", cfg.engine.backend, "rollout backend", BACKENDS)

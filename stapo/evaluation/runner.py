@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from stapo.run.console import use_progress_bars
-from stapo.tasks.data import BENCHMARKS, DataError, Record, load_benchmark, load_file_set, resolve_data_root
+from stapo.tasks.data import (BENCHMARKS, PAPER_BENCHMARKS, DataError, Record, load_benchmark, load_file_set,
+                              resolve_data_root)
 from stapo.tasks.synthetic import GENERATED_BENCHMARKS, generated_benchmark
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
@@ -68,9 +69,6 @@ from stapo.run.preflight import check_chat_template, check_device, check_tokeniz
 from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.config import ConfigError
 from stapo.evaluation.report import log_wandb, write_train_summary
-from stapo.model.distributed import gather_objects
-from stapo.model.models import build_tiny_model, load_policy, load_tokenizer
-from stapo.rollout import EngineOptions, SamplingParams, build_rollout_engine, engine_kwargs, get_backend
 from stapo.tasks.data import benchmark_path
 from stapo.tasks.golds import DEFAULT_MAX_FRACTION, check_golds
 from stapo.tasks.prompts import encode_prompt
@@ -355,6 +353,7 @@ def _block_records(engine: Any, grader: Any, call: Sequence[Problem], n: int, se
     Raises:
         RuntimeError: the engine returned a wrong number of responses.
     """
+    from stapo.rollout import SamplingParams
 
     sampling = SamplingParams(temperature=float(setting.temperature), top_p=float(setting.top_p),
                               max_new_tokens=int(max_new_tokens), seed=seed_i,
@@ -563,6 +562,7 @@ def _evaluate_sharded(engine: Any, grader: Any, problems: Mapping[str, Sequence[
     that worked (a second small gather). A crash therefore leaves the stores as one process would: whole blocks,
     or a torn last line that the next run cuts off.
     """
+    from stapo.model.distributed import gather_objects
 
     main = ctx.is_main
     out = Path(out_dir)
@@ -808,12 +808,13 @@ def completeness(evaluated: Sequence[str], requested: Sequence[str], limit: int 
 
     complete: every benchmark asked for (``data.benchmarks``) was evaluated, in full (no ``data.limit``, no prompt
     dropped for its length) — whatever else is registered. paper_protocol: complete, over exactly the six benchmarks
-    of the paper's table (:data:`stapo.tasks.data.BENCHMARKS`), so that its "Avg" is the paper's.
+    of the paper's table (:data:`stapo.tasks.data.PAPER_BENCHMARKS`, not the registry), so that its "Avg" is the
+    paper's.
 
     Example: ``completeness(["aime24"], ["aime24"], None, {"aime24": 0})`` → ``(True, False)``.
     """
     complete = set(evaluated) == set(requested) and limit is None and not any(dropped.values())
-    return complete, complete and set(evaluated) == set(BENCHMARKS)
+    return complete, complete and set(evaluated) == set(PAPER_BENCHMARKS)
 
 
 def _close_quietly(obj: Any) -> None:
@@ -877,6 +878,8 @@ def _git_commit() -> str | None:
 
 
 def _load_tokenizer(source: ModelSource, cfg: EvalConfig):
+    from stapo.model.models import load_tokenizer
+
     try:
         return load_tokenizer("embedded:smollm2" if source.kind == "tiny" else source.path,
                               cache_dir=cfg.model.cache_dir)
@@ -907,6 +910,8 @@ def _bars(cfg: EvalConfig) -> bool:
 
 
 def _load_model(source: ModelSource, cfg: EvalConfig, tokenizer: Any):
+    from stapo.model.models import build_tiny_model, load_policy
+
     try:
         with _hf_progress_bars(_bars(cfg)):
             if source.kind == "tiny":
@@ -924,6 +929,8 @@ def _build_engine(model: Any, tokenizer: Any, cfg: EvalConfig, longest_prompt: i
     """The rollout engine of ``engine.backend`` (:data:`stapo.rollout.BACKENDS`, the trainer's table and
     argument builder) → ``(engine, info for the manifest)``."""
     import torch
+
+    from stapo.rollout import EngineOptions, build_rollout_engine, engine_kwargs, get_backend
 
     ec = cfg.engine
     info: dict[str, Any] = {"backend": ec.backend}
@@ -988,6 +995,7 @@ def _content_digests(cfg: EvalConfig, source: ModelSource,
 def _model_context(model: Any, cfg: EvalConfig) -> int | None:
     """The context the samples are generated in (tokens): ``engine.max_model_len`` when set for an engine that
     builds its own (vLLM), else the model's ``max_position_embeddings``; None when unknown."""
+    from stapo.rollout import get_backend
 
     cap = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not get_backend(cfg.engine.backend).model_in_place and cfg.engine.max_model_len:

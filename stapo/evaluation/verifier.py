@@ -13,8 +13,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
-from stapo.model.models import build_tiny_model, load_policy
-from stapo.rollout import SamplingParams, build_rollout_engine
 from stapo.tasks.prompts import uses_chat_template
 
 __all__ = ["DEFAULT_VERIFIER_TEMPLATE", "VerifierVerdict", "parse_verdict", "LLMVerifier", "build_verifier"]
@@ -114,6 +112,7 @@ class LLMVerifier:
         Raises:
             ValueError: the three sequences differ in length.
         """
+        from stapo.rollout import SamplingParams
 
         if not len(questions) == len(golds) == len(responses):
             raise ValueError(f"verify: {len(questions)} questions, {len(golds)} golds, {len(responses)} responses")
@@ -139,6 +138,9 @@ def build_verifier(cfg: Any, device: str = "cpu") -> LLMVerifier:
     Raises:
         OSError / ValueError: the model cannot be loaded (from transformers).
     """
+    from stapo.model.models import build_tiny_model, load_policy
+    from stapo.rollout import build_rollout_engine
+
     if cfg.model == "tiny":
         model, tok = build_tiny_model(seed=1)
     else:

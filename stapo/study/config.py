@@ -25,8 +25,6 @@ from typing import Optional
 
 from stapo.config import ConfigError, TrainConfig, load_config, merge_config
 from stapo.study.keys import METRICS
-from stapo.evaluation.config import load_eval_config
-from stapo.evaluation.errors import EvalError
 
 __all__ = ["RUNNER_TRAIN_KEYS", "RUNNER_EVAL_KEYS", "MethodConfig", "ReportConfig", "FinalEvalConfig", "RunnerConfig", "StudyConfig", "RunSpec",
            "load_study_config", "run_specs"]
@@ -229,6 +227,9 @@ def _check_final_eval(src: Path, cfg: StudyConfig) -> None:
         ConfigError: one line: the study file, ``final_eval.config`` / ``final_eval.overrides`` and the evaluation
             config's own message (which names its file or key).
     """
+    from stapo.evaluation.config import load_eval_config
+    from stapo.evaluation.errors import EvalError
+
     fe = cfg.final_eval
     assert fe.config is not None
     if not Path(fe.config).is_file():

@@ -55,6 +55,7 @@ from stapo.tasks.word_problems import generate_word_problems
 from stapo.common.fingerprint import file_sha256, json_digest
 
 __all__ = [
+    "PAPER_BENCHMARKS",
     "Benchmark",
     "TrainSet",
     "BENCHMARK_REGISTRY",
@@ -450,6 +451,9 @@ TRAIN_REGISTRY: tuple[TrainSet, ...] = (
 
 # Derived tables (do not edit: add an entry to BENCHMARK_REGISTRY / TRAIN_REGISTRY instead).
 BENCHMARKS: tuple[str, ...] = tuple(b.name for b in BENCHMARK_REGISTRY)
+#: The paper's six, in its table's order (docs/method.md#evaluation-protocol): what an evaluation must cover, in full,
+#: for its average to be the paper's (results.json "paper_protocol"), whatever else is added to the registry.
+PAPER_BENCHMARKS: tuple[str, ...] = ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
 BENCHMARK_BY_NAME: dict[str, Benchmark] = {b.name: b for b in BENCHMARK_REGISTRY}
 TRAIN_SETS: tuple[str, ...] = tuple(t.name for t in TRAIN_REGISTRY) + ("synthetic_arithmetic", "synthetic_word")
 TRAIN_FILES: dict[str, str] = {t.name: t.file for t in TRAIN_REGISTRY}
