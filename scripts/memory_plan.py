@@ -60,7 +60,7 @@ def settings_line(size: str) -> str:
 def main() -> str:
     lines = ["# GPU memory per phase of the paper configs", "",
              "`python scripts/memory_plan.py --out results/memory_plan.md` (arithmetic, not measured: "
-             "[stapo/run/memory_plan.py](../stapo/memory_plan.py) has every term and its formula; `train.py` refuses at "
+             "[stapo/run/memory_plan.py](../stapo/run/memory_plan.py) has every term and its formula; `train.py` refuses at "
              "start-up a config whose largest phase exceeds the GPU, and `train.py --dry-run` prints this plan for the "
              "run's own config, ranks and GPU). GiB per GPU; H100 = 80 GB, 79.2 GiB visible; H200 = 141 GB, "
              "139.8 GiB visible. Each cell: the phase's total (the vLLM engine's share of it); ✗: over the GPU's "

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from stapo.config import load_config  # noqa: E402
+from stapo.core.params import PROB_THRESHOLD  # noqa: E402
 from stapo.model.models import load_policy  # noqa: E402
 from stapo.tasks.prompts import encode_prompt  # noqa: E402
 from stapo.tasks.rewards import MathVerifyReward, StrictBoxReward  # noqa: E402
@@ -113,7 +114,7 @@ def main() -> None:
             n = len(out)
             lps = [x for r in out for x in (r.engine_logprobs or [])]
             nll = f"{-statistics.mean(lps):.3f}" if lps else "–"
-            low_p = f"{sum(x < math.log(0.002) for x in lps) / len(lps):.4f}" if lps else "–"
+            low_p = f"{sum(x < math.log(PROB_THRESHOLD) for x in lps) / len(lps):.4f}" if lps else "–"
             correct_mean = f"{statistics.mean(correct_len):.0f}" if correct_len else "–"
             lines.append(
                 f"| {level} | {WORD_LEVELS[level].operations} | {sum(x > 0 for x in rs) / n:.3f} "
@@ -131,7 +132,7 @@ def main() -> None:
                          "varied_groups": sum(len(set(g)) > 1 for g in groups) / len(groups),
                          "mean_length": statistics.mean(cut_len), "model": cfg.model.path,
                          "mean_nll": -statistics.mean(lps) if lps else None,
-                         "low_p_share": sum(x < math.log(0.002) for x in lps) / len(lps) if lps else None,
+                         "low_p_share": sum(x < math.log(PROB_THRESHOLD) for x in lps) / len(lps) if lps else None,
                          "temperature": cfg.rollout.temperature, "seed": args.seed})
             dumped += [json.dumps({"level": level, "problem": records[r.group].problem, "gold": golds[i],
                                    "strict": rs[i], "math_verify": rv[i], "finish_reason": r.finish_reason,

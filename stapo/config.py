@@ -748,7 +748,7 @@ def validate(cfg: TrainConfig) -> None:
         need(v is None or v >= 1, f"trainer.{key}", "must be ≥ 1 (steps in a row), or null (never stop)")
     need(cfg.data.synthetic.seed >= 0, "data.synthetic.seed", "must be ≥ 0")
     need(cfg.data.synthetic.num_problems >= 1, "data.synthetic.num_problems", "must be ≥ 1")
-    if cfg.data.train_set in ("synthetic", "word"):  # the generated tasks' levels (stapo/synthetic, word_problems)
+    if cfg.data.train_set in ("synthetic", "word"):  # the generated tasks' levels (stapo/tasks/synthetic.py, word_problems.py)
         from stapo.tasks.synthetic import LEVELS
         from stapo.tasks.word_problems import WORD_LEVELS
 

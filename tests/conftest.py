@@ -22,7 +22,7 @@ def shared_data_root() -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def _throughput_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Runs the tests start (subprocesses included) record their step times in a temporary throughput cache, not
-    in the user's ~/.cache/stapo/throughput.json (stapo/tools/estimate.py)."""
+    in the user's ~/.cache/stapo/throughput.json (stapo/run/throughput.py)."""
     os.environ["STAPO_THROUGHPUT_CACHE"] = str(tmp_path_factory.mktemp("stapo_cache") / "throughput.json")
 
 
