@@ -711,6 +711,7 @@ def validate(cfg: TrainConfig) -> None:
     s2t = cfg.algorithm.s2t
     need(0 < s2t.entropy_quantile < 1, "algorithm.s2t.entropy_quantile", "q must be in (0, 1)")
     need(0 < s2t.prob_threshold <= 1, "algorithm.s2t.prob_threshold", "τ_p must be in (0, 1]")
+    need(s2t.quantile_scope in ("candidates", "all"), "algorithm.s2t.quantile_scope", "must be 'candidates' or 'all'")
     need(0 < cfg.algorithm.top_entropy_ratio <= 1, "algorithm.top_entropy_ratio", "must be in (0, 1]")
     for key in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):
         v = getattr(cfg.algorithm, key)

@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import stapo.model.checkpoint  # noqa: E402
-import stapo.model.models  # noqa: E402
 from stapo.model import distributed as dist  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: E402
 
@@ -53,13 +52,16 @@ def make_big_trainer(out: str, world: int):
     """The toy trainer (tests/toy_run.py) with the :data:`BIG` tiny model; FSDP2 when ``world`` > 1."""
     from toy_run import make_trainer
 
-    original = stapo.model.models.build_tiny_model
-    stapo.model.models.build_tiny_model = functools.partial(original, **BIG)
+    import stapo.train.trainer  # the trainer's own name for the loader is the one to patch
+
+    original = stapo.train.trainer.build_tiny_model
+    stapo.train.trainer.build_tiny_model = functools.partial(original, **BIG)
     try:
         extra = ["trainer.data_parallel=fsdp2"] if world > 1 else []
         trainer = make_trainer(out, [*OVERRIDES, *extra, "trainer.resume=auto"])
     finally:
-        stapo.model.models.build_tiny_model = original
+        stapo.train.trainer.build_tiny_model = original
+    assert trainer.model.config.num_hidden_layers == BIG["num_layers"], "the BIG tiny model was not built"
     trainer.state.export_dtype = torch.bfloat16  # the HF export in bf16 while the parameters (and dcp/) are fp32
     stapo.model.checkpoint.DEFAULT_MAX_SHARD_SIZE = SHARD_SIZE
     return trainer

@@ -46,6 +46,7 @@ def test_overrides_apply_last():
     ("algorithm.objective=stapoo", "invalid value for 'algorithm.objective'"),
     ("rollout.n=1", "invalid value for 'rollout.n' (1): the group size G must be ≥ 2"),
     ("algorithm.s2t.entropy_quantile=1.0", "invalid value for 'algorithm.s2t.entropy_quantile'"),
+    ("algorithm.s2t.quantile_scope=batch", "invalid value for 'algorithm.s2t.quantile_scope' ('batch'): must be "),
     ("actor.ppo_mini_batch_size=2", "'actor.ppo_mini_batch_size' (2): must divide data.train_batch_size (3)"),
     ("trainer.run_name=..", "invalid value for 'trainer.run_name' ('..'): must be one folder name (no '/', not '.' "
                             "or '..'): the run folder is trainer.output_dir/<run_name>"),

@@ -227,6 +227,7 @@ def test_train_py_dry_run_prints_the_resolved_config_and_cost_and_creates_nothin
 
     monkeypatch.setattr("stapo.train.trainer.Trainer._load_initial_model", must_not_run)
     monkeypatch.setattr("stapo.rollout.build_rollout_engine", must_not_run)
+    monkeypatch.setattr("stapo.train.trainer.build_rollout_engine", must_not_run)  # the trainer's own name
     cache = tmp_path / "cache" / "throughput.json"
     monkeypatch.setenv("STAPO_THROUGHPUT_CACHE", str(cache))
     runs = tmp_path / "runs"

@@ -179,21 +179,21 @@ def test_engine_weights_are_cast_one_tensor_at_a_time():
     for k, t in rest.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, sd[k].to(torch.bfloat16)), k
         assert t.data_ptr() != sd[k].data_ptr()
-    import stapo.model.distributed as stapo_dist
+    import stapo.rollout.vllm_backend as backend  # engine_weights' own name for the gather
 
-    sd_before = stapo_dist.iter_full_state_dict
+    sd_before = backend.iter_full_state_dict
     casts = {}
 
     def spy(m, dtype=None):  # each yielded (cast) tensor must reach the engine as it is: no second copy
         for k, t in sd_before(m, dtype):
             casts[k] = t.data_ptr()
             yield k, t
-    stapo_dist.iter_full_state_dict = spy
+    backend.iter_full_state_dict = spy
     try:
         again = dict(engine_weights(model, torch.bfloat16))
     finally:
-        stapo_dist.iter_full_state_dict = sd_before
-    assert all(again[k].data_ptr() == casts[k] for k in again)
+        backend.iter_full_state_dict = sd_before
+    assert set(again) == set(casts) and all(again[k].data_ptr() == casts[k] for k in again)
     same = dict(engine_weights(model, torch.float32))  # no cast: still copies, never aliases
     for k, t in same.items():
         assert torch.equal(t, sd[k]) and t.data_ptr() != sd[k].data_ptr(), k

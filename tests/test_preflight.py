@@ -89,14 +89,18 @@ def test_check_chat_template():
 # --- the trainer runs them before loading a model ----------------------------------------------------------------
 @pytest.fixture
 def no_model_loads(monkeypatch):
-    """Loading any model (the tiny one or a folder) fails the test: the error must come before it."""
+    """Loading any model (the tiny one or a folder) fails the test: the error must come before it. Patched where
+    each caller looks the loaders up: the trainer's module-level names, and stapo.model.models for the evaluation
+    (imported first, so that no module binds the patch for good)."""
     import stapo.model.models
+    import stapo.train.trainer
 
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded before the check")
 
-    monkeypatch.setattr(stapo.model.models, "build_tiny_model", fail)
-    monkeypatch.setattr(stapo.model.models, "load_policy", fail)
+    for module in (stapo.model.models, stapo.train.trainer):
+        monkeypatch.setattr(module, "build_tiny_model", fail)
+        monkeypatch.setattr(module, "load_policy", fail)
 
 
 def _embedded_copy(folder: Path, chat_template: bool = True, weights: bool = True) -> Path:

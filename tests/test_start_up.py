@@ -66,10 +66,13 @@ def _start_up_worker(rank: int, store: str, out_dir: str, folder: str) -> None:
             dist.build_on_rank0(broken, ctx)
         except ConfigError as e:
             res["error"] = str(e)
-        # (2) the trainer: every load goes through stapo.model.models (looked up at call time), recorded per rank
+        # (2) the trainer: every load goes through stapo.train.trainer's names for stapo.model.models' loaders,
+        # recorded per rank
+        import stapo.train.trainer as trainer_mod
+
         loads: list[str] = []
-        models.load_policy = _recorded(loads, "load_policy", models.load_policy)
-        models.build_tiny_model = _recorded(loads, "build_tiny_model", models.build_tiny_model)
+        trainer_mod.load_policy = _recorded(loads, "load_policy", models.load_policy)
+        trainer_mod.build_tiny_model = _recorded(loads, "build_tiny_model", models.build_tiny_model)
         trainer = make_trainer(os.path.join(out_dir, "run"), [
             f"model.path={folder}", "model.compute_dtype=bfloat16", "algorithm.objective=grpo",
             "trainer.data_parallel=fsdp2", "actor.ppo_mini_batch_size=2"])

@@ -437,16 +437,20 @@ def test_train_py_reports_a_failed_import_module_in_one_line_and_exits_2(tmp_pat
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
-def _recording_trainer(tmp_path, overrides):
-    """A toy trainer whose mask inputs (per mini-batch) and step batches are recorded."""
+def _recording_trainer(tmp_path, overrides, monkeypatch):
+    """A toy trainer whose mask inputs (per mini-batch) and step batches are recorded (the mask through
+    ``stapo.train.update``'s name for the one entry point, ``minibatch_token_mask``)."""
+    import stapo.train.update as update_mod
+    from stapo.core.minibatch import minibatch_token_mask as orig_mask  # the real one (not an earlier patch)
+
     trainer = make_trainer(str(tmp_path), ["trainer.save_every=0", "trainer.total_steps=1", *overrides])
     seen = {"mask_logp": [], "batches": [], "forward_all": 0}
     up = trainer.updater
-    orig_mask, orig_run, orig_forward = up.token_mask, up.run, up.no_grad_stats
+    orig_run, orig_forward = up.run, up.no_grad_stats
 
-    def token_mask(logprobs, entropy, advantages, response_mask):
+    def token_mask(objective, logprobs, *a, **kw):
         seen["mask_logp"].append(logprobs.clone())
-        return orig_mask(logprobs, entropy, advantages, response_mask)
+        return orig_mask(objective, logprobs, *a, **kw)
 
     def run(*a, **kw):  # the update's result holds the step's complete old-policy statistics
         result = orig_run(*a, **kw)
@@ -457,19 +461,22 @@ def _recording_trainer(tmp_path, overrides):
         seen["forward_all"] += 1
         return orig_forward(*a, **kw)
 
-    up.token_mask, up.run, up.no_grad_stats = token_mask, run, no_grad_stats
+    monkeypatch.setattr(update_mod, "minibatch_token_mask", token_mask)
+    up.run, up.no_grad_stats = run, no_grad_stats
     return trainer, seen
 
 
 @pytest.mark.parametrize("objective", ["stapo", "entropy20"])
-def test_mask_stats_source_old_uses_the_old_policy_statistics_for_later_mini_batches(tmp_path, objective):
+def test_mask_stats_source_old_uses_the_old_policy_statistics_for_later_mini_batches(tmp_path, objective,
+                                                                                     monkeypatch):
     """tiny_test: 2 mini-batches per step (rows 0–3, 4–7). The first one's statistics are π_old's either way; the
     second's are the old-policy pass itself with mask_stats_source=old (no extra forward), a forward of the policy
     after the first optimizer step (lr 1e-3: different log-probs) with current (one more _forward_all)."""
     runs = {}
     for source in ("old", "current"):
         trainer, seen = _recording_trainer(tmp_path / source, [f"algorithm.objective={objective}",
-                                                               f"algorithm.mask_stats_source={source}"])
+                                                               f"algorithm.mask_stats_source={source}"],
+                                           monkeypatch)
         trainer.train()
         runs[source] = seen
     for source, seen in runs.items():

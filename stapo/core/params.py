@@ -28,7 +28,9 @@ class S2TParams:
 
     prob_threshold: float = PROB_THRESHOLD  # τ_p
     entropy_quantile: float = ENTROPY_QUANTILE  # q
-    quantile_scope: QuantileScope = QUANTILE_SCOPE  # "candidates" (v4) or "all" (v1 text)
+    # "candidates" (v4) or "all" (v1 text). Typed str, not QuantileScope: the verl plugin checks mask parameters
+    # with verl's OmegaConf 2.3, which refuses Literal fields; stapo.config.validate checks the two values.
+    quantile_scope: str = QUANTILE_SCOPE
 
 
 @dataclass
