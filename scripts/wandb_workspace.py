@@ -47,15 +47,15 @@ GROUP_BY = "Group"
 MASKED_FRAC_REGEX = "^actor/[^/]+/masked_frac$"
 #: What a mask that keeps a subset logs instead (20-Entropy's ``actor/top_entropy/kept_frac``).
 KEPT_FRAC_REGEX = "^actor/[^/]+/kept_frac$"
-#: The training panels: (title, keys, metric regex or None, log-scale y).
-TRAINING_PANELS: tuple[tuple[str, tuple[str, ...], str | None, bool], ...] = (
-    ("reward (critic/score/mean)", ("critic/score/mean",), None, False),
-    ("entropy (actor/entropy)", ("actor/entropy",), None, False),
-    ("masked fraction: silenced by the method's mask (actor/<mask>/masked_frac)", (), MASKED_FRAC_REGEX, False),
-    ("kept fraction: 20-Entropy's top-entropy tokens (actor/<mask>/kept_frac)", (), KEPT_FRAC_REGEX, False),
+#: The training panels: (title, keys, metric regex or None).
+TRAINING_PANELS: tuple[tuple[str, tuple[str, ...], str | None], ...] = (
+    ("reward (critic/score/mean)", ("critic/score/mean",), None),
+    ("entropy (actor/entropy)", ("actor/entropy",), None),
+    ("masked fraction: silenced by the method's mask (actor/<mask>/masked_frac)", (), MASKED_FRAC_REGEX),
+    ("kept fraction: 20-Entropy's top-entropy tokens (actor/<mask>/kept_frac)", (), KEPT_FRAC_REGEX),
     ("masked fraction: the S2T rule on every method (s2t/would_mask/masked_frac)", ("s2t/would_mask/masked_frac",),
-     None, False),
-    ("response length (response_length/mean)", ("response_length/mean",), None, False),
+     None),
+    ("response length (response_length/mean)", ("response_length/mean",), None),
 )
 #: The utilisation panels: (title, keys).
 UTILISATION_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -83,9 +83,10 @@ def eval_regex(benchmark: str) -> str:
     return f"^eval/[^/]+/{_regex_escape(benchmark)}/avg@N$"
 
 
-def _panel(title: str, *, keys: Sequence[str] = (), regex: str | None = None, log_y: bool = False) -> dict[str, Any]:
+def _panel(title: str, *, keys: Sequence[str] = (), regex: str | None = None) -> dict[str, Any]:
+    # every panel linear: a log axis drops the zero steps (most of a STAPO run's masked fraction)
     return {"title": title, "x": STEP_AXIS, "y": list(keys), "metric_regex": regex, "groupby": GROUP_BY,
-            "aggregate": "mean", "range": "minmax", "log_y": log_y}
+            "aggregate": "mean", "range": "minmax", "log_y": False}
 
 
 def workspace_spec(entity: str, project: str, benchmarks: Sequence[str], *, name: str = "STAPO: methods compared",
@@ -119,7 +120,7 @@ def workspace_spec(entity: str, project: str, benchmarks: Sequence[str], *, name
         "entity": entity, "project": project, "name": name, "x_axis": STEP_AXIS, "groupby": GROUP_BY,
         "filter_tag": filter_tag,
         "sections": [
-            {"name": "Training", "panels": [_panel(t, keys=k, regex=r, log_y=lg) for t, k, r, lg in TRAINING_PANELS]},
+            {"name": "Training", "panels": [_panel(t, keys=k, regex=r) for t, k, r in TRAINING_PANELS]},
             {"name": "Accuracy", "panels": accuracy},
             {"name": "Utilisation", "panels": [_panel(t, keys=k) for t, k in UTILISATION_PANELS]},
         ],

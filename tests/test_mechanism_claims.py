@@ -414,3 +414,17 @@ def test_e3_after_a_passed_gate_without_forks_is_pending_not_a_verdict():
     res = e3([], "pass")
     assert (res["result"], res["partial"]) == ("pending", True)
     assert e3([], "fail")["result"] == "not testable"
+
+
+def test_repeated_fork_pairs_flags_add_up(tmp_path, monkeypatch):
+    """scripts/mechanism_study.py passes one --fork-pairs per pair: all of them reach the verdicts (argparse used to
+    keep only the last flag's)."""
+    import stapo.study.mechanism_claims as mc
+
+    seen = {}
+    monkeypatch.setattr(mc, "read_run", lambda path: str(path))
+    monkeypatch.setattr(mc, "evaluate", lambda **kw: seen.update(kw) or {"budget": None})
+    monkeypatch.setattr(mc, "render_md", lambda res: "")
+    rc = mc.main(["--trunk", "t", "--checkpoint-steps", "10", "--fork-pairs", "j1:s1", "--fork-pairs", "j2:s2", "j3:s3",
+                  "--out", str(tmp_path)])
+    assert rc == 0 and seen["fork_pairs"] == [("j1", "s1"), ("j2", "s2"), ("j3", "s3")]

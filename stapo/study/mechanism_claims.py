@@ -920,8 +920,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trunk", help="the JustRL trunk's run folder")
     ap.add_argument("--calibration", help="Gate A's table per level (CSV or JSON: level, accuracy, boxed_rate, "
                                           "mean_length, n)")
-    ap.add_argument("--fork-pairs", nargs="*", default=[], metavar="JUSTRL_DIR:STAPO_DIR",
-                    help="one pair of fork run folders per branch seed")
+    ap.add_argument("--fork-pairs", nargs="*", action="extend", default=[], metavar="JUSTRL_DIR:STAPO_DIR",
+                    help="one pair of fork run folders per branch seed; repeated flags add up (a later flag used "
+                         "to replace the earlier ones: scripts/mechanism_study.py passes one flag per pair)")
     ap.add_argument("--stapo-from-start", help="the STAPO run from step 0 (exploratory pairing with the trunk)")
     ap.add_argument("--checkpoint-steps", type=int, nargs="*", default=None,
                     help="the trunk's saved checkpoint steps (default: its complete checkpoints/step_N folders)")

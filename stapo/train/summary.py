@@ -199,6 +199,11 @@ def _console_scripts_installed() -> bool:
     return all(shutil.which(name) or (beside / name).is_file() for name in CONSOLE_SCRIPTS)
 
 
+def _is_checkout(folder: Path) -> bool:
+    """Whether ``folder`` holds a source checkout's ``evaluate.py`` and ``scripts/`` (the README's commands)."""
+    return (folder / "evaluate.py").is_file() and (folder / "scripts" / "summarize_run.py").is_file()
+
+
 def commands_here(cwd: str | os.PathLike | None = None) -> Commands:
     """The :class:`Commands` that work from ``cwd`` (default: the current directory):
 
@@ -212,14 +217,13 @@ def commands_here(cwd: str | os.PathLike | None = None) -> Commands:
     4. else the console scripts (a wheel whose ``bin/`` is not on ``$PATH``: still their names).
     """
     here = Path(cwd) if cwd is not None else Path(".")
-    if (here / "evaluate.py").is_file() and (here / "scripts" / "summarize_run.py").is_file():
+    if _is_checkout(here):
         return Commands(eval_dir=here / "configs" / "eval") if cwd is not None else Commands()
 
     shipped = configs_dir()
     eval_dir = (shipped / "eval") if shipped is not None else here / "configs" / "eval"
     repo = Path(__file__).resolve().parents[2]  # .../stapo/train/summary.py -> the checkout holding stapo/
-    if not _console_scripts_installed() and (repo / "evaluate.py").is_file() and (
-            repo / "scripts" / "summarize_run.py").is_file():
+    if not _console_scripts_installed() and _is_checkout(repo):
         return Commands(evaluate=f"python {shlex.quote(str(repo / 'evaluate.py'))}",
                         summarize=f"python {shlex.quote(str(repo / 'scripts' / 'summarize_run.py'))}",
                         compare=f"python {shlex.quote(str(repo / 'scripts' / 'compare.py'))}",
