@@ -256,7 +256,9 @@ def test_precomputed_mask_split_into_micro_batches_and_dp_ranks_gives_the_whole_
         total, grad = 0.0, torch.zeros(2, 4)
         for row in (0, 1):  # one micro-batch (dp_size 1) or one rank (dp_size 2) per row
             lp = logp[row:row + 1]
-            with plugin.mask_context(keep=mb.keep[row:row + 1], num_kept=mb.num_kept, stats=mb.stats):
+            # token-mean over the whole mini-batch: the denominator is N = mb.num_kept (≥ 1 here)
+            with plugin.mask_context(keep=mb.keep[row:row + 1], num_kept=mb.num_kept,
+                                     denominator=float(mb.num_kept), stats=mb.stats):
                 loss, _ = get_policy_loss_fn("stapo")(old[row:row + 1], lp, ADV[row:row + 1], MASK[row:row + 1],
                                                       "token-mean", cfg)
             (g,) = torch.autograd.grad(loss, logp)
@@ -302,12 +304,13 @@ def test_errors():
             fn(old, logp, ADV, MASK, "seq-mean-token-mean", _actor_config())
         with pytest.raises(NotImplementedError):
             fn(old, logp, ADV, MASK, "token-mean", _actor_config(), torch.ones(2, 4))
-    with plugin.mask_context(keep=MASK, num_kept=7):  # keeps tokens that are not response tokens
-        with pytest.raises(ValueError, match="outside response_mask"):
-            fn(old, logp, ADV, torch.zeros_like(MASK), "token-mean", _actor_config())
-    with pytest.raises(ValueError):
-        with plugin.mask_context(keep=MASK):
-            pass
+    with plugin.mask_context(keep=MASK[:1], num_kept=7, denominator=7.0):  # one row for a [2, 4] micro-batch
+        with pytest.raises(ValueError, match=r"keep-mask shape \(1, 4\) != response_mask shape \(2, 4\)"):
+            fn(old, logp, ADV, MASK, "token-mean", _actor_config())
+    for partial in ({"keep": MASK}, {"keep": MASK, "num_kept": 7}, {"num_kept": 7, "denominator": 7.0}):
+        with pytest.raises(ValueError, match="keep, num_kept and denominator go together"):
+            with plugin.mask_context(**partial):
+                pass
 
 
 def test_policy_loss_config_parameters_reach_the_objective():
@@ -626,11 +629,11 @@ def test_keep_mask_follows_a_jagged_response_mask():
 
     def loss_fn(model_output, data, dp_group=None):
         ctx = plugin.current_mask_context()
-        seen["keep"], seen["n"] = ctx.keep, ctx.num_kept
+        seen["keep"], seen["n"], seen["denominator"] = ctx.keep, ctx.num_kept, ctx.denominator
         return torch.tensor(0.0), {}
 
-    plugin._loss_fn_with_mask(loss_fn, 5, {})(model_output={}, data=td)
-    assert seen["n"] == 5 and torch.equal(seen["keep"], keep_padded)
+    plugin._loss_fn_with_mask(loss_fn, 5, 5.0, {})(model_output={}, data=td)
+    assert seen["n"] == 5 and seen["denominator"] == 5.0 and torch.equal(seen["keep"], keep_padded)
     assert plugin.current_mask_context() is None
 
 

@@ -53,12 +53,14 @@ So, per optimizer mini-batch, on every data-parallel rank, the hook (:func:`_sta
    same global mask: the same τ_h over the global candidate set, the same top-k with the same tie-break
    (rank-major, then row-major order); a rank with no candidates is fine. A registered mask that reads rows
    (``reads_rows=True``, docs/extending.md#the-layout-rule) gets the ranks' rows, padded to a common length, instead;
-3. gets N = the number of kept tokens of the whole mini-batch from that global mask (no extra all-reduce);
+3. gets the loss denominator of the whole mini-batch from the ranks' kept counts
+   (:func:`stapo.core.minibatch.minibatch_loss_denominator`, the native trainer's one denominator: one all-reduce
+   of two numbers; N = max(kept tokens, 1) for token-mean);
 4. stores this rank's keep-mask as a per-sample field ``stapo_keep`` of the mini-batch TensorDict (in the
    layout of ``response_mask``: padded in the v0 trainer, jagged in the v1 TransferQueue trainer), so that
    verl's own micro-batch split (``prepare_micro_batches``, also with dynamic batch size) carries it along;
 5. runs verl's original ``train_batch`` with its loss function wrapped: before each micro-batch's
-   ``ppo_loss`` call, the micro-batch's ``stapo_keep`` and the mini-batch's N are put into a context variable
+   ``ppo_loss`` call, the micro-batch's ``stapo_keep`` and the mini-batch's denominator are put into a context variable
    (:func:`mask_context`) that the registered loss reads.
 
 The denominator and verl's "global batch info"
@@ -69,7 +71,7 @@ verl passes mini-batch information to registered losses through ``config.global_
 ``batch_num_tokens`` is the number of RESPONSE tokens of the whole mini-batch, all-reduced over the
 data-parallel group by the engine (fsdp transformer_impl.py:730–735) — the right denominator for JustRL but
 not for STAPO/20-Entropy, whose token-mean is renormalised over the KEPT tokens. So the registered losses use
-N from the hook and only ``dp_size`` from verl, with verl's convention for FSDP gradient averaging
+the denominator N from the hook and only ``dp_size`` from verl, with verl's convention for FSDP gradient averaging
 (``agg_loss``, core_algos.py:1140: ``masked_sum / batch_num_tokens * dp_size``):
 
     pg_loss = Σ_{kept tokens of this micro-batch} ℓ / max(N, 1) · dp_size
@@ -137,7 +139,7 @@ from stapo.core.objectives import (
     loss_denominator,
     policy_loss,
 )
-from stapo.core.minibatch import minibatch_token_mask
+from stapo.core.minibatch import minibatch_loss_denominator, minibatch_token_mask
 from stapo.core.masks import (ENTROPY_QUANTILE, PROB_THRESHOLD, QUANTILE_SCOPE, TOP_ENTROPY_RATIO, TokenMask,
                               get_mask_spec)
 from stapo.core.metric_names import NUM_KEPT_TOKENS
@@ -370,6 +372,8 @@ class MaskContext:
         keep: [b, T] bool — the mini-batch-wide keep-mask restricted to this micro-batch (same shape as the
             ``response_mask`` verl passes), or None.
         num_kept: N, kept tokens of the whole mini-batch over all data-parallel ranks (required with ``keep``).
+        denominator: the loss denominator of the whole mini-batch, :func:`stapo.core.minibatch.
+            minibatch_loss_denominator` (max(N, 1) for token-mean; required with ``keep``).
         entropy: [b, T] float per-token entropy (nats) of the current policy — used only when ``keep`` is None,
             to compute the mask in the call itself (whole-mini-batch calls only).
         stats: mask statistics of the whole mini-batch under their metric keys (``actor/s2t/num_masked``...),
@@ -378,6 +382,7 @@ class MaskContext:
 
     keep: torch.Tensor | None = None
     num_kept: int | None = None
+    denominator: float | None = None
     entropy: torch.Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -390,22 +395,25 @@ def mask_context(
     *,
     keep: torch.Tensor | None = None,
     num_kept: int | None = None,
+    denominator: float | None = None,
     entropy: torch.Tensor | None = None,
     stats: dict[str, float] | None = None,
 ) -> Iterator[MaskContext]:
     """Make a :class:`MaskContext` visible to the registered losses inside the ``with`` block.
 
-    Use ``keep`` + ``num_kept`` (what the worker hook does for each micro-batch) or ``entropy`` alone (a call
-    that covers the whole mini-batch, e.g. a test).
+    Use ``keep`` + ``num_kept`` + ``denominator`` (what the worker hook does for each micro-batch) or ``entropy``
+    alone (a call that covers the whole mini-batch, e.g. a test).
 
     Raises:
-        ValueError: ``keep`` without ``num_kept`` (or the reverse), or neither ``keep`` nor ``entropy``.
+        ValueError: ``keep``, ``num_kept`` and ``denominator`` not given together, or neither ``keep`` nor
+            ``entropy``.
     """
-    if (keep is None) != (num_kept is None):
-        raise ValueError("mask_context: keep and num_kept go together")
+    if len({keep is None, num_kept is None, denominator is None}) != 1:
+        raise ValueError("mask_context: keep, num_kept and denominator go together")
     if keep is None and entropy is None:
-        raise ValueError("mask_context: give keep + num_kept, or entropy")
-    token = _CONTEXT.set(MaskContext(keep=keep, num_kept=num_kept, entropy=entropy, stats=dict(stats or {})))
+        raise ValueError("mask_context: give keep + num_kept + denominator, or entropy")
+    token = _CONTEXT.set(MaskContext(keep=keep, num_kept=num_kept, denominator=denominator, entropy=entropy,
+                                     stats=dict(stats or {})))
     try:
         yield _CONTEXT.get()
     finally:
@@ -453,12 +461,11 @@ def _plugin_policy_loss(
         keep = as_bool_mask(ctx.keep, "keep").to(mask.device)
         if tuple(keep.shape) != tuple(mask.shape):
             raise ValueError(f"keep-mask shape {tuple(keep.shape)} != response_mask shape {tuple(mask.shape)}")
-        if bool((keep & ~mask).any()):
-            raise ValueError(f"keep-mask keeps {int((keep & ~mask).sum())} tokens outside response_mask")
-        num_kept = int(ctx.num_kept)
+        num_kept = int(ctx.num_kept)  # the keep-mask's own checks ran once, in minibatch_token_mask
         stats = ctx.stats
-        # Σ_kept ℓ / N · dp_size (verl agg_loss convention: FSDP averages gradients over the dp ranks).
-        denominator = max(num_kept, 1) / dp_size
+        # Σ_kept ℓ / N · dp_size (verl agg_loss convention: FSDP averages gradients over the dp ranks), N from the
+        # one denominator the native trainer uses too (stapo.core.minibatch.minibatch_loss_denominator)
+        denominator = float(ctx.denominator) / dp_size
     else:
         batch_num_tokens = info.get("batch_num_tokens")
         n_here = int(mask.sum())
@@ -466,7 +473,8 @@ def _plugin_policy_loss(
             raise RuntimeError(
                 f"verl loss {loss_mode!r}: this call sees {n_here} response tokens but the mini-batch has "
                 f"{batch_num_tokens} over dp_size={dp_size}; the mask needs the whole mini-batch. Use the worker "
-                "hook (mask_context(keep=..., num_kept=...)) instead of mask_context(entropy=...).")
+                "hook (mask_context(keep=..., num_kept=..., denominator=...)) instead of "
+                "mask_context(entropy=...).")
         tm = compute_token_mask(obj, log_prob, ctx.entropy, advantages, mask)
         keep = tm.keep
         num_kept = int(keep.sum())
@@ -626,8 +634,9 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
     return x.to_padded_tensor(0) if x.is_nested else x
 
 
-def _minibatch_keep_for_worker(worker: Any, data: Any, loss_mode: str, config: Any) -> TokenMask:
-    """Steps 1–3 of the hook (module docstring): current-policy stats of the local mini-batch, global mask."""
+def _minibatch_keep_for_worker(worker: Any, data: Any, loss_mode: str, config: Any) -> tuple[TokenMask, float]:
+    """Steps 1–3 of the hook (module docstring): current-policy stats of the local mini-batch, global mask, and
+    the whole mini-batch's loss denominator (:func:`stapo.core.minibatch.minibatch_loss_denominator`)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -672,8 +681,9 @@ def _minibatch_keep_for_worker(worker: Any, data: Any, loss_mode: str, config: A
     adv = _fit_width(_padded(data["advantages"]), width)  # [b, T]
     objective = objective_from_verl_config(loss_mode, config)
     group = worker.engine.get_data_parallel_group()
-    return minibatch_token_mask(objective, logp, ent, adv.to(logp.device), response_mask.to(logp.device),
-                                group=group)
+    tm = minibatch_token_mask(objective, logp, ent, adv.to(logp.device), response_mask.to(logp.device),
+                              group=group)  # keep [b, T], num_kept over the ranks
+    return tm, minibatch_loss_denominator(tm.keep, objective.loss_agg_mode, group=group)
 
 
 def _keep_in_layout_of(keep: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -685,7 +695,7 @@ def _keep_in_layout_of(keep: torch.Tensor, response_mask: torch.Tensor) -> torch
     return keep.to(response_mask.device)
 
 
-def _loss_fn_with_mask(loss_fn: Any, num_kept: int, stats: dict[str, float]) -> Any:
+def _loss_fn_with_mask(loss_fn: Any, num_kept: int, denominator: float, stats: dict[str, float]) -> Any:
     """Wrap verl's per-micro-batch loss function so the registered loss sees this micro-batch's keep-mask."""
 
     def wrapped(model_output: Any, data: Any, dp_group: Any = None):
@@ -694,7 +704,7 @@ def _loss_fn_with_mask(loss_fn: Any, num_kept: int, stats: dict[str, float]) -> 
         sel = data.select("response_mask", KEEP_KEY)
         if any(sel[k].is_nested for k in ("response_mask", KEEP_KEY)):
             sel = sel.to_padded_tensor()
-        with mask_context(keep=sel[KEEP_KEY].bool(), num_kept=num_kept, stats=stats):
+        with mask_context(keep=sel[KEEP_KEY].bool(), num_kept=num_kept, denominator=denominator, stats=stats):
             return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
 
     wrapped.__wrapped__ = loss_fn  # type: ignore[attr-defined]
@@ -711,10 +721,10 @@ def _wrap_train_batch(orig: Any) -> Any:
         loss_mode, config = _actor_loss_mode(self)
         if loss_mode is None:
             return orig(self, data)
-        mb = _minibatch_keep_for_worker(self, data, loss_mode, config)
+        mb, denominator = _minibatch_keep_for_worker(self, data, loss_mode, config)
         data[KEEP_KEY] = _keep_in_layout_of(mb.keep, data["response_mask"])
         loss_fn = self.loss_fn
-        self.loss_fn = _loss_fn_with_mask(loss_fn, mb.num_kept, mb.stats)
+        self.loss_fn = _loss_fn_with_mask(loss_fn, mb.num_kept, denominator, mb.stats)
         try:
             return orig(self, data)
         finally:
