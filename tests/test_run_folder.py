@@ -14,6 +14,7 @@ import pytest
 
 from stapo.config import ConfigError, load_config
 from stapo.model.distributed import DistContext
+from stapo.evaluation.runner import MANIFEST
 from stapo.run.folder import Interrupted, RunFolder, default_run_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ def _cfg(tmp_path: Path, *overrides: str):
 
 def _folder(tmp_path: Path, *overrides: str, **kw) -> RunFolder:
     return RunFolder(_cfg(tmp_path, "trainer.run_name=r", *overrides), DistContext(), "cpu", objective="stapo",
-                     argv=["train.py", "--config", "x.yaml"], **kw)
+                     evaluation_manifest=MANIFEST, argv=["train.py", "--config", "x.yaml"], **kw)
 
 
 def test_the_default_run_name_and_the_folders(tmp_path):
@@ -42,12 +43,17 @@ def test_the_default_run_name_and_the_folders(tmp_path):
     assert (folder.run_name, folder.run_dir, folder.ckpt_root) == ("r", tmp_path / "r", tmp_path / "r" / "checkpoints")
 
 
-def test_check_refuses_an_evaluation_folder_only_when_told_its_manifest(tmp_path):
-    (tmp_path / "eval_manifest.json").write_text("{}")  # tmp_path is an evaluation folder; the run would be inside
+def test_check_refuses_an_evaluation_folder_and_a_folder_inside_one(tmp_path):
+    _folder(tmp_path).check()  # no manifest anywhere: fine
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / MANIFEST).write_text("{}")  # the run folder itself is an evaluation folder
+    with pytest.raises(ConfigError, match=r"^invalid value for 'trainer.run_name' \(r\): .* is an evaluate.py"):
+        _folder(tmp_path).check()
+    (tmp_path / "r" / MANIFEST).unlink()
+    (tmp_path / MANIFEST).write_text("{}")  # tmp_path is an evaluation folder; the run would be inside
     with pytest.raises(ConfigError, match=r"^invalid value for 'trainer.output_dir' .* is inside .*evaluate.py"):
-        _folder(tmp_path, evaluation_manifest="eval_manifest.json").check()
-    _folder(tmp_path).check()  # no manifest name handed in: not looked for
-    assert not (tmp_path / "r").exists()  # the checks create nothing
+        _folder(tmp_path).check()
+    assert not any((tmp_path / "r").iterdir())  # the checks create nothing
 
 
 def test_open_writes_the_start_files_and_drops_a_crashed_runs_later_steps(tmp_path):
@@ -125,7 +131,7 @@ def test_a_trainer_handed_a_folder_uses_it(tmp_path):
     from stapo.train import Trainer
 
     cfg = _cfg(tmp_path)
-    folder = RunFolder(cfg, DistContext(), "cpu", objective="mine", argv=["mine.py"])
+    folder = RunFolder(cfg, DistContext(), "cpu", objective="mine", evaluation_manifest=MANIFEST, argv=["mine.py"])
     trainer = Trainer(cfg, preflight_only=True, folder=folder, argv=["ignored.py"])
     assert trainer.folder is folder and trainer.run_dir == tmp_path / "mine_tiny_seed0"
     assert trainer.argv == ["mine.py"] and trainer.ckpt_root == tmp_path / "mine_tiny_seed0" / "checkpoints"

@@ -3,7 +3,7 @@
 
 What it does, in the order a run meets it::
 
-    RunFolder(cfg, ctx, device, objective=...)    where:  <trainer.output_dir>/<run name>, its checkpoints/
+    RunFolder(cfg, ctx, device, objective=..., evaluation_manifest=...)    where:  <trainer.output_dir>/<run name>, its checkpoints/
     .check()                 before any model loads: writable, no live process holds it, not an evaluation folder,
                              its metrics.jsonl / tables.jsonl readable (a resume appends to them)
     .check_identity(plan)    the model and training data are the resumed run's / the fork source's (by content)
@@ -131,8 +131,8 @@ class RunFolder:
         objective: the objective's name (the default run name: :func:`default_run_name`).
         argv: the command line recorded in ``run_info.json`` and the W&B config (default ``sys.argv``; assignable
             until :meth:`open`).
-        evaluation_manifest: the file that marks an evaluate.py output folder (``stapo.evaluation.runner.MANIFEST``,
-            handed in: the run shell does not import evaluation); None: not checked.
+        evaluation_manifest: the file name that marks an evaluate.py output folder (``stapo.evaluation.runner.
+            MANIFEST``, handed in: the run shell does not import evaluation); required, so no caller skips the check.
 
     Attributes:
         run_name, run_dir, ckpt_root: the run's name, folder and ``checkpoints/`` folder.
@@ -141,7 +141,7 @@ class RunFolder:
     """
 
     def __init__(self, cfg: Any, ctx: dist.DistContext, device: Any, *, objective: str,
-                 argv: Sequence[str] | None = None, evaluation_manifest: str | None = None) -> None:
+                 evaluation_manifest: str, argv: Sequence[str] | None = None) -> None:
         self.cfg, self.ctx, self.device = cfg, ctx, device
         self.run_name = default_run_name(cfg, objective)
         self.run_dir = Path(cfg.trainer.output_dir) / self.run_name
@@ -172,7 +172,7 @@ class RunFolder:
         check_writable(self.run_dir, "trainer.output_dir")
         self._check_lock_free()  # another live train.py on this folder: say so now, not after loading the model
         manifest = self.evaluation_manifest
-        for folder in (self.run_dir, *Path(self.run_dir).absolute().parents) if manifest else ():
+        for folder in (self.run_dir, *Path(self.run_dir).absolute().parents):
             if (folder / manifest).is_file():
                 key, value, where = (("trainer.run_name", self.run_name, "an") if folder == self.run_dir else
                                      ("trainer.output_dir", self.cfg.trainer.output_dir, f"inside {folder}, an"))
