@@ -11,9 +11,19 @@ All figures are read from the source text (``ast``), nothing is imported or run:
   mini-batch mask) and of the run shell (:data:`SHELL`) over all lines of ``stapo/``;
 * **update path**: the functions defined in ``stapo/`` that the update of a training step reaches — everything
   ``PolicyUpdate.run`` (what ``Trainer._update`` hands the step to) calls, transitively, down to the optimizer step —
-  and the files they are in. Calls are matched
-  by name (``f(...)``, ``x.f(...)``: every ``def f`` of the package; names too generic to resolve, :data:`GENERIC`,
-  are not followed), so the count over-approximates alike before and after a change.
+  and the files they are in. A call ``self.f(...)`` (or ``up.f(...)``, the mini-batch's name for its
+  ``PolicyUpdate``) is resolved to the method of that class when it has one; any other call is matched by name
+  against the package's module-level functions (``f(...)``, ``module.f(...)``: every top-level ``def f``; names
+  too generic to resolve, :data:`GENERIC`, are not followed; the file's own ``def f`` when it has one, and a
+  ``_private`` name only there); a method of another object (``x.f(...)``) is followed when one class only
+  defines ``f``. The same rules measure both trees;
+* **names for one thing**: the functions on the update path named for the mini-batch mask (``*mask*``, the
+  mask builders and their checks) and for the loss denominator (``*denominator*``).
+
+Caveats: the path starts at ``PolicyUpdate.run``, not at ``train_step`` (rollout, reward and advantages are
+other stages); torch's and transformers' functions are not counted; :data:`CORE` and :data:`SHELL` are lists of
+module stems chosen by hand (the same lists measure both trees). ``--repo DIR`` measures another checkout (e.g. a
+worktree of the commit before a change) with the same rules.
 """
 from __future__ import annotations
 
@@ -37,7 +47,10 @@ SHELL = {"runlock", "cli", "interrupts", "preflight", "provenance", "checkpoint_
 #: Method names shared with the standard library / torch that a name match would follow wrongly.
 GENERIC = {"run", "step", "get", "update", "items", "append", "close", "write", "read", "load", "save", "log",
            "format", "__init__", "__call__", "reset", "train", "eval", "forward", "backward", "sum", "mean", "to",
-           "copy", "keys", "values", "pop", "clear", "extend", "add", "text", "item", "zero_grad"}
+           "copy", "keys", "values", "pop", "clear", "extend", "add", "text", "item", "zero_grad", "flush",
+           "get_last_lr", "open", "record", "kill", "apply", "replace"}
+#: Receiver names whose class is known: ``self`` (the enclosing class), ``up`` (``_MiniBatch.up``).
+RECEIVERS = {"up": "PolicyUpdate"}
 
 
 def _files() -> list[Path]:
@@ -64,6 +77,8 @@ def update_path(start: str = "stapo/train/update.py::PolicyUpdate.run") -> tuple
     """(functions, files) the update reaches from ``start`` (``file::Class.method``: the method ``Trainer._update``
     hands the step to)."""
     defs: dict[str, list[tuple[str, ast.AST]]] = defaultdict(list)  # name -> [(qualified name, node)]
+    methods: dict[tuple[str, str], str] = {}  # (class, method) -> qualified name
+    owner: dict[str, str] = {}  # qualified name -> its class
     for path in _files():
         rel = str(path.relative_to(REPO))
         tree = ast.parse(path.read_text())
@@ -71,7 +86,10 @@ def update_path(start: str = "stapo/train/update.py::PolicyUpdate.run") -> tuple
             if isinstance(node, ast.ClassDef):
                 for item in node.body:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        defs[item.name].append((f"{rel}::{node.name}.{item.name}", item))
+                        q = f"{rel}::{node.name}.{item.name}"
+                        defs[item.name].append((q, item))
+                        methods.setdefault((node.name, item.name), q)
+                        owner[q] = node.name
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 defs[node.name].append((f"{rel}::{node.name}", node))
@@ -83,8 +101,16 @@ def update_path(start: str = "stapo/train/update.py::PolicyUpdate.run") -> tuple
             if isinstance(c, ast.Call):
                 f = c.func
                 name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-                if name and name in defs and name not in GENERIC:
-                    out |= {d for d, _ in defs[name]}
+                recv = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+                cls = owner.get(q) if recv == "self" else RECEIVERS.get(recv or "")
+                if cls and (cls, name) in methods:  # self.f / up.f: that class's own method, generic or not
+                    out.add(methods[(cls, name)])
+                elif name and name in defs and name not in GENERIC:
+                    top = {d for d, _ in defs[name] if d not in owner}  # f(...), module.f(...): module-level defs
+                    here = {d for d in top if d.split("::")[0] == q.split("::")[0]}
+                    top = here or (set() if name.startswith("_") else top)  # a file's own def; _private: its own
+                    meth = [d for d, _ in defs[name] if d in owner]  # x.f(...): a method defined once only
+                    out |= top | (set(meth) if isinstance(f, ast.Attribute) and len(meth) == 1 else set())
         calls[q] = out - {q}
     reach, todo = {start}, [start]
     while todo:
@@ -103,16 +129,23 @@ def measure() -> dict:
     core = sum(_lines(p) for p in files if p.stem in CORE)
     shell = sum(_lines(p) for p in files if p.stem in SHELL)
     functions, where = update_path()
+    names = [q.split("::")[1].split(".")[-1] for q in functions]
     return {"files_per_folder": dict(sorted(per_folder.items())), "lines_total": total,
             "core_share": round(core / total, 3), "shell_share": round(shell / total, 3),
             "method_lines": method_lines(), "update_path_functions": len(functions),
-            "update_path_files": len(where), "update_path": functions}
+            "update_path_files": len(where), "update_path": functions,
+            "mask_names": sorted({n for n in names if "mask" in n.lower()}),
+            "denominator_names": sorted({n for n in names if "denominator" in n.lower()})}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print everything as JSON")
+    ap.add_argument("--repo", type=Path, default=None, help="the checkout to measure (default: this one)")
     args = ap.parse_args()
+    if args.repo is not None:
+        global REPO, PKG
+        REPO, PKG = args.repo.resolve(), args.repo.resolve() / "stapo"
     m = measure()
     if args.json:
         print(json.dumps(m, indent=1))
@@ -124,6 +157,8 @@ def main() -> None:
     print("  ".join(f"{k}: {v} lines" for k, v in m["method_lines"].items()))
     print(f"the update (PolicyUpdate.run down to optimizer.step()): {m['update_path_functions']} functions in "
           f"{m['update_path_files']} files")
+    print(f"  names for the mini-batch mask: {', '.join(m['mask_names'])}")
+    print(f"  names for the loss denominator: {', '.join(m['denominator_names'])}")
 
 
 if __name__ == "__main__":
