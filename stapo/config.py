@@ -30,8 +30,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from stapo.common.errors import ConfigError  # noqa: F401 - re-exported: stapo.config.ConfigError
 from stapo.core.params import TOP_ENTROPY_RATIO, S2TParams
-from stapo.tasks.data import FileSetConfig
-from stapo.tasks.data import TRAIN_BY_NAME
+from stapo.tasks.data import TRAIN_BY_NAME, FileSetConfig
 
 __all__ = [
     "ConfigError",

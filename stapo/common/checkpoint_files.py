@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+
 from stapo.common.fingerprint import model_digest
 
 __all__ = ["DCP_DIR", "MARKER", "FULL_HASH_LIMIT", "WEIGHT_GLOBS", "has_hf_weights", "is_sharded", "verify_checkpoint",

@@ -28,8 +28,15 @@ from typing import Any, Callable, Literal
 import torch
 
 from stapo.common.registry import ExtensionError, check_new, lookup
-from stapo.core.params import (ENTROPY_QUANTILE, PROB_THRESHOLD, QUANTILE_SCOPE, TOP_ENTROPY_RATIO,
-                               QuantileScope, S2TParams, TopEntropyParams)
+from stapo.core.params import (
+    ENTROPY_QUANTILE,
+    PROB_THRESHOLD,
+    QUANTILE_SCOPE,
+    TOP_ENTROPY_RATIO,
+    QuantileScope,
+    S2TParams,
+    TopEntropyParams,
+)
 from stapo.core.tensor_utils import as_bool_mask, check_same_shape, quantile
 
 __all__ = [

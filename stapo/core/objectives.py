@@ -38,10 +38,17 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, get_args
 
 import torch
 
-from stapo.core.masks import (PROB_THRESHOLD, TOP_ENTROPY_RATIO, S2TParams, TokenMask, check_mask_result, get_mask_spec,
-                              get_token_mask)
-from stapo.core.metric_names import mask_stat_key
 from stapo.common.registry import ExtensionError, add_entry, lookup
+from stapo.core.masks import (
+    PROB_THRESHOLD,
+    TOP_ENTROPY_RATIO,
+    S2TParams,
+    TokenMask,
+    check_mask_result,
+    get_mask_spec,
+    get_token_mask,
+)
+from stapo.core.metric_names import mask_stat_key
 from stapo.core.tensor_utils import as_bool_mask, check_same_shape, masked_mean
 
 __all__ = [

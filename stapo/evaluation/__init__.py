@@ -17,8 +17,14 @@ One file per concern:
 Entry points: ``python evaluate.py`` and ``python scripts/compare.py``. Importing this package does not import
 torch; the model and engine are loaded only when generations are missing.
 """
-from stapo.evaluation.config import (PAPER_SAMPLES, PAPER_SETTINGS, DecodingSetting, EvalConfig, canonical_benchmark,
-                                     load_eval_config)
+from stapo.evaluation.config import (
+                                     PAPER_SAMPLES,
+                                     PAPER_SETTINGS,
+                                     DecodingSetting,
+                                     EvalConfig,
+                                     canonical_benchmark,
+                                     load_eval_config,
+)
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import avg_at_n, majority_vote, pass_at_k, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source

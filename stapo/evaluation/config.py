@@ -25,11 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
-from stapo.config import ConfigError, LoggingConfig, merge_config
+from stapo.config import (
+    ConfigError,
+    LoggingConfig,
+    TrainConfig,
+    check_logging_identity,
+    check_registered,
+    import_modules,
+    merge_config,
+)
+from stapo.evaluation.errors import EvalError
 from stapo.tasks.data import BENCHMARK_REGISTRY, BENCHMARKS, FileSetConfig
 from stapo.tasks.synthetic import GENERATED_BENCHMARKS
-from stapo.evaluation.errors import EvalError
-from stapo.config import TrainConfig, check_logging_identity, check_registered, import_modules
 
 __all__ = [
     "PAPER_SAMPLES",

@@ -29,6 +29,7 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
 from stapo.common.fingerprint import file_sha256, json_digest, model_digest
 
 __all__ = ["content_key", "model_part", "data_part", "protocol", "eval_fingerprint", "protocol_differences",

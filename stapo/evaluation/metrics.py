@@ -27,8 +27,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from stapo.tasks.boxed import strip_answer_decorations
 from stapo.core.metric_names import val_key, val_source
+from stapo.tasks.boxed import strip_answer_decorations
 
 __all__ = [
     "GRADER_STATUSES",

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stapo.common.checkpoint_files import (_STEP_DIR, complete_checkpoints, has_hf_weights, step_folders,
-                                    verify_checkpoint)
+from stapo.common.checkpoint_files import (
+    _STEP_DIR,
+    complete_checkpoints,
+    has_hf_weights,
+    step_folders,
+    verify_checkpoint,
+)
 from stapo.evaluation.errors import EvalError
 
 __all__ = ["EMBEDDED_NAMES", "ModelSource", "resolve_model_source"]

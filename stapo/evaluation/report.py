@@ -20,12 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from stapo.tasks.data import BENCHMARK_REGISTRY, BENCHMARKS
 from stapo.evaluation.errors import EvalError
-from stapo.evaluation.metrics import GRADER_STATUSES
-from stapo.evaluation.metrics import validation_metrics
+from stapo.evaluation.metrics import GRADER_STATUSES, validation_metrics
 from stapo.run.runlock import RunLock, RunLockError
 from stapo.run.tracking import Tracker, TrackerError
+from stapo.tasks.data import BENCHMARK_REGISTRY, BENCHMARKS
 
 __all__ = [
     "DISPLAY_NAMES",

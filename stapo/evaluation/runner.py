@@ -54,24 +54,31 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from stapo.run.console import use_progress_bars
-from stapo.tasks.data import (BENCHMARKS, PAPER_BENCHMARKS, DataError, Record, load_benchmark, load_file_set,
-                              resolve_data_root)
-from stapo.tasks.synthetic import GENERATED_BENCHMARKS, generated_benchmark
+from stapo.common.fingerprint import write_fingerprint
+from stapo.config import ConfigError
 from stapo.evaluation.config import DecodingSetting, EvalConfig, eval_config_to_dict, validate_eval_config
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.identity import content_key, data_part, eval_fingerprint, model_part
 from stapo.evaluation.metrics import GRADER_STATUSES, average_over_benchmarks, summarize_benchmark
 from stapo.evaluation.model_source import ModelSource, resolve_model_source
+from stapo.evaluation.report import log_wandb, write_train_summary
 from stapo.evaluation.store import GenerationStore
-from stapo.common.fingerprint import write_fingerprint
+from stapo.run.console import use_progress_bars
 from stapo.run.preflight import check_chat_template, check_device, check_tokenizer, os_reason
 from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
-from stapo.config import ConfigError
-from stapo.evaluation.report import log_wandb, write_train_summary
-from stapo.tasks.data import benchmark_path
+from stapo.tasks.data import (
+    BENCHMARKS,
+    PAPER_BENCHMARKS,
+    DataError,
+    Record,
+    benchmark_path,
+    load_benchmark,
+    load_file_set,
+    resolve_data_root,
+)
 from stapo.tasks.golds import DEFAULT_MAX_FRACTION, check_golds
 from stapo.tasks.prompts import encode_prompt
+from stapo.tasks.synthetic import GENERATED_BENCHMARKS, generated_benchmark
 
 __all__ = [
     "PromptSpec",

@@ -36,8 +36,14 @@ from tqdm import tqdm
 from stapo.evaluation.config import PAPER_SETTINGS, DecodingSetting, canonical_benchmark
 from stapo.evaluation.errors import EvalError
 from stapo.evaluation.metrics import validation_metrics
-from stapo.evaluation.runner import (PromptSpec, _error_line, _raise_any, encode_problems, evaluate_problems,
-                                     load_problems)
+from stapo.evaluation.runner import (
+    PromptSpec,
+    _error_line,
+    _raise_any,
+    encode_problems,
+    evaluate_problems,
+    load_problems,
+)
 
 __all__ = ["ValidationHook", "make_validation_hook", "make_validation_hook_from_config", "validation_metrics"]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
+
 from stapo.tasks.prompts import uses_chat_template
 
 __all__ = ["DEFAULT_VERIFIER_TEMPLATE", "VerifierVerdict", "parse_verdict", "LLMVerifier", "build_verifier"]

@@ -129,6 +129,16 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from stapo.core.masks import (
+    ENTROPY_QUANTILE,
+    PROB_THRESHOLD,
+    QUANTILE_SCOPE,
+    TOP_ENTROPY_RATIO,
+    TokenMask,
+    get_mask_spec,
+)
+from stapo.core.metric_names import NUM_KEPT_TOKENS
+from stapo.core.minibatch import minibatch_loss_denominator, minibatch_token_mask
 from stapo.core.objectives import (
     LOSS_AGG_MODES,
     OBJECTIVES,
@@ -139,10 +149,6 @@ from stapo.core.objectives import (
     loss_denominator,
     policy_loss,
 )
-from stapo.core.minibatch import minibatch_loss_denominator, minibatch_token_mask
-from stapo.core.masks import (ENTROPY_QUANTILE, PROB_THRESHOLD, QUANTILE_SCOPE, TOP_ENTROPY_RATIO, TokenMask,
-                              get_mask_spec)
-from stapo.core.metric_names import NUM_KEPT_TOKENS
 from stapo.core.tensor_utils import as_bool_mask
 
 try:  # verl is optional for `import stapo`, required for this module

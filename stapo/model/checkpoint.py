@@ -48,12 +48,21 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from stapo.common.checkpoint_files import (DCP_DIR, FULL_HASH_LIMIT, MARKER, _SAFE_INDEX, _fsync_dir,
-                                    _write_marker, complete_checkpoints, is_sharded, latest_checkpoint,
-                                    resumable_checkpoints, verify_checkpoint)
-from stapo.model.models import hf_class_name
+from stapo.common.checkpoint_files import (
+    _SAFE_INDEX,
+    DCP_DIR,
+    FULL_HASH_LIMIT,
+    MARKER,
+    _fsync_dir,
+    _write_marker,
+    complete_checkpoints,
+    is_sharded,
+    latest_checkpoint,
+    resumable_checkpoints,
+    verify_checkpoint,
+)
 from stapo.model import distributed as dist
-from stapo.model.models import resolve_dtype
+from stapo.model.models import hf_class_name, resolve_dtype
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
            "export_hf", "is_sharded", "verify_checkpoint", "resumable_checkpoints", "DCP_DIR", "MARKER",

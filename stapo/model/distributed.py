@@ -66,8 +66,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from stapo.core.minibatch import all_gather_varlen
 from stapo.common.errors import ConfigError
+from stapo.core.minibatch import all_gather_varlen
 from stapo.model.models import hf_class_name, meta_model
 
 __all__ = [

@@ -80,8 +80,8 @@ from stapo.core.token_stats import (
     _chunks,
     _eager_chunk_rows,
     _fp32,
-    _gpu_sizes,
     _fwd_chunk_sums,
+    _gpu_sizes,
     _Workspace,
 )
 

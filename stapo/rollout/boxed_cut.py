@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from stapo.tasks.boxed import first_boxed_end
 from stapo.rollout.base import Response
+from stapo.tasks.boxed import first_boxed_end
 
 __all__ = ["boxed_cut_length", "cut_at_first_boxed", "cut_responses_at_first_boxed"]
 

@@ -14,9 +14,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from stapo.rollout.base import (Response, SamplingParams, check_prompts, finish_reason_of,
-                                resolve_stop_token_ids)
 from stapo.model.precision import PrecisionPolicy
+from stapo.rollout.base import Response, SamplingParams, check_prompts, finish_reason_of, resolve_stop_token_ids
 
 __all__ = ["HFRolloutEngine", "MaskUnknownTokenIds"]
 

@@ -54,11 +54,17 @@ import numpy as np
 import torch
 from tqdm import tqdm  # the plain class: _ResponseCounter draws nothing
 
-from stapo.rollout.base import (WAKE_TAGS, Response, SamplingParams, check_prompts, finish_reason_of,
-                                resolve_stop_token_ids)
 from stapo.common.logs import drop_rotary_reload_warning, quiet_libraries
 from stapo.model.distributed import check_same_state_dict, feed_collective, iter_full_state_dict
 from stapo.model.models import resolve_dtype
+from stapo.rollout.base import (
+    WAKE_TAGS,
+    Response,
+    SamplingParams,
+    check_prompts,
+    finish_reason_of,
+    resolve_stop_token_ids,
+)
 
 __all__ = ["VLLMRolloutEngine", "engine_weights", "vllm_available"]
 

@@ -12,8 +12,13 @@ import os
 import sys
 from typing import Any
 
-from stapo.common.logs import (HARMLESS_VLLM_WARNINGS, drop_rotary_reload_warning, is_verbose, quiet_libraries,
-                               set_verbose)
+from stapo.common.logs import (
+    HARMLESS_VLLM_WARNINGS,
+    drop_rotary_reload_warning,
+    is_verbose,
+    quiet_libraries,
+    set_verbose,
+)
 from stapo.core.metric_names import masked_fraction_key
 
 __all__ = ["set_verbose", "is_verbose", "quiet_libraries", "drop_rotary_reload_warning", "HARMLESS_VLLM_WARNINGS",

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from stapo.common.fingerprint import read_fingerprint, write_fingerprint
 from stapo.config import ConfigError, to_dict
 from stapo.model import distributed as dist
 from stapo.model.checkpoint import latest_checkpoint
@@ -41,11 +42,16 @@ from stapo.run.cli import raise_terminated, signal_name, survive_closed_terminal
 from stapo.run.console import start_lines, step_line, use_progress_bars
 from stapo.run.preflight import check_writable
 from stapo.run.provenance import TRAIN_STEP_METRIC, launch_record, record_launch
+from stapo.run.run_identity import (
+    CHANGES_FILE,
+    MACHINE_CHANGE_KEY,
+    config_digest,
+    data_part,
+    resume_identity_check,
+    run_fingerprint,
+)
 from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
 from stapo.run.tracking import Tracker, read_jsonl_rows
-from stapo.common.fingerprint import read_fingerprint, write_fingerprint
-from stapo.run.run_identity import (CHANGES_FILE, MACHINE_CHANGE_KEY, config_digest, data_part, resume_identity_check,
-                                    run_fingerprint)
 
 __all__ = ["RunFolder", "Interrupted"]
 

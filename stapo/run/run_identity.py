@@ -40,8 +40,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from stapo.common.fingerprint import json_digest, machine_kind, model_digest, read_fingerprint
-from stapo.common.fingerprint import file_sha256
+from stapo.common.fingerprint import file_sha256, json_digest, machine_kind, model_digest, read_fingerprint
 from stapo.tasks.data import load_train_set, train_path
 
 __all__ = ["NEUTRAL_KEYS", "HOW_KEYS", "flat_config", "config_digest", "model_part", "data_part", "run_fingerprint",

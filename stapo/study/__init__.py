@@ -7,10 +7,10 @@ differences (docs/study.md).
 :mod:`stapo.study.report` (report.md / curves.png / curves.csv / final.csv), :mod:`stapo.study.stats` (t-bands and
 the paired bootstrap).
 """
+from stapo.study.__main__ import main as _main
 from stapo.study.config import RunSpec, StudyConfig, load_study_config, run_specs
 from stapo.study.report import METRICS, write_report
 from stapo.study.runner import describe_plan, run_grid, run_status
-from stapo.study.__main__ import main as _main
 
 __all__ = ["StudyConfig", "RunSpec", "load_study_config", "run_specs", "run_status", "describe_plan", "run_grid",
            "write_report", "METRICS", "main"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
 from stapo.run.cli import ArgumentParser, sigterm_as_interrupt
 
 
@@ -41,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the imports (torch) take seconds: Ctrl-C / SIGTERM then is one line, not an import traceback
         from stapo.config import ConfigError
         from stapo.run.runlock import RunLock, RunLockError
+        from stapo.run.tracking import CorruptJsonlError
         from stapo.study.config import load_study_config, run_specs
         from stapo.study.report import write_report
         from stapo.study.runner import RunIdentityError, describe_plan, run_grid
-        from stapo.run.tracking import CorruptJsonlError
 
         cfg = load_study_config(args.config, args.overrides)
         specs = run_specs(cfg)

@@ -50,15 +50,24 @@ from typing import Any, Collection
 
 import numpy as np
 
-from stapo.study.config import RunSpec, StudyConfig
-from stapo.study.keys import QUADRANTS
-from stapo.study.report import (Series, _run_config, as_number, check_output_writable, collect, final_results,
-                                pooled_quadrant_stat, read_runs, run_exclusions, writing)
-from stapo.study.stats import detectable_effect, moving_average, t_band, window_steps
 from stapo.config import ConfigError
 from stapo.run.cli import ArgumentParser
 from stapo.run.tracking import CorruptJsonlError
-from stapo.study.config import load_study_config, run_specs
+from stapo.study.config import RunSpec, StudyConfig, load_study_config, run_specs
+from stapo.study.keys import QUADRANTS
+from stapo.study.report import (
+    Series,
+    _run_config,
+    as_number,
+    check_output_writable,
+    collect,
+    final_results,
+    pooled_quadrant_stat,
+    read_runs,
+    run_exclusions,
+    writing,
+)
+from stapo.study.stats import detectable_effect, moving_average, t_band, window_steps
 
 __all__ = ["ROLES", "ROLE_OBJECTIVES", "SubClaim", "Claim", "ClaimsError", "role_table", "evaluate_claims",
            "write_claims", "main"]

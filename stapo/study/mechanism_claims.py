@@ -34,10 +34,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from stapo.study.stats import block_bootstrap, detectable_effect, moving_average, t_band
 from stapo.common.checkpoint_files import complete_checkpoints
 from stapo.run.provenance import read_launches
 from stapo.run.tracking import read_metrics
+from stapo.study.stats import block_bootstrap, detectable_effect, moving_average, t_band
 
 __all__ = ["MechanismClaimsError", "RunInfo", "read_run", "kind_from_machine_line", "check_pairable", "gate_a",
            "series", "rise", "gate_b", "fork_checkpoint", "e2", "e3", "from_start", "recipe_checks", "evaluate",

@@ -30,13 +30,13 @@ import numpy as np
 
 from stapo.common.checkpoint_files import latest_checkpoint
 from stapo.common.plotting import draw_seed_curves, physical_range
-from stapo.study.config import RunSpec, StudyConfig
-from stapo.study.runner import default_threads, evaluated_step
-from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
-from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
-from stapo.run.tracking import CorruptJsonlError, decode_value, read_jsonl_rows
 from stapo.config import ConfigError, TrainConfig, _flatten, to_dict
 from stapo.run.preflight import check_writable
+from stapo.run.tracking import CorruptJsonlError, decode_value, read_jsonl_rows
+from stapo.study.config import RunSpec, StudyConfig
+from stapo.study.keys import COST_KEYS, LABELS, METRICS, QUADRANT_STATS, QUADRANTS, quadrant_key
+from stapo.study.runner import default_threads, evaluated_step
+from stapo.study.stats import moving_average, paired_bootstrap, t_band, window_steps
 
 __all__ = ["METRICS", "LABELS", "COST_KEYS", "CHECKED_KEYS", "INF_CHECKED_KEYS", "Series", "as_number", "collect",
            "read_runs", "run_exclusions", "identity_problems", "check_output_writable", "writing", "eval_se_rows",

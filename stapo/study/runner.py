@@ -58,13 +58,13 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from stapo.common.checkpoint_files import latest_checkpoint
-from stapo.run.provenance import default_group
-from stapo.run.runlock import LOCK_NAME, Holder, RunLock, RunLockError
-from stapo.study.config import RunSpec, StudyConfig
-from stapo.run.tracking import CorruptJsonlError, read_jsonl_rows
 from stapo.common.fingerprint import read_fingerprint
 from stapo.config import to_dict
+from stapo.run.provenance import default_group
 from stapo.run.run_identity import config_matches_fingerprint, data_part, model_part, plan_differences, recorded_config
+from stapo.run.runlock import LOCK_NAME, Holder, RunLock, RunLockError
+from stapo.run.tracking import CorruptJsonlError, read_jsonl_rows
+from stapo.study.config import RunSpec, StudyConfig
 
 __all__ = ["REPO", "RunStatus", "EvalStatus", "run_status", "eval_status", "train_command", "eval_command",
            "describe_plan", "run_grid", "default_threads", "lock_holder", "exit_text", "ATTEMPTS", "FINISHED",

@@ -48,11 +48,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Sequence
 
+from stapo.common.fingerprint import file_sha256, json_digest
 from stapo.tasks.boxed import BOX_OPEN, last_boxed_content
 from stapo.tasks.records import Record
 from stapo.tasks.synthetic import generate_arithmetic
 from stapo.tasks.word_problems import generate_word_problems
-from stapo.common.fingerprint import file_sha256, json_digest
 
 __all__ = [
     "PAPER_BENCHMARKS",

@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
+
 from stapo.common.fingerprint import json_digest
 from stapo.tasks.data import DataError
 from stapo.tasks.grader import gold_parses

@@ -35,10 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from stapo.run.throughput import (Measured, _cache_key, _measured_from_rows, _median,  # noqa: F401 - re-exported
-                                  lookup_train_throughput, machine_key, record_train_throughput,
-                                  throughput_cache_path)
 from stapo.run.provenance import read_launches
+from stapo.run.throughput import (  # noqa: F401 - re-exported
+    Measured,
+    _cache_key,
+    _measured_from_rows,
+    _median,
+    lookup_train_throughput,
+    machine_key,
+    record_train_throughput,
+    throughput_cache_path,
+)
 from stapo.run.tracking import CorruptJsonlError, read_metrics
 
 __all__ = ["TrainCost", "EvalCost", "Measured", "ModelSize", "train_cost", "eval_cost", "checkpoint_steps",
@@ -74,8 +81,8 @@ def model_size(path: str, cache_dir: str | None = None, tokenizer: Any = None) -
     """
     import torch
 
-    from stapo.model.models import _resolve_source, _source_kwargs, build_tiny_model
     from stapo.common.perf import ModelShape
+    from stapo.model.models import _resolve_source, _source_kwargs, build_tiny_model
 
     try:
         with torch.device("meta"):
@@ -280,8 +287,8 @@ def train_cost(cfg: Any, *, start_step: int = 0, prompt_lengths: Sequence[int] |
     import torch
 
     from stapo.config import objective_from_config
-    from stapo.train.policy import forward_layout
     from stapo.train.plan import build_plan
+    from stapo.train.policy import forward_layout
 
     tc, dc, rc, ac = cfg.trainer, cfg.data, cfg.rollout, cfg.actor
     G, R = int(rc.n), int(rc.response_length)

@@ -31,8 +31,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from stapo.train.samples import ROLLOUTS_DIR, RolloutFileError, read_rollouts, rollouts_path, saved_steps
 from stapo.run.preflight import write_error
+from stapo.train.samples import ROLLOUTS_DIR, RolloutFileError, read_rollouts, rollouts_path, saved_steps
 
 __all__ = ["ViewerError", "COLOUR_BINS", "P_LOG10_MIN", "load_step", "render_page", "write_page"]
 

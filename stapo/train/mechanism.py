@@ -39,13 +39,24 @@ import numpy as np
 import torch
 
 from stapo.config import ConfigError
-from stapo.train.probes import (GROUPS, AdamWLinearisation, ProbeSetError, probe_batch, probe_digest, probe_entropy,
-                             read_probe_set, shares, token_groups, token_weights, weighted_token_gradients,
-                             write_probe_set)
 from stapo.core.masks import get_mask_spec
 from stapo.core.objectives import compute_token_mask, get_policy_loss, kl_k3, loss_denominator
 from stapo.core.token_stats import TokenStats
 from stapo.train.policy import policy_token_stats
+from stapo.train.probes import (
+    GROUPS,
+    AdamWLinearisation,
+    ProbeSetError,
+    probe_batch,
+    probe_digest,
+    probe_entropy,
+    read_probe_set,
+    shares,
+    token_groups,
+    token_weights,
+    weighted_token_gradients,
+    write_probe_set,
+)
 from stapo.train.update import PolicyUpdate
 
 __all__ = ["MechanismHook", "PROBE_COPY"]

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from stapo.model import distributed as dist
 from stapo.core.advantages import grpo_advantages
 from stapo.core.analysis import entropy_change_estimate, logit_grad_norm, quadrant_summary
 from stapo.core.masks import get_mask_spec, s2t_mask
-from stapo.train.probes import first_k_entropy
 from stapo.core.objectives import kl_k3
 from stapo.core.tensor_utils import masked_mean
+from stapo.model import distributed as dist
+from stapo.train.probes import first_k_entropy
 
 __all__ = ["MetricAccumulator", "MetricRows", "gather_metric_rows", "step_metrics", "silenced_examples"]
 

@@ -41,9 +41,9 @@ from typing import Sequence
 
 import torch
 
-from stapo.rollout.base import Response
 from stapo.core.token_stats import TokenStats, token_stats
 from stapo.model.lm_head import TokenStatsRequest
+from stapo.rollout.base import Response
 
 __all__ = ["RolloutBatch", "collate_responses", "policy_hidden", "policy_logits", "policy_token_stats",
            "shared_prompt_logits", "check_fused_head", "policy_decoder", "LAYOUTS", "ForwardInputs", "forward_layout",

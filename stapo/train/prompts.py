@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from stapo.tasks.data import DataError, file_set_name, load_file_set, load_train_set
 from stapo.tasks.prompts import encode_prompt
 

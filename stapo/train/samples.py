@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
 from stapo.run.preflight import write_error
 
 __all__ = [

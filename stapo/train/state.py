@@ -26,13 +26,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from stapo.model import distributed as dist
-from stapo.model.checkpoint import (DCP_DIR, CheckpointError, is_sharded, latest_checkpoint, load_trainer_state,
-                              resumable_checkpoints, rng_state, save_checkpoint, set_rng_state, verify_checkpoint)
+from stapo.common.checkpoint_files import checkpoint_digest
+from stapo.common.checkpoint_files import latest_checkpoint as latest
 from stapo.config import ConfigError, fork_key_changes, resume_key_changes, to_dict
-from stapo.run.run_identity import CHANGES_FILE  # the run folder's config_changes.jsonl
-from stapo.common.checkpoint_files import checkpoint_digest, latest_checkpoint as latest
+from stapo.model import distributed as dist
+from stapo.model.checkpoint import (
+    DCP_DIR,
+    CheckpointError,
+    is_sharded,
+    latest_checkpoint,
+    load_trainer_state,
+    resumable_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    verify_checkpoint,
+)
 from stapo.model.models import load_policy
+from stapo.run.run_identity import CHANGES_FILE  # the run folder's config_changes.jsonl
 
 __all__ = ["RunState", "ResumePlan", "ForkSource", "plan_resume", "plan_fork", "CHANGES_FILE", "plan_start",
            "refuse_checkpoints"]

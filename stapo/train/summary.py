@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from stapo.core.metric_names import masked_fraction_key
 from stapo.config import configs_dir
+from stapo.core.metric_names import masked_fraction_key
 from stapo.evaluation.runner import benchmark_file
 from stapo.model.checkpoint import latest_checkpoint
 from stapo.run.tracking import read_metrics

@@ -31,32 +31,31 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from stapo.common.perf import ModelShape, max_memory_gb, mfu, peak_flops, update_flops
 from stapo.config import ConfigError, TrainConfig, objective_from_config
 from stapo.core.advantages import grpo_advantages
 from stapo.core.token_stats import TokenStats
+from stapo.evaluation.runner import MANIFEST
 from stapo.model import distributed as dist
 from stapo.model.checkpoint import latest_checkpoint
+from stapo.model.models import EMBEDDED_ALIASES, ModelCacheError, build_tiny_model, load_policy, load_tokenizer
 from stapo.model.precision import PrecisionPolicy, resolve_compute_dtype
+from stapo.rollout import EngineOptions, SamplingParams, build_rollout_engine, engine_kwargs
 from stapo.rollout.phases import EnginePhases
 from stapo.run.folder import Interrupted, RunFolder
 from stapo.run.memory_plan import check_memory_plan
 from stapo.run.preflight import check_chat_template, check_device, check_tokenizer
 from stapo.run.provenance import apply_identity
 from stapo.run.tracking import Tracker
+from stapo.tasks.rewards import make_reward_fn
 from stapo.train.batch import Rollout, StepBatch
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
 from stapo.train.plan import UpdatePlan, build_plan, max_over_ranks
-from stapo.train.policy import forward_layout
+from stapo.train.policy import collate_responses, forward_layout
 from stapo.train.prompts import PromptLoader, load_prompts
 from stapo.train.samples import completions_table, drop_rollouts_after, response_records, write_rollouts
 from stapo.train.state import RunState, plan_start, refuse_checkpoints
 from stapo.train.update import PolicyUpdate, Progress, UpdateResult
-from stapo.common.perf import ModelShape, max_memory_gb, mfu, peak_flops, update_flops
-from stapo.evaluation.runner import MANIFEST
-from stapo.model.models import EMBEDDED_ALIASES, ModelCacheError, build_tiny_model, load_policy, load_tokenizer
-from stapo.rollout import EngineOptions, SamplingParams, build_rollout_engine, engine_kwargs
-from stapo.tasks.rewards import make_reward_fn
-from stapo.train.policy import collate_responses
 
 __all__ = ["Trainer", "StepProgress", "Interrupted", "CannotLearn"]
 

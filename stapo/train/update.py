@@ -25,12 +25,12 @@ from typing import Any, Callable
 
 import torch
 
-from stapo.model import distributed as dist
 from stapo.core.masks import TokenMask
 from stapo.core.minibatch import minibatch_loss_denominator, minibatch_token_mask
 from stapo.core.objectives import Objective, policy_loss
-from stapo.model.precision import PrecisionPolicy
 from stapo.core.token_stats import TokenStats
+from stapo.model import distributed as dist
+from stapo.model.precision import PrecisionPolicy
 from stapo.train.batch import Rollout
 from stapo.train.metrics import MetricAccumulator
 from stapo.train.plan import MiniBatchPlan, UpdatePlan
