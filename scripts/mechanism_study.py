@@ -187,6 +187,12 @@ def stage_verdicts(_a) -> None:
     forks = sorted(p.relative_to(REPO) for p in (REPO / runs).glob("fork*_justrl"))
     for j in forks:
         cmd += ["--fork-pairs", f"{j}:{j.with_name(j.name.replace('_justrl', '_stapo'))}"]
+    if REPO / runs != RUNS and (OUT / "gate_b.json").exists():
+        # the snapshot keeps no checkpoints: the trunk's saved steps as the gate stage found them (else the fork
+        # checkpoint would read 0, the initial model, instead of the one the forks started from)
+        steps = json.loads((OUT / "gate_b.json").read_text()).get("checkpoint_steps")
+        if steps:
+            cmd += ["--checkpoint-steps", *map(str, steps)]
     if (REPO / runs / "stapo_from_start").exists():
         cmd += ["--stapo-from-start", str(runs / "stapo_from_start")]
     run(cmd)

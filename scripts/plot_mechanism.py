@@ -96,8 +96,10 @@ def plot(run_dir: str | Path, out: str | Path, title: str | None = None) -> Path
         ax.legend(loc="lower left", fontsize=8, ncol=2, title="lines: share of tokens; bars: share of Σ|ΔH_probe|",
                   title_fontsize=8, framealpha=0.9)
         sil = verdict["groups"]["silenced"]
-        ax.text(0.99, 0.03, f"over the run, silenced: {sil['abs_share']:.3g} of Σ|ΔH_probe| vs {sil['token_share']:.3g}"
-                f" of tokens → ratio {sil['ratio']:.3g} (E2 (a) needs ≥ {SHARE_RATIO_MIN:g})",
+        text = (f"over the run, silenced: {sil['abs_share']:.3g} of Σ|ΔH_probe| vs {sil['token_share']:.3g} of tokens"
+                f" → ratio {sil['ratio']:.3g}" if sil["ratio"] is not None and np.isfinite(sil["ratio"])
+                else "no silenced token on an attribution step: ratio n/a")
+        ax.text(0.99, 0.03, f"{text} (E2 (a) needs ≥ {SHARE_RATIO_MIN:g})",
                 transform=ax.transAxes, ha="right", va="bottom", fontsize=8,
                 bbox={"facecolor": "white", "alpha": 0.9, "edgecolor": "0.7"})
     else:

@@ -428,3 +428,39 @@ def test_repeated_fork_pairs_flags_add_up(tmp_path, monkeypatch):
     rc = mc.main(["--trunk", "t", "--checkpoint-steps", "10", "--fork-pairs", "j1:s1", "--fork-pairs", "j2:s2", "j3:s3",
                   "--out", str(tmp_path)])
     assert rc == 0 and seen["fork_pairs"] == [("j1", "s1"), ("j2", "s2"), ("j3", "s3")]
+
+
+def _mechanism_study_script():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "mechanism_study", Path(__file__).resolve().parents[1] / "scripts" / "mechanism_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_verdicts_from_the_snapshot_pass_the_gates_checkpoint_steps(tmp_path, monkeypatch):
+    """The committed snapshot keeps no checkpoints/ folder, so without help the fork checkpoint would read 0 (the
+    initial model). Reading the snapshot, the verdicts stage passes the steps gate_b.json recorded (here 10, 20);
+    reading the live run folders it passes none (their checkpoints/step_N folders decide)."""
+    ms = _mechanism_study_script()
+    out, live = tmp_path / "results" / "mechanism_study", tmp_path / "runs" / "mechanism"
+    (out / "runs" / "trunk").mkdir(parents=True)
+    (out / "runs" / "trunk" / "metrics.jsonl").write_text("{}\n")
+    (out / "gate_b.json").write_text('{"checkpoint_steps": [10, 20]}')
+    monkeypatch.setattr(ms, "REPO", tmp_path)
+    monkeypatch.setattr(ms, "OUT", out)
+    monkeypatch.setattr(ms, "RUNS", live)
+    cmds = []
+    monkeypatch.setattr(ms, "run", cmds.append)
+    ms.stage_verdicts(None)
+    claims = cmds[0]
+    assert claims[claims.index("--trunk") + 1] == "results/mechanism_study/runs/trunk"
+    assert claims[claims.index("--checkpoint-steps"):][:3] == ["--checkpoint-steps", "10", "20"]
+    (live / "trunk").mkdir(parents=True)
+    (live / "trunk" / "metrics.jsonl").write_text("{}\n")
+    cmds.clear()
+    ms.stage_verdicts(None)
+    assert cmds[0][cmds[0].index("--trunk") + 1] == "runs/mechanism/trunk" and "--checkpoint-steps" not in cmds[0]
