@@ -10,7 +10,7 @@ All figures are read from the source text (``ast``), nothing is imported or run:
 * **shares**: lines of the algorithm core (:data:`CORE`: token statistics, masks, objectives, advantages, the
   mini-batch mask) and of the run shell (:data:`SHELL`) over all lines of ``stapo/``;
 * **update path**: the functions defined in ``stapo/`` that the update of a training step reaches — everything
-  ``PolicyUpdate.run`` (what ``Trainer._update`` hands the step to) calls, transitively, down to the optimizer step —
+  ``Trainer._update`` calls, transitively, down to the optimizer step —
   and the files they are in. A call ``self.f(...)`` (or ``up.f(...)``, the mini-batch's name for its
   ``PolicyUpdate``) is resolved to the method of that class when it has one; any other call is matched by name
   against the package's module-level functions (``f(...)``, ``module.f(...)``: every top-level ``def f``; names
@@ -20,8 +20,9 @@ All figures are read from the source text (``ast``), nothing is imported or run:
 * **names for one thing**: the functions on the update path named for the mini-batch mask (``*mask*``, the
   mask builders and their checks) and for the loss denominator (``*denominator*``).
 
-Caveats: the path starts at ``PolicyUpdate.run``, not at ``train_step`` (rollout, reward and advantages are
-other stages); torch's and transformers' functions are not counted; :data:`CORE` and :data:`SHELL` are lists of
+Caveats: the update path starts at ``Trainer._update`` (step 5 of ``train_step``); the whole step,
+``Trainer.train_step`` with rollout, reward, advantages and logging, is printed beside it; torch's and
+transformers' functions are not counted; :data:`CORE` and :data:`SHELL` are lists of
 module stems chosen by hand (the same lists measure both trees). ``--repo DIR`` measures another checkout (e.g. a
 worktree of the commit before a change) with the same rules.
 """
@@ -49,8 +50,9 @@ GENERIC = {"run", "step", "get", "update", "items", "append", "close", "write", 
            "format", "__init__", "__call__", "reset", "train", "eval", "forward", "backward", "sum", "mean", "to",
            "copy", "keys", "values", "pop", "clear", "extend", "add", "text", "item", "zero_grad", "flush",
            "get_last_lr", "open", "record", "kill", "apply", "replace"}
-#: Receiver names whose class is known: ``self`` (the enclosing class), ``up`` (``_MiniBatch.up``).
-RECEIVERS = {"up": "PolicyUpdate"}
+#: Receiver names whose class is known: ``self`` (the enclosing class), ``up`` (``_MiniBatch.up``) and
+#: ``self.updater`` (the trainer's :class:`PolicyUpdate`).
+RECEIVERS = {"up": "PolicyUpdate", "updater": "PolicyUpdate"}
 
 
 def _files() -> list[Path]:
@@ -73,7 +75,7 @@ def method_lines(cls: str = "Trainer", names: tuple[str, ...] = ("__init__", "tr
     return out
 
 
-def update_path(start: str = "stapo/train/update.py::PolicyUpdate.run") -> tuple[list[str], list[str]]:
+def update_path(start: str = "stapo/train/trainer.py::Trainer._update") -> tuple[list[str], list[str]]:
     """(functions, files) the update reaches from ``start`` (``file::Class.method``: the method ``Trainer._update``
     hands the step to)."""
     defs: dict[str, list[tuple[str, ast.AST]]] = defaultdict(list)  # name -> [(qualified name, node)]
@@ -101,7 +103,8 @@ def update_path(start: str = "stapo/train/update.py::PolicyUpdate.run") -> tuple
             if isinstance(c, ast.Call):
                 f = c.func
                 name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-                recv = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+                v = f.value if isinstance(f, ast.Attribute) else None
+                recv = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
                 cls = owner.get(q) if recv == "self" else RECEIVERS.get(recv or "")
                 if cls and (cls, name) in methods:  # self.f / up.f: that class's own method, generic or not
                     out.add(methods[(cls, name)])
@@ -130,10 +133,12 @@ def measure() -> dict:
     shell = sum(_lines(p) for p in files if p.stem in SHELL)
     functions, where = update_path()
     names = [q.split("::")[1].split(".")[-1] for q in functions]
+    step, step_files = update_path("stapo/train/trainer.py::Trainer.train_step")
     return {"files_per_folder": dict(sorted(per_folder.items())), "lines_total": total,
             "core_share": round(core / total, 3), "shell_share": round(shell / total, 3),
             "method_lines": method_lines(), "update_path_functions": len(functions),
             "update_path_files": len(where), "update_path": functions,
+            "step_functions": len(step), "step_files": len(step_files),
             "mask_names": sorted({n for n in names if "mask" in n.lower()}),
             "denominator_names": sorted({n for n in names if "denominator" in n.lower()})}
 
@@ -155,7 +160,8 @@ def main() -> None:
     print(f"lines of stapo/: {m['lines_total']}; core share {m['core_share']:.1%}, run-shell share "
           f"{m['shell_share']:.1%}")
     print("  ".join(f"{k}: {v} lines" for k, v in m["method_lines"].items()))
-    print(f"the update (PolicyUpdate.run down to optimizer.step()): {m['update_path_functions']} functions in "
+    print(f"the step (Trainer.train_step, all it reaches): {m['step_functions']} functions in {m['step_files']} files")
+    print(f"the update (Trainer._update down to optimizer.step()): {m['update_path_functions']} functions in "
           f"{m['update_path_files']} files")
     print(f"  names for the mini-batch mask: {', '.join(m['mask_names'])}")
     print(f"  names for the loss denominator: {', '.join(m['denominator_names'])}")
