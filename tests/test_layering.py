@@ -153,9 +153,10 @@ def test_the_readme_layout_names_every_sub_package_and_module():
 
 #: Modules that import without torch (nor transformers, vLLM, datasets): the config schema, the console scripts' entry
 #: points and the study runner (their --help and --dry-run start in a fraction of a second), the run shell's lock,
-#: parser, pre-flight, provenance and tracking, the data and grading layer, the cost estimate, the common helpers. Their few function-local imports of
-#: stapo modules that would pull torch in are what keeps them so (every other import of a stapo module is at module
-#: level). A fresh interpreter imports each and checks.
+#: parser, pre-flight, provenance and tracking, the data and grading layer, the cost estimate, the common helpers.
+#: Their function-local imports of stapo modules that would pull torch in are what keeps them so (the heavy modules
+#: keep a few function-local imports too: optional paths such as the evaluation runner's engine and verifier, and
+#: names tests patch at their source). A fresh interpreter imports each and checks.
 LIGHT_MODULES = ("stapo.config", "stapo.core.params", "stapo.run.preflight", "stapo.tools.entry_points", "stapo.study",
                  "stapo.common.checkpoint_files", "stapo.common.errors", "stapo.common.fingerprint",
                  "stapo.common.logs", "stapo.common.plotting", "stapo.common.registry", "stapo.core.metric_names",

@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 
 from stapo.core.token_stats import TokenStats, token_stats
-from stapo.model.lm_head import TokenStatsRequest
+from stapo.model.lm_head import TokenStatsRequest, forward_token_stats
 from stapo.rollout.base import Response
 
 __all__ = ["RolloutBatch", "collate_responses", "policy_hidden", "policy_logits", "policy_token_stats",
@@ -271,10 +271,9 @@ def _run(model: torch.nn.Module, hidden: bool, keep: int | None, head=None, **kw
     """One forward → (the last ``keep`` positions' logits [B, keep, V] or, with ``hidden``, final hidden states
     [B, keep, d]; the KV cache when ``use_cache``). ``keep=None``: every position. With ``head`` (a
     :class:`stapo.model.lm_head.TokenStatsRequest`) the hidden states come from the model's own forward
-    (:func:`stapo.model.lm_head.forward_token_stats`: inside FSDP2's root forward) instead of the decoder called alone."""
+    (:func:`stapo.model.lm_head.forward_token_stats`: inside FSDP2's root forward) instead of the decoder called
+    alone."""
     if head is not None:
-        from stapo.model.lm_head import forward_token_stats
-
         out = forward_token_stats(model, head.hidden_only(), keep=keep, **kw)
         return out.hidden, out.past_key_values
     if hidden:
@@ -344,7 +343,8 @@ def _response_states(model: torch.nn.Module, batch: RolloutBatch, share_prompt: 
 
     With ``head`` (a :class:`stapo.model.lm_head.TokenStatsRequest` whose targets are [B, R]): the response tokens'
     statistics instead, computed inside the model's forward by the last pass from exactly those [B, R, d] hidden
-    states (:func:`stapo.model.lm_head.forward_token_stats`) → a :class:`stapo.model.lm_head.HeadOutput` with [B, R] fields."""
+    states (:func:`stapo.model.lm_head.forward_token_stats`) → a :class:`stapo.model.lm_head.HeadOutput` with [B, R]
+    fields."""
     B, R = batch.response_ids.shape
     P = batch.prompt_width
     if P < 1:
@@ -361,8 +361,6 @@ def _response_states(model: torch.nn.Module, batch: RolloutBatch, share_prompt: 
             prompt_kw = dict(input_ids=batch.input_ids[first, :P], attention_mask=batch.attention_mask[first, :P],
                              position_ids=batch.position_ids[first, :P], use_cache=True)
             if head is not None and R == 1:  # the prompt pass is the only one: the head runs in it
-                from stapo.model.lm_head import forward_token_stats
-
                 return forward_token_stats(model, head, keep=1, rows=inverse, **prompt_kw)  # [B, 1] fields
             out, cache = _run(model, hidden, 1, head, **prompt_kw)
             first_out = out.index_select(0, inverse)  # [B, 1, ·]
@@ -375,16 +373,12 @@ def _response_states(model: torch.nn.Module, batch: RolloutBatch, share_prompt: 
                                attention_mask=batch.attention_mask[:, :P + R - 1],
                                position_ids=batch.position_ids[:, P:P + R - 1], past_key_values=cache, use_cache=True)
             if head is not None:  # the head on first_out ‖ this pass's states [B, R, d], inside this forward
-                from stapo.model.lm_head import forward_token_stats
-
                 return forward_token_stats(model, head, prefix=first_out, **response_kw)  # [B, R] fields
             out, _ = _run(model, hidden, None, **response_kw)
             return torch.cat([first_out, out], dim=1)  # [B, R, ·]
     plain_kw = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                     use_cache=False)
     if head is not None:  # the states at columns P−1 … P+R−2 (the last R+1 but one), inside the forward
-        from stapo.model.lm_head import forward_token_stats
-
         return forward_token_stats(model, head, keep=slice(-(R + 1), -1), **plain_kw)  # [B, R] fields
     out, _ = _run(model, hidden, R + 1, **plain_kw)
     return out[:, :-1, :]  # [B, R, ·]
@@ -529,8 +523,6 @@ def _layout_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature
         vocab_size = getattr(getattr(model, "config", None), "stapo_vocab_size", None)
     fi = layout_inputs(batch, layout)
     if lm_head == "fused":  # the head inside the model's forward (FSDP2: the root's) on the K' predicting positions
-        from stapo.model.lm_head import forward_token_stats
-
         request = _fused_request(model, fi.targets, temperature, vocab_size, entropy_grad, backend)
         st = forward_token_stats(model, request, keep=fi.positions, **fi.model_kwargs())  # [K'] each
     else:

@@ -41,6 +41,7 @@ from stapo.model.checkpoint import latest_checkpoint
 from stapo.model.models import EMBEDDED_ALIASES, ModelCacheError, build_tiny_model, load_policy, load_tokenizer
 from stapo.model.precision import PrecisionPolicy, resolve_compute_dtype
 from stapo.rollout import EngineOptions, SamplingParams, build_rollout_engine, engine_kwargs
+from stapo.rollout.boxed_cut import cut_responses_at_first_boxed
 from stapo.rollout.phases import EnginePhases
 from stapo.run.folder import Interrupted, RunFolder
 from stapo.run.memory_plan import check_memory_plan
@@ -49,6 +50,7 @@ from stapo.run.provenance import apply_identity
 from stapo.run.tracking import Tracker
 from stapo.tasks.rewards import make_reward_fn
 from stapo.train.batch import Rollout, StepBatch
+from stapo.train.mechanism import MechanismHook
 from stapo.train.metrics import gather_metric_rows, silenced_examples, step_metrics
 from stapo.train.plan import UpdatePlan, build_plan, max_over_ranks
 from stapo.train.policy import collate_responses, forward_layout
@@ -234,11 +236,7 @@ class Trainer:
             deferred_graphs=cfg.actor.deferred_graphs,
             layout=forward_layout(cfg.actor.use_remove_padding, cfg.model.attn_implementation))
         # mechanism.* measurements (stapo/train/mechanism.py): read the run, never change it; None when off
-        self.mechanism = None
-        if cfg.mechanism.enabled:
-            from stapo.train.mechanism import MechanismHook
-
-            self.mechanism = MechanismHook(self)
+        self.mechanism = MechanismHook(self) if cfg.mechanism.enabled else None
         self.step = 0
         self._silent_in_a_row = 0  # training steps in a row whose mask kept no token (trainer.stop_after_silent_steps)
 
@@ -670,8 +668,6 @@ class Trainer:
         responses = self.engine.generate([p[0] for p in prompts], cfg.rollout.n, sampling, **extra)
         self.engine_phases.sleep()  # its memory is the trainer's until the next sync
         if cfg.rollout.stop_at_first_boxed:  # each response ends at its first complete \boxed{} (every objective)
-            from stapo.rollout.boxed_cut import cut_responses_at_first_boxed
-
             responses = cut_responses_at_first_boxed(responses, self.tokenizer)
         return prompts, responses
 
