@@ -14,9 +14,9 @@ core/  the paper's algorithm: pure tensor functions, no model, no files
   metric_names  the one metric vocabulary (verl's names) and the names of older runs
   tensor_utils  boolean-mask checks, fp32 quantile
   params        the paper's τ_p, q, quantile pool and 20-Entropy ratio, written once; S2TParams (no torch)
-common/  the bottom layer, under the core too: registry (name → entry), errors (ConfigError), logs (third-party logs quiet),
-  perf (FLOPs, memory, the machine), fingerprint (content digests), checkpoint_files (a checkpoint folder's file
-  rules), plotting (curves over seeds)
+common/  the bottom layer, under the core too: registry (name → entry), errors (ConfigError), logs (third-party
+  logs quiet), perf (FLOPs, memory, the machine), fingerprint (content digests), checkpoint_files (a checkpoint
+  folder's file rules), plotting (curves over seeds)
 tasks/  what the policy is asked and how it is graded: data (benchmarks, training sets), records, synthetic,
   word_problems, splits, prompts, golds, boxed, grader (math-verify), rewards
 model/  models (embedded SmolLM2, HF, tiny), lm_head (fused LM head statistics), precision (fp32 master, bf16

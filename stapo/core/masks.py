@@ -384,7 +384,8 @@ MASKS: dict[str, MaskSpec] = {}
 
 _ROW_RULES = {"none": no_rows, "positive_advantage": positive_advantage_rows, "all": all_rows}
 #: Metric prefixes of the trainer's own keys (docs/metrics.md), and the ``actor/*`` keys next to which a mask's
-#: statistics are logged (``actor/<prefix>/<stat>``, stapo/core/metric_names.py); a mask's prefix may not be one of them.
+#: statistics are logged (``actor/<prefix>/<stat>``, stapo/core/metric_names.py); a mask's prefix may not be one of
+#: them.
 RESERVED_PREFIXES = frozenset({"actor", "critic", "response_length", "timing_s", "perf", "data", "val", "val-core",
                                "val-aux", "rollout", "reward", "grader", "training", "global_seqlen",
                                "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy",
@@ -519,8 +520,8 @@ def s2t_random_mask(logprobs, entropy, advantages, response_mask, *, prob_thresh
     Layout: the draw depends only on the candidates' order among the response tokens in row-major order and on
     the counts N_resp (response tokens, not padded positions) and N_cand — not on the [B, T] shape, the padding or
     the rank. The one-process trainer's [n, R] mini-batch and the [1, N_resp] rank-major concatenation of
-    :func:`stapo.core.minibatch.minibatch_token_mask` (rank-major = the one-process row order) therefore silence the same
-    tokens (tests/test_masks.py, tests/test_dp_mask.py, tests/test_distributed.py); putting the rows in another
+    :func:`stapo.core.minibatch.minibatch_token_mask` (rank-major = the one-process row order) therefore silence the
+    same tokens (tests/test_masks.py, tests/test_dp_mask.py, tests/test_distributed.py); putting the rows in another
     order changes the candidate sequence, and so the draw.
 
     Example: 4 candidates, S2T silences 3 → 3 of the 4 candidates, chosen by the seeded permutation, are silenced.

@@ -2,15 +2,15 @@
 
 Each named objective is a small declarative :class:`Objective` (aggregation, clip, β, token mask):
 
-| name        | aggregation              | clip (low, high) | dual clip c | β (KL) | token mask    | source          |
-|-------------|--------------------------|------------------|-------------|--------|---------------|-----------------|
-| ``grpo``    | seq-mean-token-mean      | 0.2, 0.2         | none        | 0.04   | none          | docs/method.md#grpo-baseline       |
-| ``justrl``  | token-mean               | 0.2, 0.28        | 10          | 0      | none          | docs/method.md#justrl       |
-| ``entropy20``| token-mean              | 0.2, 0.28        | 10          | 0      | top_entropy   | docs/method.md#20-entropy       |
-| ``stapo``   | token-mean               | 0.2, 0.28        | 10          | 0      | s2t           | docs/method.md#stapo-objective       |
+| name          | aggregation         | ε low, high | dual c | β (KL) | token mask  | source                         |
+|---------------|---------------------|-------------|--------|--------|-------------|--------------------------------|
+| ``grpo``      | seq-mean-token-mean | 0.2, 0.2    | none   | 0.04   | none        | docs/method.md#grpo-baseline   |
+| ``justrl``    | token-mean          | 0.2, 0.28   | 10     | 0      | none        | docs/method.md#justrl          |
+| ``entropy20`` | token-mean          | 0.2, 0.28   | 10     | 0      | top_entropy | docs/method.md#20-entropy      |
+| ``stapo``     | token-mean          | 0.2, 0.28   | 10     | 0      | s2t         | docs/method.md#stapo-objective |
 
-Ablations of S2T (JustRL settings; masks in :mod:`stapo.core.masks`): ``stapo_high_entropy`` (mask ``s2t_high_entropy``),
-``stapo_random`` (``s2t_random``), ``justrl_fullmask`` (``full_low_prob``).
+Ablations of S2T (JustRL settings; masks in :mod:`stapo.core.masks`): ``stapo_high_entropy`` (mask
+``s2t_high_entropy``), ``stapo_random`` (``s2t_random``), ``justrl_fullmask`` (``full_low_prob``).
 
 A new objective is one :func:`register_objective` call; a new per-token loss formula is one function decorated with
 :func:`register_policy_loss` and named in ``Objective.policy_loss``; a new mask is one function decorated with

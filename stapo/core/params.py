@@ -23,8 +23,8 @@ TOP_ENTROPY_RATIO = 0.2  # 20-Entropy keeps the top 20 % highest-entropy tokens
 
 @dataclass
 class S2TParams:
-    """Parameters of :func:`stapo.core.masks.s2t_mask` (docs/method.md#s2t-mask): the config section ``algorithm.s2t`` itself
-    (:class:`stapo.config.AlgorithmConfig`), read by the S2T ablations too."""
+    """Parameters of :func:`stapo.core.masks.s2t_mask` (docs/method.md#s2t-mask): the config section
+    ``algorithm.s2t`` itself (:class:`stapo.config.AlgorithmConfig`), read by the S2T ablations too."""
 
     prob_threshold: float = PROB_THRESHOLD  # τ_p
     entropy_quantile: float = ENTROPY_QUANTILE  # q
@@ -35,6 +35,7 @@ class S2TParams:
 
 @dataclass
 class TopEntropyParams:
-    """Parameters of :func:`stapo.core.masks.top_entropy_mask` (docs/method.md#20-entropy), config key ``algorithm.top_entropy_ratio``."""
+    """Parameters of :func:`stapo.core.masks.top_entropy_mask` (docs/method.md#20-entropy), config key
+    ``algorithm.top_entropy_ratio``."""
 
     ratio: float = TOP_ENTROPY_RATIO
