@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 STEP_AXIS = "training/global_step"
 #: W&B's run field the runs are grouped by: the run's group, one per method (stapo/run/provenance.py::default_group).
 GROUP_BY = "Group"
-#: Every registered token mask's masked fraction, ``actor/<mask prefix>/masked_frac`` (stapo/core/metric_names.py): STAPO's
-#: ``actor/s2t/masked_frac`` and the S2T ablations' own.
+#: Every registered token mask's masked fraction, ``actor/<mask prefix>/masked_frac`` (stapo/core/metric_names.py):
+#: STAPO's ``actor/s2t/masked_frac`` and the S2T ablations' own.
 MASKED_FRAC_REGEX = "^actor/[^/]+/masked_frac$"
 #: What a mask that keeps a subset logs instead (20-Entropy's ``actor/top_entropy/kept_frac``).
 KEPT_FRAC_REGEX = "^actor/[^/]+/kept_frac$"

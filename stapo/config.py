@@ -108,7 +108,8 @@ class DataConfig:
     system_prompt: Optional[str] = None  # chat only; the paper uses none (the CPU recipe adds a one-shot example)
     max_prompt_length: int = 1024  # tokens; longer prompts are dropped (and counted)
     # a training file whose gold answers math-verify (the grader's parser) cannot parse is reported in one line (file,
-    # count, first rows; stapo/tasks/golds.py) and refused above this fraction of its rows (0 refuses any, 1 accepts all)
+    # count, first rows; stapo/tasks/golds.py) and refused above this fraction of its rows (0 refuses any, 1 accepts
+    # all)
     max_unparsable_gold_fraction: float = 0.05
     train_batch_size: int = 256  # prompts per training step
     shuffle: bool = True
@@ -162,11 +163,12 @@ class AlgorithmConfig:
     clip_ratio_c: Optional[float] = None
     kl_coef: Optional[float] = None
     # Load the reference (the initial policy, frozen) even at β = 0 and log actor/kl_to_ref, the token-mean k3 KL of
-    # the rollout policy to it (a diagnostic, never in the loss; one extra no-grad forward per step). Always on at β > 0.
+    # the rollout policy to it (a diagnostic, never in the loss; one extra no-grad forward per step). Always on at
+    # β > 0.
     log_kl_to_ref: bool = False
     loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]] = None
-    # Parameters of the registered token masks (stapo.core.masks.MaskSpec.config_keys): S2T's in algorithm.s2t (also read
-    # by the S2T ablations), 20-Entropy's ratio in algorithm.top_entropy_ratio, any other mask's under
+    # Parameters of the registered token masks (stapo.core.masks.MaskSpec.config_keys): S2T's in algorithm.s2t (also
+    # read by the S2T ablations), 20-Entropy's ratio in algorithm.top_entropy_ratio, any other mask's under
     # algorithm.masks.<mask name>.<parameter> (e.g. algorithm.masks.s2t_random.seed=1).
     s2t: S2TParams = field(default_factory=S2TParams)  # the mask's own parameter dataclass (stapo.core.params)
     top_entropy_ratio: float = TOP_ENTROPY_RATIO
@@ -284,8 +286,8 @@ class TrainerConfig:
     # module. A list, also as an override: trainer.import_modules=[my_masks.py].
     import_modules: list[str] = field(default_factory=list)
     # Peak FLOP/s of one device for perf/mfu/actor (docs/metrics.md#timing-and-throughput): null = the table of
-    # stapo/common/perf.py::PEAK_FLOPS (dense bf16/fp16 tensor-core peaks of known GPUs, by device name) when the device is
-    # in it and model.compute_dtype is bfloat16/float16; otherwise perf/mfu/actor is not logged. A number (e.g.
+    # stapo/common/perf.py::PEAK_FLOPS (dense bf16/fp16 tensor-core peaks of known GPUs, by device name) when the device
+    # is in it and model.compute_dtype is bfloat16/float16; otherwise perf/mfu/actor is not logged. A number (e.g.
     # 989e12) is used as given, on any device and dtype. Neutral: it changes no result.
     peak_flops: Optional[float] = None
     # Memory of one GPU in GiB for the start-up memory plan (stapo/run/memory_plan.py): null = read the CUDA device's
@@ -954,8 +956,9 @@ def _schema_value_keys(prefix: str = "") -> list[str]:
 
 
 def check_mask_config_keys(spec: Any) -> None:
-    """Every config key a registered token mask reads its parameters from (:attr:`stapo.core.masks.MaskSpec.config_keys`)
-    must be a value of the :class:`TrainConfig` schema; a typo there would silently keep the parameter's default.
+    """Every config key a registered token mask reads its parameters from
+    (:attr:`stapo.core.masks.MaskSpec.config_keys`) must be a value of the :class:`TrainConfig` schema; a typo there
+    would silently keep the parameter's default.
 
     Raises:
         ConfigError: one line naming the mask, the parameter and the key (with the closest schema key).
@@ -972,8 +975,9 @@ def check_mask_config_keys(spec: Any) -> None:
 
 
 def objective_from_config(cfg: TrainConfig) -> Any:
-    """The :class:`stapo.core.objectives.Objective` a train config asks for: :func:`stapo.core.objectives.build_objective` with
-    the ``algorithm.*`` overrides and the mask parameters read from their config keys.
+    """The :class:`stapo.core.objectives.Objective` a train config asks for:
+    :func:`stapo.core.objectives.build_objective` with the ``algorithm.*`` overrides and the mask parameters read from
+    their config keys.
 
     Raises:
         ConfigError: a config key of the objective's token mask is not in the schema (:func:`check_mask_config_keys`).
@@ -1004,9 +1008,9 @@ def _get(cfg: Any, dotted: str) -> Any:
 #: gradient checkpointing, attention kernel, rank count / sharding, device, rollout engine and its memory options
 #: (the same update up to float rounding; ``actor.ppo_micro_batch_size`` only splits each mini-batch's
 #: forward/backward, the loss is normalised per mini-batch). Every other key is refused on resume: the objective
-#: and all of ``algorithm.*`` but ``log_kl_to_ref`` (a diagnostic), ``rollout.n`` / temperature / top_p / response_length, ``data.*`` but ``data.root``,
-#: ``actor.*`` but the keys here (mini-batch size, warm-up, weight decay, betas, grad clip), ``model.*`` but the
-#: keys here (path, param/compute dtype), ``trainer.seed``.
+#: and all of ``algorithm.*`` but ``log_kl_to_ref`` (a diagnostic), ``rollout.n`` / temperature / top_p /
+#: response_length, ``data.*`` but ``data.root``, ``actor.*`` but the keys here (mini-batch size, warm-up, weight decay,
+#: betas, grad clip), ``model.*`` but the keys here (path, param/compute dtype), ``trainer.seed``.
 RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.val_every", "trainer.val_before_train",
     "trainer.log_examples_every", "trainer.progress_bar", "trainer.output_dir", "trainer.run_name",

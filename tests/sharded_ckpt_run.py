@@ -12,10 +12,10 @@ data loader and the torch RNG, which the checkpoint must restore too.
 
 ``save`` writes ``OUT/save.json`` (rank 0): the peak-minus-baseline resident memory of rank 0 during
 ``Trainer.save()`` and during the old full gather (``get_optimizer_state_dict(full_state_dict=True)``, the
-trainer's previous save path), the full optimizer state's bytes, and SHA-1 digests of every full tensor (model and optimizer) after steps 1 and 2.
-``resume`` writes ``OUT/resume_<world>.json``: the digests after loading and after its step 2 (one process: also
-the tensors of the HF export, loaded by transformers, that differ from the loaded parameters cast to bf16).
-Rank 0's peak comes from ``VmHWM`` after resetting it (``/proc/self/clear_refs``), or from sampling
+trainer's previous save path), the full optimizer state's bytes, and SHA-1 digests of every full tensor (model and
+optimizer) after steps 1 and 2. ``resume`` writes ``OUT/resume_<world>.json``: the digests after loading and after its
+step 2 (one process: also the tensors of the HF export, loaded by transformers, that differ from the loaded parameters
+cast to bf16). Rank 0's peak comes from ``VmHWM`` after resetting it (``/proc/self/clear_refs``), or from sampling
 ``/proc/self/statm`` every millisecond where that is not allowed; run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that
 freed large buffers go back to the OS and the baseline does not hide them.
 """

@@ -249,7 +249,8 @@ def test_import_modules_failures_are_one_line_naming_the_key_and_the_module(user
 
 
 def test_train_set_is_checked_against_the_training_set_registry():
-    """data.train_set: synthetic, word, file or a TRAIN_REGISTRY name; anything else is one line with the closest name."""
+    """data.train_set: synthetic, word, file or a TRAIN_REGISTRY name; anything else is one line with the closest
+    name."""
     assert load_config(REPO_ROOT / "configs/tiny_test.yaml", ["data.train_set=math_train"]).data.train_set == "math_train"
     with pytest.raises(ConfigError) as e:
         load_config(REPO_ROOT / "configs/tiny_test.yaml", ["data.train_set=math_trian"])

@@ -2,8 +2,8 @@
 and verl-format parquet, lists of files, hub datasets (offline: the one-line error).
 
 The built-in sets' digests below were computed with the hand-written readers (``_read_jsonl`` / ``_read_json_list``
-/ ``_read_parquet``) that the ``datasets`` path replaced, at commit 83da1ae (the last commit of stapo/tasks/data.py before
-the change), with::
+/ ``_read_parquet``) that the ``datasets`` path replaced, at commit 83da1ae (the last commit of stapo/tasks/data.py
+before the change), with::
 
     mkdir -p /tmp/old && git archive 83da1ae stapo | tar -x -C /tmp/old
     .venv/bin/python tests/test_data_sources.py /tmp/old      # prints the table; without an argument: this checkout

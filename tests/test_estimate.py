@@ -1,5 +1,5 @@
-"""train.py / evaluate.py --dry-run and the cost estimate behind them (stapo/tools/estimate.py): the numbers worked by hand
-for small configs, the throughput lookups from hand-made files, and the CLIs (exit 0, resolved config printed,
+"""train.py / evaluate.py --dry-run and the cost estimate behind them (stapo/tools/estimate.py): the numbers worked by
+hand for small configs, the throughput lookups from hand-made files, and the CLIs (exit 0, resolved config printed,
 nothing created; a bad config still one line, exit 2)."""
 from __future__ import annotations
 

@@ -450,8 +450,8 @@ def test_custom_benchmark_from_a_jsonl_file(shared_data_root, tmp_path, tok, tin
 
 
 def test_generated_synthetic_benchmarks_need_no_data_root(tmp_path, tok, tiny, monkeypatch):
-    """arith_test / arith_hard (stapo.tasks.synthetic.GENERATED_BENCHMARKS) are benchmarks by name: their default N is 4,
-    they load without a data root, and grader.require_value grades an echo of the question incorrect."""
+    """arith_test / arith_hard (stapo.tasks.synthetic.GENERATED_BENCHMARKS) are benchmarks by name: their default N is
+    4, they load without a data root, and grader.require_value grades an echo of the question incorrect."""
     from stapo.evaluation.runner import load_problems
     from stapo.tasks.grader import MathGrader
 

@@ -263,9 +263,9 @@ def _fsdp2_worker(rank: int, store: str, out_dir: str) -> None:
 
 def test_fused_head_inside_the_fsdp2_root_forward_on_two_gloo_ranks(tmp_path):
     """FSDP2 (fully_shard per layer + root) on 2 gloo ranks, actor.lm_head=fused, untied embeddings, tied ones with
-    gradient checkpointing, and the packed layout: each rank's statistics and the averaged full gradients (``full_tensor()``) equal
-    a one-process logits-path reference; no tensor of N·V elements (N = the rank's rows × response columns) is ever
-    produced in the forward or backward (the logits path's is)."""
+    gradient checkpointing, and the packed layout: each rank's statistics and the averaged full gradients
+    (``full_tensor()``) equal a one-process logits-path reference; no tensor of N·V elements (N = the rank's rows ×
+    response columns) is ever produced in the forward or backward (the logits path's is)."""
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_fsdp2_worker, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in (0, 1)]
     for p in procs:

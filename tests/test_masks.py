@@ -275,9 +275,10 @@ def test_random_masking_silences_as_many_candidates_as_s2t_with_a_documented_see
 
 def test_random_masking_depends_on_the_candidate_sequence_not_on_the_layout():
     """The one-process trainer masks the [n, R] mini-batch, the data-parallel path its [1, N_resp] flattening
-    (stapo.core.minibatch.minibatch_token_mask): both, and any padding width, silence the same tokens. By hand: seed 11104 as
-    above (N_resp = 11 response tokens whatever the padding, N_cand = 5); the flattening puts row 0's 6 response
-    tokens at 0..5 and row 1's 5 at 6..10, so the candidates (0,1), (0,2), (0,4), (1,0), (1,2) are at 1, 2, 4, 6, 8."""
+    (stapo.core.minibatch.minibatch_token_mask): both, and any padding width, silence the same tokens. By hand: seed
+    11104 as above (N_resp = 11 response tokens whatever the padding, N_cand = 5); the flattening puts row 0's 6
+    response tokens at 0..5 and row 1's 5 at 6..10, so the candidates (0,1), (0,2), (0,4), (1,0), (1,2) are at 1, 2, 4,
+    6, 8."""
     from stapo.core.masks import s2t_random_mask
 
     logp, h, adv, mask = _case_2x6()

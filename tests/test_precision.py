@@ -1,4 +1,5 @@
-"""The precision policy (stapo/model/precision.py): fp32 master weights with bf16 compute, and the refusal of bf16 AdamW.
+"""The precision policy (stapo/model/precision.py): fp32 master weights with bf16 compute, and the refusal of bf16
+AdamW.
 
 Why it matters (worked numbers): at the paper's lr 1e-6 with 10 warm-up steps, the first update is lr 1e-7 per
 weight (Adam's first step moves each weight by ≈ lr · sign(g)); a bf16 weight of size 0.02 has ulp 2^-13 ≈ 1.2e-4,
@@ -201,10 +202,10 @@ def test_engine_weights_are_cast_one_tensor_at_a_time():
 
 def test_trainer_with_a_bf16_vllm_engine_and_fp32_master_weights(tmp_path):
     """vLLM (CPU) in the compute dtype beside fp32 master weights: the engine is bf16, the policy and AdamW fp32, and
-    after an update the engine samples from the NEW weights. A large lr (0.1, five times the init std) moves the tiny model far enough that
-    the engine's log-probs tell the synced weights from the initial ones: their gap to the trainer's fp32
-    recomputation under the updated policy must be under half the gap under the initial policy (a missing sync
-    fails it), and above 0 (the engine really computes in bf16). Seen here: 7e-4 vs 7.3e-3 nats."""
+    after an update the engine samples from the NEW weights. A large lr (0.1, five times the init std) moves the tiny
+    model far enough that the engine's log-probs tell the synced weights from the initial ones: their gap to the
+    trainer's fp32 recomputation under the updated policy must be under half the gap under the initial policy (a missing
+    sync fails it), and above 0 (the engine really computes in bf16). Seen here: 7e-4 vs 7.3e-3 nats."""
     import copy
 
     from stapo.train.policy import collate_responses, policy_token_stats

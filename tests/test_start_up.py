@@ -1,6 +1,7 @@
-"""Start-up under torchrun with ``model.meta_init`` (stapo/model/distributed.py ``build_on_rank0`` / ``wrap_from_rank0``):
-rank 0 alone reads the weights, rank 1 builds the model on the meta device and receives rank 0's weights. Two gloo
-ranks (spawned processes, one torch thread each); the expected weights are a one-process load in this process."""
+"""Start-up under torchrun with ``model.meta_init`` (stapo/model/distributed.py ``build_on_rank0`` /
+``wrap_from_rank0``): rank 0 alone reads the weights, rank 1 builds the model on the meta device and receives rank 0's
+weights. Two gloo ranks (spawned processes, one torch thread each); the expected weights are a one-process load in this
+process."""
 from __future__ import annotations
 
 import faulthandler

@@ -2,8 +2,8 @@
 and (slow) a real study of the tiny model killed with SIGKILL mid-grid and resumed to the same report.
 
 The fast tests build run folders by hand (a checkpoint = ``checkpoints/step_N/trainer_state.pt``, the file rule of
-:func:`stapo.common.checkpoint_files.latest_checkpoint` for folders without a COMPLETE.json) and write metrics rows whose
-statistics are worked out in the comments.
+:func:`stapo.common.checkpoint_files.latest_checkpoint` for folders without a COMPLETE.json) and write metrics rows
+whose statistics are worked out in the comments.
 """
 from __future__ import annotations
 

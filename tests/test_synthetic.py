@@ -90,7 +90,8 @@ def test_bad_arguments():
 
 
 def test_record_has_one_home_and_no_import_cycle():
-    """Record lives in stapo.tasks.records; stapo.tasks.data re-exports the same class; synthetic does not import data."""
+    """Record lives in stapo.tasks.records; stapo.tasks.data re-exports the same class; synthetic does not import
+    data."""
     import subprocess
     import sys
 

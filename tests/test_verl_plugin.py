@@ -34,7 +34,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _actor_config(loss_mode: str = "stapo", *, dp_size: int = 1, batch_num_tokens=None, **policy_loss) -> ActorConfig:
-    """A real verl ActorConfig with the paper's clip values (docs/method.md#clipped-surrogate) and our policy-loss config."""
+    """A real verl ActorConfig with the paper's clip values (docs/method.md#clipped-surrogate) and our policy-loss
+    config."""
     cfg = ActorConfig(
         strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=2,
         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
@@ -189,7 +190,8 @@ HAND_ABLATIONS = {"stapo_high_entropy": (1.924, 5), "stapo_random": (1.924, 5), 
 @pytest.mark.parametrize("loss_mode", ["stapo", "entropy20", *ABLATIONS])
 def test_plugin_loss_equals_our_policy_loss_over_compute_token_mask(loss_mode):
     """Every plugin loss mode on the hand-made batch: the registered verl loss (mask computed from
-    mask_context(entropy=...)) = stapo.core.objectives.policy_loss over compute_token_mask's keep-mask, denominator N."""
+    mask_context(entropy=...)) = stapo.core.objectives.policy_loss over compute_token_mask's keep-mask, denominator
+    N."""
     cfg = _actor_config(loss_mode, batch_num_tokens=int(MASK.sum()))
     obj = plugin.objective_from_verl_config(loss_mode, cfg)
     assert obj == get_objective(loss_mode)  # the paper's clip values, the default mask parameters
@@ -638,8 +640,8 @@ def test_keep_mask_follows_a_jagged_response_mask():
 
 
 def test_mask_parameters_use_the_train_config_key_as_the_verl_field():
-    """One mapping config → objective (stapo.core.objectives.build_objective): a mask parameter's policy_loss field is its
-    train-config key without 'algorithm.' / 'masks.' and with '_' for '.'."""
+    """One mapping config → objective (stapo.core.objectives.build_objective): a mask parameter's policy_loss field is
+    its train-config key without 'algorithm.' / 'masks.' and with '_' for '.'."""
     assert plugin.verl_param_key("algorithm.s2t.prob_threshold") == "s2t_prob_threshold"
     assert plugin.verl_param_key("algorithm.top_entropy_ratio") == "top_entropy_ratio"
     assert plugin.verl_param_key("algorithm.masks.s2t_random.seed") == "s2t_random_seed"

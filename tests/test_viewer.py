@@ -1,4 +1,5 @@
-"""The token viewer's page (stapo/tools/viewer.py, scripts/view_rollouts.py), read back with the stdlib's html.parser."""
+"""The token viewer's page (stapo/tools/viewer.py, scripts/view_rollouts.py), read back with the stdlib's
+html.parser."""
 import json
 import math
 import subprocess

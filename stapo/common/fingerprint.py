@@ -7,8 +7,8 @@ compare it, not paths: a model folder whose weights were replaced has another ``
 the same; a run folder copied elsewhere keeps its parts. :func:`differences` names the parts that differ.
 
 Digests of large files are cached on disk (``$STAPO_CACHE_DIR/digests.json`` or ``~/.cache/stapo/digests.json``)
-keyed by (real path, size, modification and change times in ns, inode), so a 28-GB checkpoint is read once, not per launch;
-a failed cache read or write only costs a re-hash.
+keyed by (real path, size, modification and change times in ns, inode), so a 28-GB checkpoint is read once, not per
+launch; a failed cache read or write only costs a re-hash.
 """
 from __future__ import annotations
 

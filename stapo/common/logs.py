@@ -37,8 +37,9 @@ def is_verbose() -> bool:
 
 def quiet_libraries() -> None:
     """Unless verbose: vLLM at WARNING without its expected CPU warnings, transformers and torch's C++ log at ERROR,
-    vLLM's future/deprecation warnings off (module doc). Environment variables take effect only for libraries imported afterwards, so call it
-    first thing (train.py does); transformers, if already imported, is set directly. Idempotent."""
+    vLLM's future/deprecation warnings off (module doc). Environment variables take effect only for libraries imported
+    afterwards, so call it first thing (train.py does); transformers, if already imported, is set directly.
+    Idempotent."""
     if _verbose:
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

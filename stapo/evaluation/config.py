@@ -127,8 +127,8 @@ class EvalDataConfig:
     samples: dict[str, int] = field(default_factory=lambda: dict(PAPER_SAMPLES))  # N per benchmark
     max_prompt_tokens: Optional[int] = None  # longer prompts are skipped (and counted); null keeps all
     # a benchmark file whose gold answers math-verify (the grader's parser) cannot parse is reported in one line
-    # (file, count, first rows; stapo/tasks/golds.py; their responses graded 'error', never 'incorrect') and refused above
-    # this fraction of its rows (0 refuses any, 1 accepts all). The shipped files: at most 2.2 % (Minerva).
+    # (file, count, first rows; stapo/tasks/golds.py; their responses graded 'error', never 'incorrect') and refused
+    # above this fraction of its rows (0 refuses any, 1 accepts all). The shipped files: at most 2.2 % (Minerva).
     max_unparsable_gold_fraction: float = 0.05
     # {name: CustomBenchmarkConfig}: benchmarks from your own files (docs/extending.md); list them in benchmarks
     custom_benchmarks: dict[str, CustomBenchmarkConfig] = field(default_factory=dict)
@@ -160,7 +160,8 @@ class EvalGraderConfig:
     num_workers: int = 2
     timeout_s: float = 5.0
     # an answer math-verify finds equivalent but still an unevaluated expression ("9 + 5" for 14) is incorrect
-    # (stapo.tasks.grader.is_unevaluated_expression; the math_verify_value training reward); for the synthetic benchmarks
+    # (stapo.tasks.grader.is_unevaluated_expression; the math_verify_value training reward); for the synthetic
+    # benchmarks
     require_value: bool = False
 
 

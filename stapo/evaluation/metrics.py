@@ -206,10 +206,10 @@ def summarize_benchmark(problems: Sequence[Sequence[Mapping[str, Any]]], n: int)
     Returns:
         Plain dict: ``N``, ``problems`` (P), ``samples`` (P·N), ``avg@N``, ``pass@1``, ``pass@N``, ``maj@N``
         (fractions; ``nan`` when P = 0), ``avg@N_se`` (the standard error of avg@N over problems: the sample
-        standard deviation of the per-problem accuracies c_i / N divided by √P; ``nan`` when P < 2), ``maj_ties`` (problems whose vote was tied), ``grader`` (count per
-        status, summing to P·N), ``verifier_accepted`` (samples the LLM verifier turned correct),
-        ``no_answer_rate``, ``mean_response_tokens`` (tokens, EOS included) and ``truncation_rate`` (fraction of
-        samples that hit the generation limit).
+        standard deviation of the per-problem accuracies c_i / N divided by √P; ``nan`` when P < 2), ``maj_ties``
+        (problems whose vote was tied), ``grader`` (count per status, summing to P·N), ``verifier_accepted`` (samples
+        the LLM verifier turned correct), ``no_answer_rate``, ``mean_response_tokens`` (tokens, EOS included) and
+        ``truncation_rate`` (fraction of samples that hit the generation limit).
 
     Raises:
         ValueError: a problem does not have exactly ``n`` samples, or an unknown grader status.

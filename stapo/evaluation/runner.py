@@ -123,8 +123,8 @@ class PromptSpec:
 class Problem:
     """One problem to sample: its benchmark, position in the benchmark file, record and prompt token ids.
 
-    ``gold_parses``: math-verify parses its gold (:func:`stapo.tasks.golds.check_golds`); False: its responses are graded
-    ``error`` (GoldUnparseable) unless they repeat the gold as text, and results.json counts it."""
+    ``gold_parses``: math-verify parses its gold (:func:`stapo.tasks.golds.check_golds`); False: its responses are
+    graded ``error`` (GoldUnparseable) unless they repeat the gold as text, and results.json counts it."""
 
     benchmark: str
     index: int
@@ -214,14 +214,16 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
                   report: Callable[[str], None] | None = None) -> dict[str, list[Problem]]:
     """The first ``limit`` problems (all when ``None``) of each benchmark, without prompts yet.
 
-    ``custom`` maps the names of user benchmarks to their :class:`stapo.tasks.data.FileSetConfig` (``data.custom_benchmarks``);
-    they are read from their own files (bad rows raise, as for the built-in benchmarks). The generated benchmarks
-    (:data:`stapo.tasks.synthetic.GENERATED_BENCHMARKS`: ``arith_test``, ``arith_hard``) need no data root.
+    ``custom`` maps the names of user benchmarks to their :class:`stapo.tasks.data.FileSetConfig`
+    (``data.custom_benchmarks``); they are read from their own files (bad rows raise, as for the built-in benchmarks).
+    The generated benchmarks (:data:`stapo.tasks.synthetic.GENERATED_BENCHMARKS`: ``arith_test``, ``arith_hard``) need
+    no data root.
 
     The golds of each file (all its rows, whatever ``limit``) are checked with math-verify
     (:func:`stapo.tasks.golds.check_golds`): a file with unparsable golds is reported in one line (file, count, first
     rows; to ``report``, default stderr), its problems marked (``Problem.gold_parses``), and refused above
-    ``max_unparsable_gold`` (``data.max_unparsable_gold_fraction``; default :data:`stapo.tasks.golds.DEFAULT_MAX_FRACTION`).
+    ``max_unparsable_gold`` (``data.max_unparsable_gold_fraction``; default
+    :data:`stapo.tasks.golds.DEFAULT_MAX_FRACTION`).
 
     Returns:
         ``{benchmark: [Problem]}`` in the order of ``benchmarks``.
@@ -1069,7 +1071,8 @@ def run_evaluation(
     Args:
         cfg: :class:`~stapo.evaluation.config.EvalConfig` (validated again here).
         model, tokenizer: an already loaded policy to use instead of loading ``cfg.model.path`` (tests).
-        grader: a :class:`~stapo.tasks.grader.MathGrader` to share (not closed here); default: one is created and closed.
+        grader: a :class:`~stapo.tasks.grader.MathGrader` to share (not closed here); default: one is created
+            and closed.
         on_block: progress callback (see :func:`evaluate_problems`).
         write_reports: write results.json / .md / .csv / .png and the W&B summary into the run directory.
         dry_run: ``evaluate.py --dry-run`` (:func:`stapo.tools.estimate.eval_dry_run`): run every check that needs no

@@ -116,7 +116,8 @@ class GenerationStore:
                     f.truncate(cut)
                     f.flush()
                     os.fsync(f.fileno())
-                # one line on stderr, as stapo.run.tracking.Tracker.truncate_after says it for metrics.jsonl / tables.jsonl
+                # one line on stderr, as stapo.run.tracking.Tracker.truncate_after says it for metrics.jsonl /
+                # tables.jsonl
                 print(f"{self.path}: cut {self.torn_bytes} bytes of a torn last line (an interrupted write)",
                       file=sys.stderr, flush=True)
         kept_lines: list[str] = []

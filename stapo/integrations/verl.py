@@ -184,10 +184,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: verl ``policy_loss.loss_mode`` name → our objective name (stapo.core.objectives.OBJECTIVES): every registered objective
-#: with a token mask, token-mean aggregation and no KL (:func:`plugin_loss_problem`), under its own name — ``stapo``,
-#: ``entropy20`` and the ablations ``stapo_high_entropy``, ``stapo_random``, ``justrl_fullmask`` — filled at import
-#: and by :func:`register_plugin_loss`.
+#: verl ``policy_loss.loss_mode`` name → our objective name (stapo.core.objectives.OBJECTIVES): every registered
+#: objective with a token mask, token-mean aggregation and no KL (:func:`plugin_loss_problem`), under its own name —
+#: ``stapo``, ``entropy20`` and the ablations ``stapo_high_entropy``, ``stapo_random``, ``justrl_fullmask`` — filled at
+#: import and by :func:`register_plugin_loss`.
 PLUGIN_LOSSES: dict[str, str] = {}
 #: loss mode → its function in verl's registry (``compute_policy_loss_<loss_mode>``, an attribute of this module).
 PLUGIN_LOSS_FNS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
@@ -242,7 +242,8 @@ _WARNED_CLIP: set[tuple] = set()
 
 
 def verl_param_key(config_key: str) -> str:
-    """The ``policy_loss`` field of a mask parameter, from its train-config key (:attr:`stapo.core.masks.MaskSpec.config_keys`).
+    """The ``policy_loss`` field of a mask parameter, from its train-config key
+    (:attr:`stapo.core.masks.MaskSpec.config_keys`).
 
     Example: ``"algorithm.s2t.prob_threshold"`` → ``"s2t_prob_threshold"``, ``"algorithm.top_entropy_ratio"`` →
     ``"top_entropy_ratio"``, ``"algorithm.masks.s2t_random.seed"`` → ``"s2t_random_seed"``.
@@ -305,8 +306,8 @@ VERL_MAX_RATIO: float = math.exp(20.0)
 def objective_of_verl_actor(config: Any) -> Objective:
     """The objective verl's actor optimises with this actor config, as a :class:`~stapo.core.objectives.Objective`.
 
-    ``policy_loss.loss_mode`` a plugin loss (:data:`PLUGIN_LOSSES`) → :func:`objective_from_verl_config`; ``vanilla`` (verl's
-    clipped surrogate, core_algos.compute_policy_loss_vanilla) → aggregation ``loss_agg_mode``, clip
+    ``policy_loss.loss_mode`` a plugin loss (:data:`PLUGIN_LOSSES`) → :func:`objective_from_verl_config`; ``vanilla``
+    (verl's clipped surrogate, core_algos.compute_policy_loss_vanilla) → aggregation ``loss_agg_mode``, clip
     ``clip_ratio_low``/``clip_ratio_high``, dual clip ``clip_ratio_c`` (None when > :data:`VERL_MAX_RATIO`),
     β = ``kl_loss_coef`` when ``use_kl_loss`` (KL type ``low_var_kl``/``k3`` = our k3, clamped as verl does),
     no token mask. The result is named ``verl:<loss_mode>``; :func:`registered_objective_name` says which of
@@ -567,9 +568,9 @@ def register_plugin_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[st
     """Register the registered objective ``name`` (:data:`stapo.core.objectives.OBJECTIVES`) as verl loss mode ``name``.
 
     Done at import for every registered objective that :func:`plugin_loss_problem` accepts, whose token mask reads
-    p / H (:attr:`stapo.core.masks.MaskSpec.needs_stats`) and whose name is not one of verl's own losses; call it for an objective registered after importing this module (its mask parameters are
-    read from ``policy_loss.<verl_param_key>``: add the fields to a subclass of :class:`StapoPolicyLossConfig`).
-    Idempotent.
+    p / H (:attr:`stapo.core.masks.MaskSpec.needs_stats`) and whose name is not one of verl's own losses; call it for an
+    objective registered after importing this module (its mask parameters are read from
+    ``policy_loss.<verl_param_key>``: add the fields to a subclass of :class:`StapoPolicyLossConfig`). Idempotent.
 
     Returns:
         The registered function ``compute_policy_loss_<name>`` (also an attribute of this module).

@@ -436,8 +436,8 @@ def lm_head_token_stats(
 # --------------------------------------------------------------------------------------------------
 # The fused head inside the model's own forward (FSDP2: inside the root module's forward).
 #
-# Under FSDP2 (stapo.model.distributed.wrap_policy: fully_shard per decoder layer, then the root) the root's parameters —
-# embed_tokens, the final norm and lm_head (one Parameter when tied, as in Qwen3-1.7B) — are DTensor shards except
+# Under FSDP2 (stapo.model.distributed.wrap_policy: fully_shard per decoder layer, then the root) the root's parameters
+# — embed_tokens, the final norm and lm_head (one Parameter when tied, as in Qwen3-1.7B) — are DTensor shards except
 # between the root's pre-forward hook (all-gather) and its post-backward (reduce-scatter of their gradients).  So the
 # head must run inside the root's forward, as verl does by patching the model's forward (``use_fused_kernels``:
 # verl/models/transformers/dense_common.py ``forward_with_torch_backend`` calls the decoder, then a fused

@@ -1,4 +1,5 @@
-"""The precision policy of training: fp32 master weights, bf16 compute (``model.param_dtype`` / ``model.compute_dtype``).
+"""The precision policy of training: fp32 master weights, bf16 compute (``model.param_dtype`` /
+``model.compute_dtype``).
 
 Why: AdamW's update at the paper's learning rate (1e-6; 1e-7 on the first warm-up step) is ~1e-6 per weight,
 while one ulp of a bf16 weight of size 0.02 is 2^-13 ≈ 1.2e-4. Applied to bf16 parameters, almost every update

@@ -3,7 +3,8 @@
 
 What it does, in the order a run meets it::
 
-    RunFolder(cfg, ctx, device, objective=..., evaluation_manifest=...)    where:  <trainer.output_dir>/<run name>, its checkpoints/
+    RunFolder(cfg, ctx, device, objective=..., evaluation_manifest=...)
+                             where: <trainer.output_dir>/<run name>, its checkpoints/
     .check()                 before any model loads: writable, no live process holds it, not an evaluation folder,
                              its metrics.jsonl / tables.jsonl readable (a resume appends to them)
     .check_identity(plan)    the model and training data are the resumed run's / the fork source's (by content)

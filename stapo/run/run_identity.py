@@ -1,4 +1,5 @@
-"""What a training run was made from, by content: its fingerprint (:mod:`stapo.common.fingerprint`) and the checks on it.
+"""What a training run was made from, by content: its fingerprint (:mod:`stapo.common.fingerprint`) and the checks on
+it.
 
 Every launch of train.py writes ``<run_dir>/fingerprint.json`` beside ``config.json`` (rank 0, at start-up;
 :func:`run_fingerprint`)::

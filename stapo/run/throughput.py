@@ -47,8 +47,8 @@ class Measured:
 
 
 def machine_key(device: Any) -> str:
-    """What throughput depends on besides the config: the CPU line of :func:`stapo.common.perf.machine_line` (CPU, cores,
-    SIMD flags, torch version, threads) for a CPU device, the GPU's name and torch's version for a CUDA one."""
+    """What throughput depends on besides the config: the CPU line of :func:`stapo.common.perf.machine_line` (CPU,
+    cores, SIMD flags, torch version, threads) for a CPU device, the GPU's name and torch's version for a CUDA one."""
     import torch
 
     from stapo.common.perf import machine_line

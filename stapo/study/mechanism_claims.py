@@ -8,11 +8,11 @@
 
 The stages (``../shared/notes/MECHANISM_STUDY_DESIGN.md`` §B3): calibration of the base model per difficulty level
 (:func:`gate_a`), a JustRL trunk with the mechanism measurements on
-(docs/metrics.md#mechanism-measurements-mechanism-probe), a gate on the trunk's length-independent entropy (:func:`gate_b`, E1), the mechanism on the trunk
-(:func:`e2`: the silenced tokens' share of the probe-entropy movement against their token share, and the paired
-one-step counterfactual δ), and the cumulative effect (:func:`e3`: paired forks {JustRL, STAPO} × branch seeds from
-the checkpoint before the rise), or, when the gate fails, a STAPO run from step 0 paired with the trunk, described
-as exploratory (:func:`from_start`).
+(docs/metrics.md#mechanism-measurements-mechanism-probe), a gate on the trunk's length-independent entropy
+(:func:`gate_b`, E1), the mechanism on the trunk (:func:`e2`: the silenced tokens' share of the probe-entropy movement
+against their token share, and the paired one-step counterfactual δ), and the cumulative effect (:func:`e3`: paired
+forks {JustRL, STAPO} × branch seeds from the checkpoint before the rise), or, when the gate fails, a STAPO run from
+step 0 paired with the trunk, described as exploratory (:func:`from_start`).
 
 Everything here is a pure function of lists of per-step metric dicts (:func:`stapo.run.tracking.read_metrics` rows of a
 run folder's ``metrics.jsonl``) and of the run folders' provenance (:func:`read_run`); nothing is written but the

@@ -5,8 +5,9 @@ Written to the study's output folder: ``report.md``, ``curves.png`` (one panel p
 ``report.panels``: seeds, mean, min–max band), ``curves.csv`` (per method, metric and step: seeds, mean, t-band,
 min, max), ``final.csv`` (per method and metric: the final value over seeds and the paired difference to the
 reference method), ``quadrants.csv`` and ``s2t_groups.csv`` (the token taxonomy: median-entropy quadrants, and the
-split by S2T's own rule) and ``length_adjusted.csv`` (exploratory: entropy against response length). Reads each run's ``metrics.jsonl`` (and the final
-evaluation's ``results.json``); every metric key it reads is in :data:`METRICS` / :data:`COST_KEYS`.
+split by S2T's own rule) and ``length_adjusted.csv`` (exploratory: entropy against response length). Reads each run's
+``metrics.jsonl`` (and the final evaluation's ``results.json``); every metric key it reads is in :data:`METRICS` /
+:data:`COST_KEYS`.
 
 Only clean data enter the numbers: a run with a non-finite value of a metric read, missing steps, or a folder that is
 not the planned run or not a run of its own is listed as excluded with its reason and left out of every statistic

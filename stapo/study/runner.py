@@ -22,17 +22,18 @@ A run whose final checkpoint exists but whose ``metrics.jsonl`` lacks the rows o
 is finished (``skip``): the training state is complete, and the lost rows cannot be recomputed without retraining,
 so the plan line and the report name them instead of resuming a run that has nothing left to train.
 
-A damaged line of a run's ``metrics.jsonl`` that is not its torn last line (:class:`stapo.run.tracking.CorruptJsonlError`)
-decides nothing: the runner (and ``--dry-run``) stops before running anything, in one line naming the file and the
-line — the report's policy. Such a run is never restarted (its folder moved aside), resumed or skipped over it.
+A damaged line of a run's ``metrics.jsonl`` that is not its torn last line
+(:class:`stapo.run.tracking.CorruptJsonlError`) decides nothing: the runner (and ``--dry-run``) stops before running
+anything, in one line naming the file and the line — the report's policy. Such a run is never restarted (its folder
+moved aside), resumed or skipped over it.
 
 Nothing finished is deleted: a run continued past its old ``total_steps`` resumes from its last checkpoint
 (``trainer.total_steps`` may change on resume); a run that must be trained again goes into a fresh folder and the
 old one is kept under ``<output_dir>/superseded/`` (:data:`SUPERSEDED`).
 
 The same for the optional final evaluation (``final_eval``): done when ``<run>/final_eval/results.json`` exists
-(evaluate.py writes it at the end), else ``evaluate.py`` (which resumes its own generations). Every attempt is appended to
-``<output_dir>/attempts.jsonl`` (run, kind, action, exit code, wall seconds, threads) for the report's cost line.
+(evaluate.py writes it at the end), else ``evaluate.py`` (which resumes its own generations). Every attempt is appended
+to ``<output_dir>/attempts.jsonl`` (run, kind, action, exit code, wall seconds, threads) for the report's cost line.
 The study folder is locked for the runner's lifetime (``<output_dir>/run.lock``, :mod:`stapo.run.runlock`).
 
 A child does not outlive the runner: it stays in the runner's process group (Ctrl-C reaches both), and on Linux it

@@ -1,13 +1,13 @@
 """Gold answers checked at load: the golds the grader cannot parse, counted and reported per file.
 
-The grader (:mod:`stapo.tasks.grader`) parses every gold answer with math-verify (:func:`stapo.tasks.grader.parse_gold`). A gold
-that math-verify cannot turn into a mathematical object (``\\frac{``, ``\\sqrt``, ``\\begin{cases}...``, ``-1./3``,
-``np.arcsin(10/13)``; :func:`stapo.tasks.grader.gold_parses`) can only match a response that repeats it as text, so every
-other response to its problem would read as a wrong answer. :func:`check_golds` finds them when a training or
-evaluation file is loaded and says so in one line (file, count, first rows); the grader grades their other responses
-``error`` (``GoldUnparseable``), never ``incorrect``. More than a configurable fraction of a file refuses it
-(:class:`stapo.tasks.data.DataError`, one line naming the file and the key): ``data.max_unparsable_gold_fraction`` of
-train.py and of evaluate.py, default :data:`DEFAULT_MAX_FRACTION`.
+The grader (:mod:`stapo.tasks.grader`) parses every gold answer with math-verify
+(:func:`stapo.tasks.grader.parse_gold`). A gold that math-verify cannot turn into a mathematical object (``\\frac{``,
+``\\sqrt``, ``\\begin{cases}...``, ``-1./3``, ``np.arcsin(10/13)``; :func:`stapo.tasks.grader.gold_parses`) can only
+match a response that repeats it as text, so every other response to its problem would read as a wrong answer.
+:func:`check_golds` finds them when a training or evaluation file is loaded and says so in one line (file, count, first
+rows); the grader grades their other responses ``error`` (``GoldUnparseable``), never ``incorrect``. More than a
+configurable fraction of a file refuses it (:class:`stapo.tasks.data.DataError`, one line naming the file and the key):
+``data.max_unparsable_gold_fraction`` of train.py and of evaluate.py, default :data:`DEFAULT_MAX_FRACTION`.
 
 Measured on the shipped data (math-verify 0.9.0): AIME24, AIME25, AMC23, MATH500 and DAPO-Math-17k 0; Minerva 6 of
 272 (2.2 %); OlympiadBench 4 of 675 (0.6 %); MATH train 12 of 7,470 (0.16 %): all load with the default 0.05.

@@ -32,11 +32,11 @@ level  operations scale   events                       containers   per containe
 
 (small: buy 2-3 containers, double, split into 2-5 piles; large: buy 2-5, double or triple, split into 2-9).
 
-Splits and benchmarks as for the arithmetic task (:mod:`stapo.tasks.synthetic`): :func:`stapo.tasks.splits.is_heldout` on the
-problem text; ``generate_word_problems(split="train")`` never returns a held-out problem, ``split="test"`` only
+Splits and benchmarks as for the arithmetic task (:mod:`stapo.tasks.synthetic`): :func:`stapo.tasks.splits.is_heldout`
+on the problem text; ``generate_word_problems(split="train")`` never returns a held-out problem, ``split="test"`` only
 held-out ones, each once. The generated benchmarks ``word_test`` (levels 2-4), ``word_mid`` (12-14) and ``word_hard``
-(22-24) are registered in :data:`stapo.tasks.synthetic.GENERATED_BENCHMARKS`; the training set is ``data.train_set: word``
-(``data.synthetic`` gives its count, levels, seed and split; :func:`stapo.tasks.data.load_train_set`).
+(22-24) are registered in :data:`stapo.tasks.synthetic.GENERATED_BENCHMARKS`; the training set is ``data.train_set:
+word`` (``data.synthetic`` gives its count, levels, seed and split; :func:`stapo.tasks.data.load_train_set`).
 
 Not from the paper: a CPU-scale task for the mechanism study (../shared/notes/MECHANISM_STUDY_DESIGN.md, B3).
 """
@@ -358,8 +358,8 @@ def generate_word_problems(
         n: number of problems (>= 0).
         seed: RNG seed.
         levels: keys of :data:`WORD_LEVELS`.
-        split: ``"all"`` (every draw), ``"train"`` (held-out draws are redrawn, :func:`stapo.tasks.splits.is_heldout`) or
-            ``"test"`` (only held-out problems, each at most once).
+        split: ``"all"`` (every draw), ``"train"`` (held-out draws are redrawn,
+            :func:`stapo.tasks.splits.is_heldout`) or ``"test"`` (only held-out problems, each at most once).
 
     Returns:
         ``list[Record]`` with ``id = "synthetic_word/L<level>/<i>"`` (``.../test/L<level>/<i>`` for the test

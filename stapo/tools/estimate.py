@@ -72,8 +72,9 @@ class ModelSize:
 
 def model_size(path: str, cache_dir: str | None = None, tokenizer: Any = None) -> ModelSize | None:
     """Build the model ``path`` on PyTorch's ``meta`` device (shapes only, no memory, no weights read) and count
-    its parameters. ``"tiny"``: :func:`stapo.model.models.build_tiny_model` as the trainer builds it; an embedded alias, a
-    folder or a hub id: its ``config.json`` (``AutoConfig``), found as :func:`stapo.model.models.load_policy` finds it.
+    its parameters. ``"tiny"``: :func:`stapo.model.models.build_tiny_model` as the trainer builds it; an embedded alias,
+    a folder or a hub id: its ``config.json`` (``AutoConfig``), found as :func:`stapo.model.models.load_policy` finds
+    it.
 
     Returns:
         :class:`ModelSize`, or None when the config cannot be read (a hub id offline and not cached, an
@@ -116,7 +117,8 @@ def checkpoint_steps(start_step: int, total_steps: int, save_every: int) -> list
 
 
 def _run_ranks(run: Path) -> int | None:
-    """The data-parallel ranks of a run folder's last launch (``run_info.json``, :mod:`stapo.run.provenance`), or None."""
+    """The data-parallel ranks of a run folder's last launch (``run_info.json``, :mod:`stapo.run.provenance`), or
+    None."""
 
     try:
         launches = read_launches(run)
@@ -614,8 +616,8 @@ def train_dry_run(trainer: Any) -> str:
 
 
 def _start_up_memory(cfg: Any, size: ModelSize | None, trainer: Any) -> str:
-    """The dry run's line on the host memory of the weights at start-up (:func:`stapo.model.distributed.start_up_host_bytes`;
-    ``model.meta_init``: rank 0 alone reads them)."""
+    """The dry run's line on the host memory of the weights at start-up
+    (:func:`stapo.model.distributed.start_up_host_bytes`; ``model.meta_init``: rank 0 alone reads them)."""
     from stapo.model.distributed import start_up_host_bytes
 
     if size is None:

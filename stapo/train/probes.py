@@ -387,8 +387,8 @@ def token_groups(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torc
 
 
 def token_weights(keep: torch.Tensor, loss_agg_mode: str, denominator: float) -> torch.Tensor:
-    """Per-token weights w [B, R] fp32 with Σ_t w_t ℓ_t = :func:`stapo.core.objectives.aggregate_loss` (ℓ, keep, mode, D)
-    for every ℓ: ``token-mean`` and ``seq-mean-token-sum-norm`` w = keep / D; ``seq-mean-token-mean`` w = keep /
+    """Per-token weights w [B, R] fp32 with Σ_t w_t ℓ_t = :func:`stapo.core.objectives.aggregate_loss` (ℓ, keep, mode,
+    D) for every ℓ: ``token-mean`` and ``seq-mean-token-sum-norm`` w = keep / D; ``seq-mean-token-mean`` w = keep /
     (|keep_i| · D) in row i. 0 off ``keep``.
 
     Args:

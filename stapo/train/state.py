@@ -1,4 +1,5 @@
-"""The run's resumable state: writing a step's checkpoint and resuming from the latest one (:mod:`stapo.model.checkpoint`).
+"""The run's resumable state: writing a step's checkpoint and resuming from the latest one
+(:mod:`stapo.model.checkpoint`).
 
 A checkpoint holds the policy and AdamW state (``dcp/``, sharded, re-shardable to another rank count or strategy),
 an HF export in the compute dtype (for evaluation), ``trainer_state.pt``: the scheduler, the prompt loader's

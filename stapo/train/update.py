@@ -80,7 +80,8 @@ class PolicyUpdate:
         max_response_length: L of ``seq-mean-token-sum-norm``.
         lm_head: ``actor.lm_head`` (``logits`` | ``fused``: :func:`stapo.train.policy.policy_token_stats`).
         deferred_graphs: ``actor.deferred_graphs`` (``keep`` | ``recompute``: :meth:`_MiniBatch.backward_own_forward`).
-        layout: the forwards' row layout (``padded`` | ``trailing`` | ``packed``: :func:`stapo.train.policy.forward_layout`).
+        layout: the forwards' row layout (``padded`` | ``trailing`` | ``packed``:
+        :func:`stapo.train.policy.forward_layout`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
