@@ -266,7 +266,6 @@ def import_eval_modules(cfg: EvalConfig) -> None:
         EvalError: one line naming the key and the module (``prompt.from_train_config: invalid value for
             'trainer.import_modules' ...`` for the train config's), or the train config cannot be read.
     """
-
     try:
         import_modules(cfg.import_modules, "import_modules")
     except ConfigError as e:

@@ -54,7 +54,6 @@ def model_part(source: Any) -> str:
     Raises:
         OSError: a file of the folder cannot be read (the caller names ``model.path``).
     """
-
     if source.kind in ("hf_folder", "checkpoint"):
         return model_digest(source.path)
     return f"id:{source.path}"
@@ -67,7 +66,6 @@ def data_part(path: str | Path | None, name: str, problems: Sequence[Any] = ()) 
     Raises:
         OSError: the file cannot be read.
     """
-
     if path is not None:
         return file_sha256(path)
     keys = [content_key(p.record.problem, p.record.answer) for p in problems]
@@ -86,7 +84,6 @@ def protocol(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 def eval_fingerprint(manifest: Mapping[str, Any], machine: str) -> dict[str, Any]:
     """The evaluation's ``fingerprint.json`` parts (module docstring) from its manifest and the machine kind."""
-
     out: dict[str, Any] = {"model": manifest.get("model_digest"), "protocol": json_digest(protocol(manifest)),
                            "machine": machine, "compute_dtype": manifest.get("dtype")}
     out.update({f"data:{b}": d for b, d in (manifest.get("data") or {}).items()})

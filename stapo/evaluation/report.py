@@ -422,7 +422,6 @@ def _flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     and the in-training validation's names of the same numbers (:func:`stapo.evaluation.metrics.
     validation_metrics`: ``val-core/<bench>/acc/mean@<N>`` ..., ``<bench>@<setting>`` with several settings), so an
     evaluation shares the validation charts (docs/metrics.md#evaluation-metricsjsonl--wb)."""
-
     flat = _eval_metrics(results)
     try:
         val = validation_metrics(results["metrics"])
@@ -485,7 +484,6 @@ def log_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run_dir: str |
     this runs, so a W&B that cannot start never fails it: one line on stderr, the JSONL files are written without
     W&B, and nothing is recorded as logged.
     """
-
     many = sorted([results] if isinstance(results, dict) else list(results), key=result_step)
     if not many:
         return

@@ -232,7 +232,6 @@ def load_problems(root: str | os.PathLike, benchmarks: Sequence[str],
         EvalError: unknown benchmark name, missing data root or file, a bad row, or too many unparsable golds (the
             message names the file and the row or key).
     """
-
     custom = dict(custom or {})
     data_root = None
     out: dict[str, list[Problem]] = {}
@@ -271,7 +270,6 @@ def encode_problems(problems: Mapping[str, list[Problem]], tokenizer: Any, promp
     Raises:
         EvalError: the prompt cannot be built (e.g. a system prompt with plain-text prompts).
     """
-
     dropped: dict[str, int] = {}
     for name, plist in problems.items():
         kept = []
@@ -836,7 +834,6 @@ def _close_quietly(obj: Any) -> None:
 
 def _preflight(check: Callable[..., None], *args: Any) -> None:
     """Run a :mod:`stapo.run.preflight` check; its ConfigError becomes this module's one-line EvalError."""
-
     try:
         check(*args)
     except ConfigError as e:
@@ -1233,7 +1230,6 @@ def log_results_to_wandb(results: dict[str, Any] | Sequence[dict[str, Any]], run
     summary (a train.py checkpoint only; the latest step of a sweep). ``logging.backends`` without ``wandb``
     (``[tensorboard]``, ``[none]``) starts no W&B run, neither the evaluation's nor the training run's summary
     update (``eval_summary.json`` is written all the same), as train.py."""
-
     lc = cfg.logging
     mode = lc.wandb_mode if "wandb" in lc.backends else "disabled"
     log_wandb(results, run_dir, mode=mode, project=lc.project, entity=lc.entity, fallback=lc.wandb_fallback,

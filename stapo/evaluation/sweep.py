@@ -115,7 +115,6 @@ def plan_sweep(spec: str, selection: str | list[int]) -> SweepPlan:
 
 def sweep_run_dir(cfg: EvalConfig, run_dir: Path) -> Path:
     """``output.dir`` when set, else ``<output.root>/<model.label or the run's name>``."""
-
     if cfg.output.dir:
         return Path(cfg.output.dir)
     return Path(cfg.output.root) / _slug(cfg.model.label or run_dir.name)
@@ -124,7 +123,6 @@ def sweep_run_dir(cfg: EvalConfig, run_dir: Path) -> Path:
 def _finished(sub: Path, cfg: EvalConfig) -> dict[str, Any] | None:
     """The results of a checkpoint's folder when they were made with the generation-relevant settings of ``cfg``
     (:data:`_SAME_RESULTS`, the engine backend), else None."""
-
     if not (sub / "results.json").is_file():
         return None
     try:
@@ -160,7 +158,6 @@ def _claim(sweep_dir: Path, run_dir: Path, write: bool = True) -> None:
     Raises:
         EvalError: the folder is a train.py run folder, a single evaluation's folder, or the sweep of another run.
     """
-
     if (sweep_dir / "checkpoints").is_dir() or ((sweep_dir / "metrics.jsonl").is_file()
                                                and not (sweep_dir / MANIFEST).is_file()):
         raise EvalError(f"output folder {sweep_dir} is a train.py run folder (checkpoints/, metrics.jsonl): a sweep "

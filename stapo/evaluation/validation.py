@@ -158,7 +158,6 @@ class ValidationHook:
         Collective under ``torchrun`` (``trainer.dist`` with W > 1): every rank calls it, generates and grades its
         share, and returns the same dict; rank 0 writes the files. An error on one rank is raised on every rank.
         """
-
         limit = int(trainer.cfg.rollout.response_length)
         max_new = min(int(self.max_new_tokens), limit) if self.max_new_tokens else limit
         out_dir = Path(trainer.run_dir) / self.subdir / f"step_{int(step):06d}"

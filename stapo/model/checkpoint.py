@@ -143,7 +143,6 @@ def save_checkpoint(
         CheckpointSaveError: a file could not be written (full disk, quota, read-only): the message names the
             folder and the OS error; the partial folder is removed, earlier checkpoints are untouched.
     """
-
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     ctx = ctx if ctx is not None else dist.DistContext()
@@ -352,7 +351,6 @@ def _export_full_fallback(model: torch.nn.Module, folder: Path, dtype: torch.dty
                           ctx: Any) -> None:
     """``save_pretrained`` of the full state dict on rank 0 (gathered tensor by tensor) — for models whose
     export renames or fuses weights; holds the whole model (not the optimizer) on rank 0."""
-
     full: dict[str, torch.Tensor] = {}
     for name, t in dist.iter_full_state_dict(model):  # collective under FSDP2
         if ctx.is_main:

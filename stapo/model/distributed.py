@@ -168,7 +168,6 @@ def check_dp_config(cfg: Any, ctx: DistContext) -> None:
             depends on the data — one when no two rows share a prompt or every response has one token, else
             two — and would desynchronise FSDP2's per-forward all-gathers across ranks).
     """
-
     if not ctx.enabled:
         return
     world = ctx.world

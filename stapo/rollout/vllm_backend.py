@@ -117,7 +117,6 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
     on the device. A sharded FSDP2 parameter is cast before its all-gather
     (:func:`stapo.model.distributed.iter_full_state_dict`). On CPU the tensors stay on the CPU.
     """
-
     own = {t.data_ptr() for t in model.state_dict().values()}  # the trainer's storages (FSDP2: local shards)
     for name, tensor in iter_full_state_dict(model, dtype):
         out = tensor.detach().to(device="cpu" if not torch.cuda.is_available() else tensor.device, dtype=dtype)
@@ -368,7 +367,6 @@ class VLLMRolloutEngine:
                 model; with ``check_all_loaded``, engine parameters left without weights): one line naming the
                 first failing rank, the tensor it was reading and the error — raised on every rank.
         """
-
         self.wake_up(["weights"])
         t0 = time.perf_counter()
         dtype = self.dtype

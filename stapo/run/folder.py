@@ -221,7 +221,6 @@ class RunFolder:
             stapo.config.ConfigError: (every rank) the model or the training data changed since the run started
                 (naming the key and the file), or they cannot be read.
         """
-
         fp, notes, refused = None, [], None
         fork = plan.fork if plan is not None else None
         if self.ctx.is_main:

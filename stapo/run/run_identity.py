@@ -151,7 +151,6 @@ def model_part(path: str, cache_dir: str | None = None, *, convert: bool = True)
 def _synthetic_digest(n: int, seed: int, levels: tuple[int, ...], split: str, task: str = "synthetic") -> str:
     """Digest of the generated ``[id, problem, answer]`` list (one generation per parameters and process); ``task``:
     ``data.train_set`` (``synthetic`` or ``word``)."""
-
     records = load_train_set(task, n=n, seed=seed, levels=levels, split=split).records
     return json_digest([[r.id, r.problem, r.answer] for r in records])
 

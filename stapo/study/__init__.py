@@ -18,5 +18,4 @@ __all__ = ["StudyConfig", "RunSpec", "load_study_config", "run_specs", "run_stat
 
 def main(argv: list[str] | None = None) -> int:
     """The ``python -m stapo.study`` command (:mod:`stapo.study.__main__`)."""
-
     return _main(argv)

@@ -876,7 +876,6 @@ def _pairing_notes(cfg: StudyConfig, specs: list[RunSpec]) -> list[str]:
     prompts), read from what each run recorded (its ``config.json``; keys it predates at their schema default) and
     from the study's plan only for a run without one — the notes describe the runs reported, not a plan that was
     changed since."""
-
     default = _flatten(to_dict(TrainConfig()))
 
     def recorded(spec: RunSpec) -> dict[str, Any]:

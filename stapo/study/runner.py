@@ -196,7 +196,6 @@ def _read_bytes(path: Path) -> bytes | None:
 def _names_itself(run_dir: Path) -> bool:
     """Whether the run's config.json names the folder it sits in (``trainer.run_name``): a copy placed elsewhere
     keeps the name of the run it was copied from."""
-
     cfg = recorded_config(run_dir) or {}
     return isinstance(cfg.get("trainer"), dict) and cfg["trainer"].get("run_name") == run_dir.name
 
@@ -204,7 +203,6 @@ def _names_itself(run_dir: Path) -> bool:
 def _same_run(a: Path, b: Path) -> str | None:
     """Why run folders ``a`` and ``b`` hold one run (None: they do not): identical fingerprints (config, model,
     data, seed), or, for runs without fingerprint.json, identical config.json and metrics.jsonl bytes."""
-
     fa, fb = read_fingerprint(a), read_fingerprint(b)
     if fa is not None and fb is not None:
         parts = ("config", "model", "data", "seed")

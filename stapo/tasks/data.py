@@ -915,7 +915,6 @@ def file_set_digest(spec: FileSetConfig, *, name: str = "file", key: str = "data
     Raises:
         OSError: a file cannot be read.  DataError: as :func:`load_file_set`, for a hub dataset.
     """
-
     sources = file_set_sources(spec, key=key)
     if isinstance(sources, str):
         records = load_file_set(name, spec, key=key).records

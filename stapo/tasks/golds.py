@@ -170,7 +170,6 @@ def check_golds(golds: Sequence[str], *, where: str, key: str, max_fraction: flo
         stapo.tasks.data.DataError: more than ``max_fraction`` of the golds are unparsable (one line: file, count,
             first rows, the key).
     """
-
     golds = list(golds)
     rows = list(rows) if rows is not None and len(rows) == len(golds) else list(range(len(golds)))
     bad = unparsable_golds(golds)

@@ -119,7 +119,6 @@ def checkpoint_steps(start_step: int, total_steps: int, save_every: int) -> list
 def _run_ranks(run: Path) -> int | None:
     """The data-parallel ranks of a run folder's last launch (``run_info.json``, :mod:`stapo.run.provenance`), or
     None."""
-
     try:
         launches = read_launches(run)
         return int(launches[-1]["world_size"]) if launches else None
@@ -136,7 +135,6 @@ def measured_from_runs(output_dir: str | os.PathLike, model: str, compute_dtype:
     Returns:
         :class:`Measured` (its ``source`` names the file and says that the machine is not recorded), or None.
     """
-
     root = Path(output_dir)
     found = []
     for cfg_file in root.glob("*/config.json") if root.is_dir() else []:

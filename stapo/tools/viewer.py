@@ -339,7 +339,6 @@ def write_page(run_dir: str | os.PathLike, step: int | None = None, out: str | o
         ViewerError: see :func:`load_step`; the config lacks ``algorithm.s2t.prob_threshold``.
         OSError: the page cannot be written (naming the file).
     """
-
     run_dir = Path(run_dir)
     step, records, config = load_step(run_dir, step)
     try:

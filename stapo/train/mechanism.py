@@ -200,7 +200,6 @@ class MechanismHook:
     def _stats(self, model: torch.nn.Module, batch: Any, idx: torch.Tensor, entropy_grad: bool) -> TokenStats:
         """Rows ``idx`` of ``batch`` through ``model`` as the update's forwards run (precision, temperature, LM head,
         layout) → :class:`TokenStats` [b, r] fp32; the entropy differentiable with ``entropy_grad``."""
-
         up = self.trainer.updater
         with up.precision.autocast(up.device):
             return policy_token_stats(model, batch.select(idx).trim().to(up.device), up.temperature,
@@ -322,7 +321,6 @@ class MechanismHook:
                         h0: float) -> dict[str, float]:
         """The step's update with the S2T mask and with none, from θ_t and the same optimizer state, on a copy of
         the policy → ``mechanism/counterfactual/*`` (docs/metrics.md)."""
-
         tr = self.trainer
         s2t = tr.cfg.algorithm.s2t
         params = get_mask_spec("s2t").check_params({"prob_threshold": s2t.prob_threshold,

@@ -328,7 +328,6 @@ def _fused_request(model: torch.nn.Module, targets: torch.Tensor, temperature: f
     Raises:
         ValueError: the model's logits are not ``hidden @ Wᵀ`` (:func:`check_fused_head`).
     """
-
     weight = check_fused_head(model)  # [V_rows, d] (FSDP2: a DTensor; only its full shape is read)
     dev = targets.device
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
@@ -477,7 +476,6 @@ def policy_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature:
             (:func:`check_fused_head`); an unknown ``layout``, or ``share_prompt`` with a layout other than
             ``padded``.
     """
-
     if layout != "padded":
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -516,7 +514,6 @@ def _layout_token_stats(model: torch.nn.Module, batch: RolloutBatch, temperature
                         lm_head: str):
     """:func:`policy_token_stats` with a padding-free ``layout`` (:func:`layout_inputs`): one forward without
     attention mask, the statistics of the K response tokens' predicting positions, scattered back to [b, r]."""
-
     if lm_head not in ("logits", "fused"):
         raise ValueError(f"lm_head must be 'logits' or 'fused', got {lm_head!r}")
     if vocab_size is None:

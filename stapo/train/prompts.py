@@ -87,7 +87,6 @@ def _no_prompts_error(dc: Any, stats: Any, too_long: int) -> Exception:
     """The one-line :class:`stapo.tasks.data.DataError` for a training set that left no prompt: the source (the file of
     ``data.train_file.path`` or the set's name), rows read / skipped (with the reasons) / too long, and the key to
     change (``data.max_prompt_length`` for too-long prompts, the field mapping for skipped rows)."""
-
     if dc.train_set == "file":
         source = f"data.train_file.path={stats.path}"
         mapping = [f"data.train_file.{k}" for k in ("problem_key", "answer_key")]

@@ -175,7 +175,6 @@ def write_rollouts(run_dir: str | os.PathLike, step: int, records: Sequence[dict
             temporary file is removed and an existing file of the step is left as it was.
         ValueError: a record holds a non-finite float (records from :func:`response_records` never do).
     """
-
     path = rollouts_path(run_dir, step)
     tmp = path.with_name(path.name + ".tmp")
     try:

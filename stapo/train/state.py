@@ -172,7 +172,6 @@ def plan_fork(path: str, cfg: Any) -> ResumePlan:
             stores no config), the keys that differ beyond :data:`stapo.config.FORK_MUTABLE_KEYS` (``key: old →
             new``), or ``trainer.total_steps`` (not above the checkpoint's step).
     """
-
     folder = Path(path).expanduser()
 
     def refuse(why: str) -> ConfigError:
@@ -364,7 +363,6 @@ class RunState:
 
     def _load_full_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> None:
         """Previous checkpoint format: weights from the HF files, ``state["optimizer"]`` the full optimizer state."""
-
         model_sd: dict[str, torch.Tensor] = {}
         if self.ctx.is_main or self.ctx.strategy != "fsdp2":  # FSDP2: rank 0 loads, the shards are broadcast
             model, _ = load_policy(str(ckpt), dtype=self.param_dtype,

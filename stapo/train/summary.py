@@ -311,7 +311,6 @@ def missing_benchmarks(benchmarks: Sequence[str], root: str | os.PathLike | None
     """The names of ``benchmarks`` whose data file is not there under the data root ``root`` (generated benchmarks
     such as ``arith_test`` and hub datasets have none: never missing). An unknown name or a missing root counts as
     missing (evaluate.py would refuse it)."""
-
     out = []
     for name in benchmarks:
         try:

@@ -340,7 +340,6 @@ class Trainer:
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """The rollout engine's keyword arguments (:func:`stapo.rollout.engine_kwargs`, shared with evaluation)."""
-
         rc = self.cfg.rollout
         options = EngineOptions(
             dtype=self.compute_dtype,  # vLLM: fp32 master → bf16 engine weights at each sync; HF: autocast
@@ -362,7 +361,6 @@ class Trainer:
             stapo.config.ConfigError: ``model.path`` is not a model folder with weights, an embedded alias or a
                 reachable hub id, or its tokenizer cannot be loaded or fails a check (one line naming the key).
         """
-
         mc = self.cfg.model
         try:
             tokenizer = load_tokenizer(EMBEDDED_ALIASES[0] if mc.path == "tiny" else mc.path, cache_dir=mc.cache_dir)
@@ -410,7 +408,6 @@ class Trainer:
         Raises:
             stapo.config.ConfigError: the weights cannot be loaded (a damaged or truncated file, named).
         """
-
         mc = self.cfg.model
         if mc.path == "tiny":  # tests: a randomly initialised Qwen3-architecture model (the same for every call)
             return build_tiny_model(seed=self.cfg.trainer.seed, dtype=dtype, cache_dir=mc.cache_dir,
@@ -673,7 +670,6 @@ class Trainer:
 
     def _score(self, prompts: list, responses: list) -> Rollout:
         """Rewards (the response text only, never the prompt), GRPO advantages and the collated batch."""
-
         alg = self.cfg.algorithm
         reward_out = self.reward_fn([r.text for r in responses], [prompts[r.group][1] for r in responses])
         rewards = torch.tensor(reward_out.rewards, dtype=torch.float32)  # [B]
@@ -755,7 +751,6 @@ class Trainer:
         (:func:`stapo.common.perf.update_flops`) over ``timing_s/update`` × the peak
         (docs/metrics.md#timing-and-throughput).
         """
-
         out = {"perf/max_memory_allocated_gb": max_memory_gb(self.device)}
         if not hasattr(self, "_peak_flops"):  # once: the device's peak and the model's shape (None: unknown)
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None

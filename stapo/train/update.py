@@ -104,7 +104,6 @@ class PolicyUpdate:
     def forward(self, batch, idx: torch.Tensor, model: torch.nn.Module | None = None) -> TokenStats:
         """Rows ``idx`` ([b]) of ``batch`` through ``model`` (default: the policy; grad if enabled) →
         :class:`TokenStats`, each [b, r] fp32 (r ≤ R: the micro-batch is trimmed)."""
-
         with self.precision.autocast(self.device):  # bf16 matmuls when mixed; token statistics stay fp32
             return policy_token_stats(self.model if model is None else model, batch.select(idx).trim().to(self.device),
                                       self.temperature, share_prompt=self.share_prompt, lm_head=self.lm_head,
