@@ -64,9 +64,9 @@ from stapo.common.checkpoint_files import (
 from stapo.model import distributed as dist
 from stapo.model.models import hf_class_name, resolve_dtype
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "save_checkpoint", "latest_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
-           "export_hf", "is_sharded", "verify_checkpoint", "resumable_checkpoints", "DCP_DIR", "MARKER",
-           "DEFAULT_MAX_SHARD_SIZE", "FULL_HASH_LIMIT"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "save_checkpoint", "latest_checkpoint", "load_trainer_state",
+           "rng_state", "set_rng_state", "export_hf", "is_sharded", "verify_checkpoint", "resumable_checkpoints",
+           "DCP_DIR", "MARKER", "DEFAULT_MAX_SHARD_SIZE", "FULL_HASH_LIMIT"]
 
 
 class CheckpointError(RuntimeError):

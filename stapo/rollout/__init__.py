@@ -16,8 +16,8 @@ from typing import Any, Callable
 from stapo.common.registry import add_entry
 from stapo.rollout.base import Response, RolloutEngine, SamplingParams
 
-__all__ = ["Response", "RolloutEngine", "SamplingParams", "EngineOptions", "Backend", "BACKENDS", "register_backend", "get_backend",
-           "engine_kwargs", "build_rollout_engine"]
+__all__ = ["Response", "RolloutEngine", "SamplingParams", "EngineOptions", "Backend", "BACKENDS", "register_backend",
+           "get_backend", "engine_kwargs", "build_rollout_engine"]
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from stapo.run.run_identity import (
     run_fingerprint,
 )
 from stapo.run.runlock import LOCK_NAME, RunLock, RunLockError
+from stapo.run.throughput import record_train_throughput
 from stapo.run.tracking import Tracker, read_jsonl_rows
 
 __all__ = ["RunFolder", "Interrupted"]
@@ -429,8 +430,6 @@ class RunFolder:
             finally:
                 guard.uninstall()  # until here a further Ctrl-C exits at once
         if main and history:  # this machine's measured step time, for train.py --dry-run (stapo/run/throughput.py)
-            from stapo.run.throughput import record_train_throughput
-
             record_train_throughput(self.cfg, self.device, history, self.run_dir)
         if self._stopped and step() < tc.total_steps:
             raise Interrupted(step(), latest_checkpoint(self.ckpt_root), abandoned=False, signum=guard.signum)

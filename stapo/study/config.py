@@ -26,8 +26,8 @@ from typing import Optional
 from stapo.config import ConfigError, TrainConfig, load_config, merge_config
 from stapo.study.keys import METRICS
 
-__all__ = ["RUNNER_TRAIN_KEYS", "RUNNER_EVAL_KEYS", "MethodConfig", "ReportConfig", "FinalEvalConfig", "RunnerConfig", "StudyConfig", "RunSpec",
-           "load_study_config", "run_specs"]
+__all__ = ["RUNNER_TRAIN_KEYS", "RUNNER_EVAL_KEYS", "MethodConfig", "ReportConfig", "FinalEvalConfig", "RunnerConfig",
+           "StudyConfig", "RunSpec", "load_study_config", "run_specs"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: Train keys the runner sets for every run (:func:`run_specs`; ``logging.group`` follows from ``logging.study`` and

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from stapo.common.checkpoint_files import checkpoint_digest
-from stapo.common.checkpoint_files import latest_checkpoint as latest
 from stapo.config import ConfigError, fork_key_changes, resume_key_changes, to_dict
 from stapo.model import distributed as dist
 from stapo.model.checkpoint import (
@@ -181,7 +180,7 @@ def plan_fork(path: str, cfg: Any) -> ResumePlan:
         raise refuse("no such folder (give a checkpoint folder, <run>/checkpoints/step_N)")
     reason = verify_checkpoint(folder)
     if reason is not None:
-        inner = latest(folder / "checkpoints") or latest(folder)  # a run folder or its checkpoints/ folder
+        inner = latest_checkpoint(folder / "checkpoints") or latest_checkpoint(folder)  # a run folder or its checkpoints/ folder
         hint = f"; its latest checkpoint is {inner}" if inner is not None else ""
         raise refuse(f"not an intact train.py checkpoint folder ({reason}){hint}")
     try:
