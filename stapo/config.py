@@ -29,7 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from stapo.common.errors import ConfigError  # noqa: F401 - re-exported: stapo.config.ConfigError
-from stapo.core.params import TOP_ENTROPY_RATIO, S2TParams
+from stapo.core.params import QUANTILE_SCOPES, TOP_ENTROPY_RATIO, S2TParams
 from stapo.tasks.data import TRAIN_BY_NAME, FileSetConfig
 
 __all__ = [
@@ -712,7 +712,8 @@ def validate(cfg: TrainConfig) -> None:
     s2t = cfg.algorithm.s2t
     need(0 < s2t.entropy_quantile < 1, "algorithm.s2t.entropy_quantile", "q must be in (0, 1)")
     need(0 < s2t.prob_threshold <= 1, "algorithm.s2t.prob_threshold", "τ_p must be in (0, 1]")
-    need(s2t.quantile_scope in ("candidates", "all"), "algorithm.s2t.quantile_scope", "must be 'candidates' or 'all'")
+    need(s2t.quantile_scope in QUANTILE_SCOPES, "algorithm.s2t.quantile_scope",
+         f"must be one of {', '.join(map(repr, QUANTILE_SCOPES))}")
     need(0 < cfg.algorithm.top_entropy_ratio <= 1, "algorithm.top_entropy_ratio", "must be in (0, 1]")
     for key in ("clip_ratio_low", "clip_ratio_high", "kl_coef"):
         v = getattr(cfg.algorithm, key)

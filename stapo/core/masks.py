@@ -32,6 +32,7 @@ from stapo.core.params import (
     ENTROPY_QUANTILE,
     PROB_THRESHOLD,
     QUANTILE_SCOPE,
+    QUANTILE_SCOPES,
     TOP_ENTROPY_RATIO,
     QuantileScope,
     S2TParams,
@@ -168,7 +169,7 @@ def s2t_mask(
         raise ValueError(f"prob_threshold (tau_p) must be in (0, 1], got {prob_threshold}")
     if not 0.0 < entropy_quantile < 1.0:
         raise ValueError(f"entropy_quantile (q) must be in (0, 1), got {entropy_quantile}")
-    if quantile_scope not in ("candidates", "all"):
+    if quantile_scope not in QUANTILE_SCOPES:
         raise ValueError(f"quantile_scope must be 'candidates' or 'all', got {quantile_scope!r}")
     c = _s2t_candidates(logprobs, entropy, advantages, response_mask, prob_threshold, "s2t_mask")
     pool = c.candidates if quantile_scope == "candidates" else c.mask  # [B, T] bool

@@ -6,12 +6,13 @@ Sources: docs/method.md#s2t-mask (τ_p, q, the quantile's pool) and docs/method.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-__all__ = ["QuantileScope", "PROB_THRESHOLD", "ENTROPY_QUANTILE", "QUANTILE_SCOPE", "TOP_ENTROPY_RATIO", "S2TParams",
-           "TopEntropyParams"]
+__all__ = ["QuantileScope", "QUANTILE_SCOPES", "PROB_THRESHOLD", "ENTROPY_QUANTILE", "QUANTILE_SCOPE",
+           "TOP_ENTROPY_RATIO", "S2TParams", "TopEntropyParams"]
 
 QuantileScope = Literal["candidates", "all"]
+QUANTILE_SCOPES: tuple[str, ...] = get_args(QuantileScope)  # the values S2T's quantile pool may take
 
 #: The paper's values: every mask default, the config schema (:class:`S2TParams` is the ``algorithm.s2t`` section),
 #: the objectives and the verl plugin read them.
